@@ -1,0 +1,214 @@
+//! Layouts shared by the eBPF programs and userspace.
+//!
+//! # Layout
+//!
+//! Everything here crosses the kernel boundary or a process boundary: the
+//! values of `BPF_F_MMAPABLE` array maps, which the agent and every client
+//! mmap, and the constants both sides must agree on.
+//!
+//! - [`CpuCell`]: one per CPU, written by the kernel at every context switch
+//!   and timer tick; read by a thread to compute its own on-CPU time.
+//! - [`ThreadSlot`]: one per registered thread; the kernel accumulates the
+//!   thread's on-CPU time here, and the thread and the kernel agree through
+//!   `charged_ns` who charges which interval.
+//! - [`KeyspaceCell`]: one per keyspace; `cpu_ns` is the charged total.
+//!
+//! Every layout is `#[repr(C)]`, one cache line, with explicit padding and
+//! `u32`/`u64` flags instead of `bool`, so the eBPF object and userspace on
+//! x86_64 and aarch64 read the same bytes.
+#![cfg_attr(not(test), no_std)]
+
+use core::mem::{align_of, size_of};
+
+/// Name of the `CpuCell` array map (indexed by CPU id).
+pub const MAP_CPUS: &str = "GOV_CPUS";
+/// Name of the `ThreadSlot` array map (indexed by slot id).
+pub const MAP_SLOTS: &str = "GOV_SLOTS";
+/// Name of the `KeyspaceCell` array map (indexed by keyspace cell id).
+pub const MAP_KEYSPACES: &str = "GOV_KEYSPACES";
+/// Name of the `tid → slot id` hash map the agent fills.
+pub const MAP_TID_SLOT: &str = "GOV_TID_SLOT";
+/// Name of the `tgid → tag` hash map: rule-matched unmodified processes.
+pub const MAP_TGID_RULES: &str = "GOV_TGID_RULES";
+/// Name of the small array of agent-set switches (`FLAG_*` indexes).
+pub const MAP_FLAGS: &str = "GOV_FLAGS";
+/// `GOV_FLAGS[FLAG_RULES]`: non-zero when any tgid rule exists.
+pub const FLAG_RULES: u32 = 0;
+pub const FLAG_COUNT: u32 = 4;
+/// Compiled-in tid table length; the agent loads it at `kernel.pid_max`.
+pub const DEFAULT_MAX_TIDS: u32 = 1 << 22;
+
+/// Program names, as exported by the eBPF object.
+pub const PROG_SCHED_SWITCH: &str = "gov_sched_switch";
+pub const PROG_TIMER: &str = "gov_timer";
+pub const PROG_EXIT: &str = "gov_exit";
+/// An empty sched_switch program, for benchmarks only.
+pub const PROG_CALIBRATE: &str = "gov_calibrate";
+
+/// Compiled-in upper bounds of the maps; the agent may load smaller ones.
+pub const MAX_CPUS: u32 = 1024;
+pub const DEFAULT_MAX_THREADS: u32 = 16384;
+pub const DEFAULT_MAX_KEYSPACES: u32 = 4096;
+
+/// A tag of 0 means "untagged": the slice is charged to no keyspace.
+/// Any other tag is `keyspace cell index + 1`.
+pub const TAG_NONE: u64 = 0;
+
+/// Slot states (`ThreadSlot::state`).
+pub const SLOT_FREE: u32 = 0;
+/// Registered and alive: the kernel charges it.
+pub const SLOT_LIVE: u32 = 1;
+/// The thread exited; the kernel closed its last slice and the agent may
+/// reuse the slot once it has read it.
+pub const SLOT_DEAD: u32 = 2;
+
+/// Keyspace cell states (`KeyspaceCell::state`).
+pub const KS_EMPTY: u32 = 0;
+/// Reserved by an inserter that has not yet published the id.
+pub const KS_BUSY: u32 = 1;
+pub const KS_LIVE: u32 = 2;
+
+/// Per-CPU switch record.
+///
+/// `last_switch_ns` is the start of the current unaccounted interval of the
+/// task running on this CPU (its switch-in, or the last timer tick). `seq`
+/// changes whenever `last_switch_ns` does, so a reader on this CPU can tell
+/// that its reads were not split by a switch or a tick.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuCell {
+    pub seq: u64,
+    pub last_switch_ns: u64,
+    pub _pad: [u64; 6],
+}
+
+/// Per-thread measurement slot.
+///
+/// `oncpu_ns` is written only by the kernel (the thread is off-CPU or
+/// interrupted while it runs). `charged_ns` is the point up to which the
+/// thread's time has been charged: the kernel stores it while the thread
+/// cannot run; the thread moves it with a single CAS, so an interval is
+/// charged by exactly one side.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThreadSlot {
+    /// Total on-CPU ns since registration (eBPF backend), or the thread's
+    /// CPU clock (fallback backend).
+    pub oncpu_ns: u64,
+    pub charged_ns: u64,
+    /// Current tag: [`TAG_NONE`] or keyspace cell index + 1.
+    pub tag: u64,
+    /// Registration generation; bumped every time the slot is handed out, so
+    /// stale handles can be detected.
+    pub generation: u64,
+    pub tid: u32,
+    pub state: u32,
+    /// The tgid that registered the thread (reclaim on client death).
+    pub tgid: u32,
+    pub _pad0: u32,
+    /// Charges the thread made itself (diagnostic: how the work splits).
+    pub self_charged_ns: u64,
+    pub _pad: [u64; 1],
+}
+
+/// Per-keyspace cell.
+///
+/// Found through open addressing on `keyspace_id` (see [`probe_start`]); a
+/// client inserts a keyspace it has not seen by CAS on `state`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KeyspaceCell {
+    /// Total charged on-CPU ns (monotonic).
+    pub cpu_ns: u64,
+    pub keyspace_id: u32,
+    pub state: u32,
+    pub _pad: [u64; 6],
+}
+
+const _: () = assert!(size_of::<CpuCell>() == 64);
+const _: () = assert!(size_of::<ThreadSlot>() == 64);
+const _: () = assert!(size_of::<KeyspaceCell>() == 64);
+const _: () = assert!(align_of::<CpuCell>() == 8);
+const _: () = assert!(align_of::<ThreadSlot>() == 8);
+const _: () = assert!(align_of::<KeyspaceCell>() == 8);
+
+/// First probe position of `keyspace_id` in a table of `len` cells
+/// (`len` a power of two). Fibonacci hashing: ids are often dense small
+/// integers, which a plain modulo would cluster.
+#[inline]
+pub const fn probe_start(keyspace_id: u32, len: u32) -> u32 {
+    let h = (keyspace_id as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((h >> 32) as u32) & (len - 1)
+}
+
+/// Tag value for keyspace cell `index`.
+#[inline]
+pub const fn tag_for_cell(index: u32) -> u64 {
+    index as u64 + 1
+}
+
+/// Keyspace cell index of a tag, or `None` for [`TAG_NONE`].
+#[inline]
+pub const fn cell_of_tag(tag: u64) -> Option<u32> {
+    if tag == TAG_NONE {
+        None
+    } else {
+        Some((tag - 1) as u32)
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: the types are repr(C), made only of integers, with no implicit
+    // padding (checked by the size asserts above); any bit pattern is valid.
+    unsafe impl aya::Pod for super::CpuCell {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ThreadSlot {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::KeyspaceCell {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_round_trip_and_zero_is_untagged() {
+        assert_eq!(cell_of_tag(TAG_NONE), None);
+        for i in [0u32, 1, 17, 4095, u32::MAX - 1] {
+            assert_eq!(cell_of_tag(tag_for_cell(i)), Some(i));
+        }
+    }
+
+    #[test]
+    fn probe_start_stays_in_range_and_spreads_dense_ids() {
+        let len = 4096;
+        let mut seen = [false; 4096];
+        let mut distinct = 0;
+        for id in 0..1024u32 {
+            let p = probe_start(id, len);
+            assert!(p < len);
+            if !seen[p as usize] {
+                seen[p as usize] = true;
+                distinct += 1;
+            }
+        }
+        // Dense ids must not pile onto a few buckets.
+        assert!(distinct > 800, "only {distinct} distinct probe starts");
+    }
+
+    #[test]
+    fn field_offsets_are_stable() {
+        // The eBPF object and the client read these offsets; a change here
+        // is an ABI change.
+        assert_eq!(core::mem::offset_of!(CpuCell, seq), 0);
+        assert_eq!(core::mem::offset_of!(CpuCell, last_switch_ns), 8);
+        assert_eq!(core::mem::offset_of!(ThreadSlot, oncpu_ns), 0);
+        assert_eq!(core::mem::offset_of!(ThreadSlot, charged_ns), 8);
+        assert_eq!(core::mem::offset_of!(ThreadSlot, tag), 16);
+        assert_eq!(core::mem::offset_of!(ThreadSlot, tid), 32);
+        assert_eq!(core::mem::offset_of!(ThreadSlot, state), 36);
+        assert_eq!(core::mem::offset_of!(KeyspaceCell, cpu_ns), 0);
+        assert_eq!(core::mem::offset_of!(KeyspaceCell, state), 12);
+    }
+}

@@ -1,0 +1,20 @@
+//! Builds governor-ebpf for the BPF target (through aya-build, with the
+//! nightly toolchain and bpf-linker that `cargo xtask setup` installs) and
+//! leaves the object in OUT_DIR for `include_bytes_aligned!`.
+use anyhow::Context as _;
+use std::path::PathBuf;
+
+fn main() -> anyhow::Result<()> {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
+    let root = manifest.parent().context("governor/ has no parent")?;
+    let ebpf_dir = root.join("governor-ebpf");
+    let common_dir = root.join("governor-common");
+    // The eBPF object embeds the shared layouts too.
+    println!("cargo:rerun-if-changed={}", common_dir.display());
+    let ebpf_dir = ebpf_dir.to_str().context("non-UTF-8 path")?;
+    aya_build::build_ebpf(
+        [aya_build::Package { name: "governor-ebpf", root_dir: ebpf_dir, ..Default::default() }],
+        aya_build::Toolchain::default(),
+    )
+    .context("building governor-ebpf (run `cargo xtask setup` first)")
+}

@@ -1,0 +1,39 @@
+//! Operator verbs. Each returns a `Serialize` value that `main` prints as
+//! a table or, with `--json`, as JSON.
+
+pub mod config_cmd;
+pub mod status;
+
+use std::path::{Path, PathBuf};
+
+/// Exit code for usage and configuration errors (sysexits EX_USAGE).
+pub const EXIT_USAGE: i32 = 64;
+
+/// Errors of the CLI verbs.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Client(#[from] crate::client::ClientError),
+    #[error("cannot read {path}")]
+    Read { path: PathBuf, #[source] source: std::io::Error },
+    #[error("{path}: invalid configuration:\n{errors}")]
+    Config { path: PathBuf, errors: crate::config::ConfigErrors },
+    #[error("unexpected reply from the agent: {detail}")]
+    Reply { detail: String },
+}
+
+impl CliError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Config { .. } => EXIT_USAGE,
+            _ => 1,
+        }
+    }
+}
+
+/// Reads and validates a configuration file.
+pub fn load_config(path: &Path) -> Result<crate::config::ValidatedConfig, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read { path: path.into(), source })?;
+    crate::config::ValidatedConfig::from_toml_str(&text).map_err(|errors| CliError::Config { path: path.into(), errors })
+}

@@ -1,0 +1,72 @@
+//! The thread clock and the tag switch: the userspace half of the charging
+//! protocol (docs/design.md §3).
+
+use crate::proto::BackendKind;
+use crate::region::{Regions, SlotView};
+use crate::sys;
+use governor_common::cell_of_tag;
+use std::sync::atomic::Ordering;
+
+/// This thread's on-CPU ns on the slot's timeline.
+///
+/// eBPF backend: `oncpu_ns` (kernel-maintained up to the last switch-in or
+/// tick on this CPU) plus the time since then. The reads are valid when the
+/// CPU's `seq` did not move and the thread stayed on that CPU; otherwise a
+/// switch or a tick split them and we read again.
+#[inline]
+pub fn thread_clock(backend: BackendKind, regions: &Regions, slot: &SlotView) -> u64 {
+    if backend == BackendKind::ThreadClock {
+        return sys::thread_cputime_ns();
+    }
+    loop {
+        let cpu1 = sys::current_cpu();
+        let Some(cell) = regions.cpus.get(cpu1) else {
+            return sys::thread_cputime_ns();
+        };
+        let s1 = cell.seq.load(Ordering::Acquire);
+        let last = cell.last_switch_ns.load(Ordering::Acquire);
+        let on = slot.oncpu_ns.load(Ordering::Acquire);
+        let now = sys::monotonic_ns();
+        let s2 = cell.seq.load(Ordering::Acquire);
+        let cpu2 = sys::current_cpu();
+        if s1 == s2 && cpu1 == cpu2 && last != 0 {
+            return on + now.saturating_sub(last);
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// Charges this thread's time up to now to its current tag, unless the
+/// kernel (or the fallback sampler) charged it already. One CAS on
+/// `charged_ns` decides who charges each interval.
+#[inline]
+pub fn charge_now(backend: BackendKind, regions: &Regions, slot: &SlotView) {
+    loop {
+        let t = thread_clock(backend, regions, slot);
+        let x = slot.charged_ns.load(Ordering::Acquire);
+        if t <= x {
+            return;
+        }
+        if slot.charged_ns.compare_exchange(x, t, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            let tag = slot.tag.load(Ordering::Relaxed);
+            if let Some(cell) = cell_of_tag(tag).and_then(|i| regions.keyspaces.cells.get(i)) {
+                cell.cpu_ns.fetch_add(t - x, Ordering::Relaxed);
+                slot.self_charged_ns.fetch_add(t - x, Ordering::Relaxed);
+            }
+            return;
+        }
+    }
+}
+
+/// Closes the interval of the old tag and switches to `new_tag`; returns
+/// the old tag.
+#[inline]
+pub fn switch_tag(backend: BackendKind, regions: &Regions, slot: &SlotView, new_tag: u64) -> u64 {
+    let old = slot.tag.load(Ordering::Relaxed);
+    if old == new_tag {
+        return old;
+    }
+    charge_now(backend, regions, slot);
+    slot.tag.store(new_tag, Ordering::Release);
+    old
+}

@@ -1,0 +1,65 @@
+//! A future that charges every poll to its keyspace.
+
+use super::{set_raw_tag, ClientError};
+use governor_common::tag_for_cell;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+pin_project_lite::pin_project! {
+    /// Wraps a future so that each poll runs under its keyspace tag, on
+    /// whichever registered worker thread polls it; the worker's previous
+    /// tag is restored after the poll. Work between polls is not charged to
+    /// this keyspace.
+    pub struct Tagged<F> {
+        #[pin]
+        inner: F,
+        keyspace_id: u32,
+        // Cell index, resolved on the first poll (the table is shared by the
+        // whole process, so it is the same on every thread).
+        cell: Option<u32>,
+    }
+}
+
+impl<F> Tagged<F> {
+    pub fn new(keyspace_id: u32, inner: F) -> Self {
+        Tagged { inner, keyspace_id, cell: None }
+    }
+
+    pub fn keyspace_id(&self) -> u32 {
+        self.keyspace_id
+    }
+}
+
+impl<F: Future> Future for Tagged<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        if this.cell.is_none() {
+            *this.cell = resolve(*this.keyspace_id).ok().flatten();
+        }
+        let prev = this.cell.and_then(|c| set_raw_tag(tag_for_cell(c)));
+        let out = this.inner.poll(cx);
+        if let Some(p) = prev {
+            set_raw_tag(p);
+        }
+        out
+    }
+}
+
+fn resolve(keyspace_id: u32) -> Result<Option<u32>, ClientError> {
+    super::CURRENT.with(|c| match c.borrow().as_ref() {
+        Some(ctx) => ctx.client.cell_of(keyspace_id).map(Some),
+        None => Ok(None),
+    })
+}
+
+/// `.tagged(keyspace)` on any future.
+pub trait TaggedExt: Future + Sized {
+    fn tagged(self, keyspace_id: u32) -> Tagged<Self> {
+        Tagged::new(keyspace_id, self)
+    }
+}
+
+impl<F: Future> TaggedExt for F {}

@@ -1,0 +1,104 @@
+//! The client library a storage server links.
+//!
+//! # Layout
+//!
+//! - [`Client`]: the connection to the agent and the mmapped regions.
+//! - [`Client::register_current_thread`]: gives the calling thread a slot;
+//!   the kernel then measures it exactly.
+//! - [`tag`]: an RAII guard that charges the thread's CPU to a keyspace
+//!   until dropped, then restores the previous tag.
+//! - [`Tagged`] / [`TaggedExt::tagged`]: a future wrapper that tags every
+//!   poll with its keyspace, wherever the executor runs it.
+//! - [`thread_cpu_ns`]: the thread's own on-CPU ns without a syscall.
+//!
+//! ```no_run
+//! use governor::client::{self, Client};
+//! let c = Client::connect("/run/governor/governor.sock")?;
+//! c.register_current_thread()?;
+//! {
+//!     let _g = client::tag(42)?; // CPU from here on is keyspace 42's
+//!     // ... serve the request ...
+//! } // back to the previous tag
+//! # Ok::<(), governor::client::ClientError>(())
+//! ```
+
+mod clock;
+mod conn;
+mod future;
+
+pub use clock::{charge_now, switch_tag, thread_clock};
+pub use conn::{Client, ClientError};
+pub use future::{Tagged, TaggedExt};
+
+use governor_common::{tag_for_cell, TAG_NONE};
+use std::cell::RefCell;
+
+thread_local! {
+    static CURRENT: RefCell<Option<conn::ThreadCtx>> = const { RefCell::new(None) };
+}
+
+/// Restores the previous tag when dropped.
+#[must_use = "the tag is restored when the guard drops"]
+pub struct TagGuard {
+    previous: Option<u64>,
+}
+
+impl Drop for TagGuard {
+    fn drop(&mut self) {
+        if let Some(prev) = self.previous {
+            set_raw_tag(prev);
+        }
+    }
+}
+
+/// Charges the calling thread's CPU to `keyspace_id` until the guard drops.
+/// On an unregistered thread it does nothing (that time is charged to no
+/// keyspace).
+pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
+    let cell = CURRENT.with(|c| match c.borrow().as_ref() {
+        Some(ctx) => ctx.client.cell_of(keyspace_id).map(Some),
+        None => Ok(None),
+    })?;
+    Ok(TagGuard { previous: cell.and_then(|cell| set_raw_tag(tag_for_cell(cell))) })
+}
+
+/// Switches the calling thread to `keyspace_id` with no guard: for
+/// executors that manage tags themselves. Time up to now goes to the
+/// previous tag.
+pub fn set_tag(keyspace_id: u32) -> Result<(), ClientError> {
+    tag(keyspace_id).map(std::mem::forget)
+}
+
+/// Switches the calling thread to no keyspace, with no guard.
+pub fn clear_tag() {
+    set_raw_tag(TAG_NONE);
+}
+
+/// Leaves the current keyspace: time is charged to no keyspace until the
+/// guard drops.
+pub fn untagged() -> TagGuard {
+    TagGuard { previous: set_raw_tag(TAG_NONE) }
+}
+
+/// Sets the raw tag of the current thread; the previous tag, if registered.
+pub(crate) fn set_raw_tag(tag: u64) -> Option<u64> {
+    CURRENT.with(|c| c.borrow().as_ref().map(|ctx| ctx.switch(tag)))
+}
+
+/// The calling thread's on-CPU ns since registration (eBPF backend) or
+/// since it started (thread-clock backend); `None` if not registered.
+pub fn thread_cpu_ns() -> Option<u64> {
+    CURRENT.with(|c| c.borrow().as_ref().map(|ctx| ctx.clock()))
+}
+
+/// Whether the calling thread is registered.
+pub fn is_registered() -> bool {
+    CURRENT.with(|c| c.borrow().is_some())
+}
+
+/// Charges the thread's time so far and gives its slot back.
+pub fn unregister_current_thread() {
+    if let Some(ctx) = CURRENT.with(|c| c.borrow_mut().take()) {
+        drop(ctx);
+    }
+}

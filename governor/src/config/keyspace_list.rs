@@ -1,0 +1,191 @@
+//! Per-keyspace lists written as `"id:value,id:value"` strings, the seeds'
+//! format for `keyspace-cpu-quotas`, `keyspace-estimated-cpu-per-request-us`
+//! and `keyspace-burst-enabled`.
+//!
+//! The string form is kept in the file (operators of the original system know
+//! it); validation turns it into a sorted map so a typo such as `"1:100,,2:3"`
+//! or a duplicated keyspace id is refused instead of half-applied.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Serialize, Serializer};
+
+/// A keyspace id, as carried in request contexts.
+pub type KeyspaceId = u32;
+
+/// A value allowed in a keyspace list: how to parse one entry and what makes
+/// it acceptable.
+pub trait ListValue: Copy + fmt::Display {
+    /// Human description used in error messages ("a positive integer").
+    const EXPECTED: &'static str;
+    /// Parses one value; `None` means malformed or out of range.
+    fn parse_value(text: &str) -> Option<Self>;
+}
+
+/// Millicores or microseconds: strictly positive integers. Zero is refused
+/// because a zero quota or estimate would either block a keyspace forever or
+/// make every request free; leaving the keyspace out expresses "no limit".
+impl ListValue for u64 {
+    const EXPECTED: &'static str = "a positive integer";
+    fn parse_value(text: &str) -> Option<Self> {
+        if !text.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        u64::from_str(text).ok().filter(|v| *v > 0)
+    }
+}
+
+/// Per-keyspace switches: `true` or `false`, nothing else.
+impl ListValue for bool {
+    const EXPECTED: &'static str = "true or false";
+    fn parse_value(text: &str) -> Option<Self> {
+        match text {
+            "true" => Some(true),
+            "false" => Some(false),
+            _ => None,
+        }
+    }
+}
+
+/// A parsed `"id:value,..."` list, sorted by keyspace id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyspaceList<T> {
+    entries: BTreeMap<KeyspaceId, T>,
+}
+
+impl<T> Default for KeyspaceList<T> {
+    fn default() -> Self {
+        Self {
+            entries: BTreeMap::new(),
+        }
+    }
+}
+
+impl<T: ListValue> KeyspaceList<T> {
+    /// Parses the string form. The empty (or all-blank) string is the empty
+    /// list; whitespace around entries is allowed; empty entries, missing
+    /// ids or values, malformed values and duplicate ids are errors.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut entries = BTreeMap::new();
+        if text.trim().is_empty() {
+            return Ok(Self { entries });
+        }
+        for (index, raw) in text.split(',').enumerate() {
+            let entry = raw.trim();
+            let position = index + 1;
+            if entry.is_empty() {
+                return Err(format!("entry {position} is empty in {text:?}"));
+            }
+            let Some((id, value)) = entry.split_once(':') else {
+                return Err(format!("entry {entry:?} is not \"keyspace_id:value\""));
+            };
+            let (id, value) = (id.trim(), value.trim());
+            let id: KeyspaceId = id
+                .parse()
+                .ok()
+                .filter(|_| id.bytes().all(|b| b.is_ascii_digit()))
+                .ok_or_else(|| format!("entry {entry:?}: keyspace id {id:?} is not a u32"))?;
+            let value = T::parse_value(value).ok_or_else(|| {
+                format!("entry {entry:?}: value {value:?} is not {}", T::EXPECTED)
+            })?;
+            if entries.insert(id, value).is_some() {
+                return Err(format!("keyspace {id} appears more than once"));
+            }
+        }
+        Ok(Self { entries })
+    }
+
+    /// The value configured for `id`, if any.
+    pub fn get(&self, id: KeyspaceId) -> Option<T> {
+        self.entries.get(&id).copied()
+    }
+
+    /// Entries in keyspace-id order.
+    pub fn iter(&self) -> impl Iterator<Item = (KeyspaceId, T)> + '_ {
+        self.entries.iter().map(|(k, v)| (*k, *v))
+    }
+
+    /// Number of keyspaces listed.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no keyspace is listed.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+impl<T: ListValue> fmt::Display for KeyspaceList<T> {
+    /// The canonical string form, `"1:1000,2:2000"`, which parses back to the
+    /// same list.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (id, value)) in self.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{id}:{value}")?;
+        }
+        Ok(())
+    }
+}
+
+impl<T: ListValue> Serialize for KeyspaceList<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quota_lists_parse_seed_samples() {
+        let quotas = KeyspaceList::<u64>::parse("1:1000,2:2000").unwrap();
+        assert_eq!(quotas.get(1), Some(1000));
+        assert_eq!(quotas.get(2), Some(2000));
+        assert_eq!(quotas.len(), 2);
+        let burst = KeyspaceList::<bool>::parse("1:true, 2:false").unwrap();
+        assert_eq!(burst.get(2), Some(false));
+        assert!(KeyspaceList::<u64>::parse("").unwrap().is_empty());
+        assert!(KeyspaceList::<u64>::parse("  ").unwrap().is_empty());
+    }
+
+    #[test]
+    fn quota_lists_reject_malformed_entries() {
+        for bad in [
+            "1:",
+            "x:100",
+            "1:-5",
+            "1:100,,2:3",
+            "1:100,",
+            "1",
+            ":5",
+            "1:0",
+            "1:1.5",
+            "1:100,1:200",
+            "4294967296:1",
+            "-1:5",
+            "1:+5",
+            "1:2:3",
+        ] {
+            assert!(KeyspaceList::<u64>::parse(bad).is_err(), "{bad:?} accepted");
+        }
+        for bad in ["1:yes", "1:1", "1:True", "2:true,2:false"] {
+            assert!(
+                KeyspaceList::<bool>::parse(bad).is_err(),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn quota_lists_print_canonically() {
+        let list = KeyspaceList::<u64>::parse(" 2:20 , 1:10").unwrap();
+        assert_eq!(list.to_string(), "1:10,2:20");
+        assert_eq!(KeyspaceList::<u64>::parse(&list.to_string()).unwrap(), list);
+    }
+}

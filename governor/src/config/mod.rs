@@ -1,0 +1,49 @@
+//! `governor::config` — the agent's configuration file.
+//!
+//! # Layout
+//!
+//! - `units`: [`ConfigDuration`] durations (`"10ms"`) and [`ByteSize`] byte sizes (`"100MiB"`).
+//! - `keyspace_list`: [`KeyspaceList`], `"id:value,..."` per-keyspace lists.
+//! - `raw`, `raw_throttle`: [`RawConfig`], the file as written (serde,
+//!   defaults, `deny_unknown_fields`, kebab-case keys from the seeds).
+//! - `checker`: the error collector (lines, ranges, keyspace lists).
+//! - `validate`: ranges and cross-field rules, including the Essential
+//!   tenant-cap profile; every failure is reported, not just the first.
+//! - `validated`: [`ValidatedConfig`], typed and proven valid; prints back to
+//!   TOML/JSON; [`ValidatedConfig::embedded_default`] from `default.toml`.
+//! - `update`: online updates ([`ValidatedConfig::apply_update`],
+//!   [`ValidatedConfig::apply_set`]), restart-only keys, [`ConfigDiff`].
+//! - `source`: maps dotted keys to lines so every error names both.
+//! - `error`: [`ConfigError`], [`ConfigErrors`], [`UpdateRejected`].
+//!
+//! ```
+//! # use governor::config::ValidatedConfig;
+//! let cfg = ValidatedConfig::from_toml_str("[agent]\nmax-threads = 1\n").unwrap_err();
+//! assert_eq!(cfg.to_string(), "line 2: agent.max-threads: must be between 64 and 1048576, got 1");
+//! ```
+
+mod checker;
+mod error;
+mod keyspace_list;
+mod raw;
+mod raw_throttle;
+mod source;
+mod units;
+mod update;
+mod validate;
+mod validated;
+
+pub use error::{ConfigError, ConfigErrors, UpdateRejected};
+pub use keyspace_list::{KeyspaceId, KeyspaceList, ListValue};
+pub use raw::{
+    AdmissionMode, MeasureMode, RawAdmissionControl, RawAgent, RawConfig, RawResourceControl,
+    RawWriteQuota,
+};
+pub use raw_throttle::RawCpuThrottle;
+pub use source::SourceMap;
+pub use units::{ByteSize, ConfigDuration};
+pub use update::{ConfigDiff, HotUpdates, KeyChange};
+pub use validated::{
+    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML,
+    PER_KEYSPACE_PENDING_WRITE_RATIO, ResourceControl, ValidatedConfig, WriteQuota,
+};

@@ -1,0 +1,145 @@
+//! `[resource-control.cpu-throttle]` as written: every key of the throttle
+//! seed's Configuration TOML plus the tenant-cap seed's three keys.
+//!
+//! Defaults are Premium-style (the throttle seed's sample values) with the
+//! uniform tenant cap off (`tenant-max-cpu-ratio = 0.0`), so a node without
+//! per-keyspace configuration behaves as it did before the governor.
+
+use serde::{Deserialize, Serialize};
+
+use super::units::ConfigDuration;
+
+/// `[resource-control.cpu-throttle]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RawCpuThrottle {
+    /// Turns the token-bucket throttle on. Off by default: measuring is safe
+    /// to roll out, refusing work is a decision an operator makes.
+    pub enabled: bool,
+    /// Per-keyspace quotas, `"id:millicores,..."`. Premium tenants get their
+    /// own bucket; unlisted keyspaces are not throttled unless the tenant cap
+    /// is on. Must be empty in tenant-cap mode. Default `""`.
+    pub keyspace_cpu_quotas: String,
+    /// Makes the global bucket a hard node-level cap instead of best-effort
+    /// tracking after keyspace allocation. Required in tenant-cap mode.
+    /// Default `false` (the seed's Premium sample).
+    pub enforce_global_limit: bool,
+
+    /// Derives keyspace quotas from PD `service_limit` (RU/s) ratios. Off by
+    /// default: the governor has no PD endpoint unless one is wired in.
+    pub enable_pd_service_limit: bool,
+    /// How often service limits are fetched. Default `30s`.
+    pub pd_service_limit_fetch_interval: ConfigDuration,
+    /// Timeout of one fetch; at most the fetch interval so fetches never
+    /// overlap. Default `5s`.
+    pub pd_service_limit_request_timeout: ConfigDuration,
+    /// A keyspace missing from PD for this long is treated as deleted.
+    /// Default `10m`.
+    pub pd_service_limit_ttl: ConfigDuration,
+    /// ...or after this many consecutive 404s (at least 1). Default 3.
+    pub pd_service_limit_consecutive_404: u32,
+    /// Relative change below which a fetched quota is ignored, to avoid
+    /// churning buckets on noise. Range [0, 1], default 0.01.
+    pub pd_service_limit_update_threshold: f64,
+    /// PD quotas win over `keyspace-cpu-quotas` when both exist. Default true.
+    pub pd_override_config: bool,
+
+    /// Tokens (CPU µs) taken before a request runs when nothing better is
+    /// known. Default 1000 (1 ms).
+    pub estimated_cpu_per_request_us: u64,
+    /// Per-keyspace overrides of the estimate, `"id:us,..."`. Default `""`.
+    pub keyspace_estimated_cpu_per_request_us: String,
+    /// Learns each keyspace's estimate as an EMA of measured CPU per request,
+    /// once per `stats-interval`. Default true.
+    pub enable_adaptive_estimated_cpu_per_request_us: bool,
+    /// How often buckets are refilled. Restart-only. Range 1ms..=1s, at most
+    /// `burst-window`. Default `10ms`.
+    pub refill_interval: ConfigDuration,
+    /// Bucket capacity expressed as time at the refill rate. Restart-only.
+    /// Default `100ms`, a compatibility choice (the old capacity).
+    pub burst_window: ConfigDuration,
+
+    /// Lowers/raises the global refill rate when node CPU crosses the
+    /// watermarks. Must be off in tenant-cap mode. Default true.
+    pub enable_dynamic_adjustment: bool,
+    /// Node CPU ratio above which the refill rate is lowered. Default 0.8.
+    pub high_watermark: f64,
+    /// Node CPU ratio below which it is restored; below `high-watermark`.
+    /// Default 0.5.
+    pub low_watermark: f64,
+    /// Legacy admission burst-share guard (proportional fair shares above
+    /// the threshold). Must be off in tenant-cap mode. Default true.
+    pub enable_fair_allocation: bool,
+    /// Node CPU ratio above which fair allocation applies. Default 0.7.
+    pub fair_allocation_threshold: f64,
+    /// Lets an exhausted keyspace borrow from the global bucket while the
+    /// node has headroom (zero-wait OLTP). Must be off in tenant-cap mode,
+    /// where the cap is hard. Default true.
+    pub enable_burst: bool,
+    /// Node CPU ratio below which bursting is allowed. Default 0.9.
+    pub burst_threshold: f64,
+    /// Per-keyspace burst switches, `"id:true,..."`. Default `""`.
+    pub keyspace_burst_enabled: String,
+
+    /// Tops up tokens while a long request runs instead of guessing its whole
+    /// cost up front. Allowed in tenant-cap mode (same buckets). Default true.
+    pub enable_runtime_token_management: bool,
+    /// How often a running request's consumption is checked, in µs.
+    /// Default 2000.
+    pub runtime_check_interval_us: u64,
+    /// Fraction of the current allocation consumed that triggers a top-up.
+    /// Range (0, 1], default 0.5.
+    pub additional_allocation_threshold: f64,
+    /// Tokens (µs) taken per top-up. Default 4000.
+    pub per_allocation_us: u64,
+
+    /// Uniform per-tenant hard cap as a share of node cores (Essential).
+    /// `0.0` (default) keeps the legacy Premium behaviour; `> 0` gives every
+    /// keyspace its own bucket of this size and requires the Essential
+    /// profile. Range [0, 1]. Hot-updatable.
+    pub tenant_max_cpu_ratio: f64,
+    /// Auto-created cap buckets idle this long are evicted so long-running
+    /// nodes do not accumulate dead tenants. At least 1ms, default `10m`.
+    /// Hot-updatable.
+    pub tenant_cap_idle_ttl: ConfigDuration,
+    /// Extra global bucket for low-priority DAG requests. Its fallback path is
+    /// not cap-aware, so it must be off in tenant-cap mode. Default false.
+    pub low_priority_dag_global_enabled: bool,
+}
+
+impl Default for RawCpuThrottle {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            keyspace_cpu_quotas: String::new(),
+            enforce_global_limit: false,
+            enable_pd_service_limit: false,
+            pd_service_limit_fetch_interval: ConfigDuration::from_secs(30),
+            pd_service_limit_request_timeout: ConfigDuration::from_secs(5),
+            pd_service_limit_ttl: ConfigDuration::from_secs(600),
+            pd_service_limit_consecutive_404: 3,
+            pd_service_limit_update_threshold: 0.01,
+            pd_override_config: true,
+            estimated_cpu_per_request_us: 1000,
+            keyspace_estimated_cpu_per_request_us: String::new(),
+            enable_adaptive_estimated_cpu_per_request_us: true,
+            refill_interval: ConfigDuration::from_millis(10),
+            burst_window: ConfigDuration::from_millis(100),
+            enable_dynamic_adjustment: true,
+            high_watermark: 0.8,
+            low_watermark: 0.5,
+            enable_fair_allocation: true,
+            fair_allocation_threshold: 0.7,
+            enable_burst: true,
+            burst_threshold: 0.9,
+            keyspace_burst_enabled: String::new(),
+            enable_runtime_token_management: true,
+            runtime_check_interval_us: 2000,
+            additional_allocation_threshold: 0.5,
+            per_allocation_us: 4000,
+            tenant_max_cpu_ratio: 0.0,
+            tenant_cap_idle_ttl: ConfigDuration::from_secs(600),
+            low_priority_dag_global_enabled: false,
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Where each key sits in the source text.
+//!
+//! serde reports a byte span for syntax and type errors but knows nothing of
+//! lines or dotted keys, and semantic validation runs after parsing when spans
+//! are gone. [`SourceMap`] closes both gaps with one line scan of the file:
+//! it maps dotted keys to lines and lines back to dotted keys.
+
+use super::error::ConfigError;
+
+/// Dotted keys (and table headers) with the 1-based line they appear on.
+#[derive(Clone, Debug, Default)]
+pub struct SourceMap {
+    /// `(line, dotted key, is_table_header)`, in file order.
+    entries: Vec<(usize, String, bool)>,
+    /// Byte offset at which each line starts.
+    line_starts: Vec<usize>,
+    /// Keys whose value is an inline table (`key = { ... }`).
+    inline_tables: Vec<String>,
+}
+
+impl SourceMap {
+    /// An empty map, for configurations that did not come from a file.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Scans `source` once.
+    pub fn new(source: &str) -> Self {
+        let mut entries = Vec::new();
+        let mut inline_tables = Vec::new();
+        let mut line_starts = vec![0];
+        let mut table = String::new();
+        let mut in_multiline: Option<&str> = None;
+        for (i, line) in source.split('\n').enumerate() {
+            line_starts.push(line_starts[i] + line.len() + 1);
+            let number = i + 1;
+            let text = line.trim();
+            if let Some(delim) = in_multiline {
+                if text.contains(delim) {
+                    in_multiline = None;
+                }
+                continue;
+            }
+            if text.is_empty() || text.starts_with('#') {
+                continue;
+            }
+            if text.starts_with('[') {
+                let inner = text.trim_start_matches('[');
+                let inner = inner.split(']').next().unwrap_or_default();
+                table = normalize(inner);
+                entries.push((number, table.clone(), true));
+                continue;
+            }
+            let Some((key, value)) = text.split_once('=') else {
+                continue;
+            };
+            if !key
+                .chars()
+                .all(|c| c.is_alphanumeric() || "-_.\"' ".contains(c))
+            {
+                continue;
+            }
+            let key = normalize(key);
+            let full = if table.is_empty() {
+                key
+            } else {
+                format!("{table}.{key}")
+            };
+            if value.trim_start().starts_with('{') {
+                inline_tables.push(full.clone());
+            }
+            entries.push((number, full, false));
+            for delim in ["\"\"\"", "'''"] {
+                if value.matches(delim).count() == 1 {
+                    in_multiline = Some(delim);
+                }
+            }
+        }
+        Self {
+            entries,
+            line_starts,
+            inline_tables,
+        }
+    }
+
+    /// The line of the last definition of `dotted` (a key or a table).
+    pub fn line_of(&self, dotted: &str) -> Option<usize> {
+        self.entries
+            .iter()
+            .rev()
+            .find(|(_, k, _)| k == dotted)
+            .map(|(l, _, _)| *l)
+    }
+
+    /// The 1-based line containing byte `offset`.
+    pub fn line_of_offset(&self, offset: usize) -> usize {
+        self.line_starts
+            .partition_point(|start| *start <= offset)
+            .max(1)
+    }
+
+    /// The dotted key defined on `line`, or the table header on it.
+    pub fn key_at_line(&self, line: usize) -> Option<&str> {
+        self.entries
+            .iter()
+            .find(|(l, _, _)| *l == line)
+            .map(|(_, k, _)| k.as_str())
+    }
+
+    /// The table in effect at `line` ("" for the root table).
+    pub fn table_at_line(&self, line: usize) -> &str {
+        self.entries
+            .iter()
+            .rev()
+            .find(|(l, _, header)| *header && *l <= line)
+            .map(|(_, k, _)| k.as_str())
+            .unwrap_or("")
+    }
+
+    /// Turns a toml/serde error into a [`ConfigError`] naming key and line.
+    pub fn convert(&self, error: &toml::de::Error) -> ConfigError {
+        let message = error.message().trim().replace('\n', "; ");
+        let line = error.span().map(|span| self.line_of_offset(span.start));
+        if let Some(field) = message
+            .strip_prefix("unknown field `")
+            .and_then(|rest| rest.split('`').next())
+        {
+            let table = line.map(|l| self.table_at_line(l)).unwrap_or("");
+            // The span may point at the key or at its table; prefer the key's line.
+            let table = match line.and_then(|l| self.key_at_line(l)) {
+                Some(k) if k.ends_with(&format!(".{field}")) || k == field => {
+                    k.strip_suffix(field).unwrap_or("").trim_end_matches('.')
+                }
+                Some(k) if self.entries.iter().any(|(_, e, h)| *h && e == k) => k,
+                Some(k) if self.inline_tables.iter().any(|t| t == k) => k,
+                _ => table,
+            };
+            let key = if table.is_empty() {
+                field.to_string()
+            } else {
+                format!("{table}.{field}")
+            };
+            let line = self.line_of(&key).or(line);
+            return ConfigError::UnknownKey { key, line };
+        }
+        let key = line
+            .and_then(|l| self.key_at_line(l))
+            .map(str::to_string)
+            .unwrap_or_else(|| "<file>".to_string());
+        ConfigError::Syntax { key, line, message }
+    }
+}
+
+/// `a . "b" .c` → `a.b.c`.
+fn normalize(key: &str) -> String {
+    key.split('.')
+        .map(|part| part.trim().trim_matches('"').trim_matches('\''))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = "# comment\n[resource-control]\nenabled = true\n\n[resource-control.cpu-throttle]\nrefill-interval = \"10ms\"\n\"burst-window\" = \"100ms\"\n[agent]\ntimer-period = \"1ms\"\n";
+
+    #[test]
+    fn keys_map_to_lines_and_back() {
+        let map = SourceMap::new(SAMPLE);
+        assert_eq!(map.line_of("resource-control.enabled"), Some(3));
+        assert_eq!(
+            map.line_of("resource-control.cpu-throttle.refill-interval"),
+            Some(6)
+        );
+        assert_eq!(
+            map.line_of("resource-control.cpu-throttle.burst-window"),
+            Some(7)
+        );
+        assert_eq!(map.line_of("agent.timer-period"), Some(9));
+        assert_eq!(map.line_of("agent.max-threads"), None);
+        assert_eq!(map.key_at_line(8), Some("agent"));
+        assert_eq!(map.table_at_line(7), "resource-control.cpu-throttle");
+    }
+
+    #[test]
+    fn offsets_map_to_lines() {
+        let map = SourceMap::new("a = 1\nb = 2\n");
+        assert_eq!(map.line_of_offset(0), 1);
+        assert_eq!(map.line_of_offset(5), 1);
+        assert_eq!(map.line_of_offset(6), 2);
+    }
+
+    #[test]
+    fn dotted_keys_inside_a_table_are_prefixed() {
+        let map = SourceMap::new("[resource-control]\ncpu-throttle.enabled = true\n");
+        assert_eq!(
+            map.line_of("resource-control.cpu-throttle.enabled"),
+            Some(2)
+        );
+    }
+}

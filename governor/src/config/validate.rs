@@ -1,0 +1,387 @@
+//! Validation: ranges for every key, the keyspace-list formats, and the
+//! cross-field rules (watermarks, intervals, the Essential tenant-cap
+//! profile). Startup and online updates run exactly this code, so a setting
+//! refused at start is refused on reload too.
+//!
+//! Every rule is checked even after one fails, and every failure names its
+//! dotted key and, when there is a source file, its line.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::checker::{CT, Checker, RC};
+use super::error::ConfigErrors;
+use super::raw::RawConfig;
+use super::source::SourceMap;
+use super::validated::{
+    AdmissionControl, AgentConfig, CpuThrottle, ResourceControl, ValidatedConfig, WriteQuota,
+};
+
+const MS: Duration = Duration::from_millis(1);
+const SEC: Duration = Duration::from_secs(1);
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(86400);
+
+/// Validates `raw`; `map` supplies line numbers (empty when there is no file).
+pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConfig, ConfigErrors> {
+    let mut c = Checker {
+        map,
+        errors: ConfigErrors::default(),
+    };
+    let rc = &raw.resource_control;
+    let t = &rc.cpu_throttle;
+
+    // [resource-control]
+    c.duration(RC, "stats-interval", rc.stats_interval, MS, HOUR);
+    c.duration(RC, "window-size", rc.window_size, MS, DAY);
+    c.check(
+        rc.window_size >= rc.stats_interval,
+        RC,
+        "window-size",
+        format!(
+            "must be at least stats-interval ({}), got {}",
+            rc.stats_interval, rc.window_size
+        ),
+    );
+    c.ratio(RC, "max-read-cpu-ratio", rc.max_read_cpu_ratio, false);
+
+    // [resource-control.cpu-throttle]
+    let quotas = c.list::<u64>("keyspace-cpu-quotas", &t.keyspace_cpu_quotas);
+    let estimates = c.list::<u64>(
+        "keyspace-estimated-cpu-per-request-us",
+        &t.keyspace_estimated_cpu_per_request_us,
+    );
+    let burst_enabled = c.list::<bool>("keyspace-burst-enabled", &t.keyspace_burst_enabled);
+    c.check(
+        quotas.len() <= raw.agent.max_keyspaces as usize,
+        CT,
+        "keyspace-cpu-quotas",
+        format!(
+            "lists {} keyspaces, more than agent.max-keyspaces ({})",
+            quotas.len(),
+            raw.agent.max_keyspaces
+        ),
+    );
+    c.duration(
+        CT,
+        "pd-service-limit-fetch-interval",
+        t.pd_service_limit_fetch_interval,
+        SEC / 10,
+        DAY,
+    );
+    c.duration(
+        CT,
+        "pd-service-limit-request-timeout",
+        t.pd_service_limit_request_timeout,
+        MS,
+        HOUR,
+    );
+    c.check(
+        t.pd_service_limit_request_timeout <= t.pd_service_limit_fetch_interval,
+        CT,
+        "pd-service-limit-request-timeout",
+        "must not exceed pd-service-limit-fetch-interval, or fetches overlap",
+    );
+    c.duration(
+        CT,
+        "pd-service-limit-ttl",
+        t.pd_service_limit_ttl,
+        MS,
+        Duration::from_secs(30 * 86400),
+    );
+    c.check(
+        t.pd_service_limit_ttl >= t.pd_service_limit_fetch_interval,
+        CT,
+        "pd-service-limit-ttl",
+        "must be at least pd-service-limit-fetch-interval, or every keyspace expires between fetches",
+    );
+    c.int(
+        CT,
+        "pd-service-limit-consecutive-404",
+        t.pd_service_limit_consecutive_404.into(),
+        1,
+        1000,
+    );
+    c.ratio(
+        CT,
+        "pd-service-limit-update-threshold",
+        t.pd_service_limit_update_threshold,
+        true,
+    );
+    c.int(
+        CT,
+        "estimated-cpu-per-request-us",
+        t.estimated_cpu_per_request_us,
+        1,
+        60_000_000,
+    );
+    c.duration(CT, "refill-interval", t.refill_interval, MS, SEC);
+    c.duration(
+        CT,
+        "burst-window",
+        t.burst_window,
+        MS,
+        Duration::from_secs(10),
+    );
+    c.check(
+        t.refill_interval <= t.burst_window,
+        CT,
+        "refill-interval",
+        format!(
+            "must not exceed burst-window ({}), got {}",
+            t.burst_window, t.refill_interval
+        ),
+    );
+    c.ratio(CT, "high-watermark", t.high_watermark, false);
+    c.ratio(CT, "low-watermark", t.low_watermark, true);
+    c.check(
+        t.low_watermark < t.high_watermark,
+        CT,
+        "low-watermark",
+        format!(
+            "must be below high-watermark ({}), got {}",
+            t.high_watermark, t.low_watermark
+        ),
+    );
+    c.ratio(
+        CT,
+        "fair-allocation-threshold",
+        t.fair_allocation_threshold,
+        false,
+    );
+    c.ratio(CT, "burst-threshold", t.burst_threshold, false);
+    c.int(
+        CT,
+        "runtime-check-interval-us",
+        t.runtime_check_interval_us,
+        100,
+        10_000_000,
+    );
+    c.ratio(
+        CT,
+        "additional-allocation-threshold",
+        t.additional_allocation_threshold,
+        false,
+    );
+    c.int(CT, "per-allocation-us", t.per_allocation_us, 1, 60_000_000);
+    c.ratio(CT, "tenant-max-cpu-ratio", t.tenant_max_cpu_ratio, true);
+    c.duration(
+        CT,
+        "tenant-cap-idle-ttl",
+        t.tenant_cap_idle_ttl,
+        MS,
+        Duration::from_secs(30 * 86400),
+    );
+
+    // Essential profile (tenant-cpu-cap.md §4.3): every violated rule is listed.
+    if t.tenant_max_cpu_ratio > 0.0 {
+        c.cap_rule(
+            "enforce-global-limit",
+            !t.enforce_global_limit,
+            "must be true",
+        );
+        c.cap_rule("enable-burst", t.enable_burst, "must be false");
+        c.cap_rule(
+            "enable-fair-allocation",
+            t.enable_fair_allocation,
+            "must be false",
+        );
+        c.cap_rule(
+            "enable-dynamic-adjustment",
+            t.enable_dynamic_adjustment,
+            "must be false",
+        );
+        c.cap_rule(
+            "enable-pd-service-limit",
+            t.enable_pd_service_limit,
+            "must be false",
+        );
+        c.cap_rule(
+            "low-priority-dag-global-enabled",
+            t.low_priority_dag_global_enabled,
+            "must be false (its fallback path bypasses the tenant cap)",
+        );
+        c.cap_rule(
+            "keyspace-cpu-quotas",
+            !t.keyspace_cpu_quotas.trim().is_empty(),
+            "must be empty (the uniform cap replaces per-keyspace quotas)",
+        );
+    }
+
+    // [write-quota]
+    c.check(
+        raw.write_quota.pending_write_threshold.0 >= 1024,
+        "write-quota",
+        "pending-write-threshold",
+        format!(
+            "must be at least 1KiB, got {}",
+            raw.write_quota.pending_write_threshold
+        ),
+    );
+
+    // [agent]
+    let a = &raw.agent;
+    c.check(
+        a.control_socket.is_absolute(),
+        "agent",
+        "control-socket",
+        format!("must be an absolute path, got {:?}", a.control_socket),
+    );
+    let metrics_addr = a.metrics_addr.parse::<SocketAddr>().unwrap_or_else(|e| {
+        c.invalid(
+            "agent.metrics-addr".into(),
+            format!("{:?} is not a socket address ({e})", a.metrics_addr),
+        );
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    });
+    c.duration("agent", "timer-period", a.timer_period, MS, SEC);
+    c.int("agent", "max-threads", a.max_threads.into(), 64, 1 << 20);
+    c.int(
+        "agent",
+        "max-keyspaces",
+        a.max_keyspaces.into(),
+        16,
+        1 << 20,
+    );
+
+    let validated = ValidatedConfig {
+        resource_control: ResourceControl {
+            enabled: rc.enabled,
+            stats_interval: rc.stats_interval,
+            window_size: rc.window_size,
+            max_read_cpu_ratio: rc.max_read_cpu_ratio,
+            enable_qps_bytes_limiter: rc.enable_qps_bytes_limiter,
+            cpu_throttle: CpuThrottle {
+                enabled: t.enabled,
+                keyspace_cpu_quotas: quotas,
+                enforce_global_limit: t.enforce_global_limit,
+                enable_pd_service_limit: t.enable_pd_service_limit,
+                pd_service_limit_fetch_interval: t.pd_service_limit_fetch_interval,
+                pd_service_limit_request_timeout: t.pd_service_limit_request_timeout,
+                pd_service_limit_ttl: t.pd_service_limit_ttl,
+                pd_service_limit_consecutive_404: t.pd_service_limit_consecutive_404,
+                pd_service_limit_update_threshold: t.pd_service_limit_update_threshold,
+                pd_override_config: t.pd_override_config,
+                estimated_cpu_per_request_us: t.estimated_cpu_per_request_us,
+                keyspace_estimated_cpu_per_request_us: estimates,
+                enable_adaptive_estimated_cpu_per_request_us: t
+                    .enable_adaptive_estimated_cpu_per_request_us,
+                refill_interval: t.refill_interval,
+                burst_window: t.burst_window,
+                enable_dynamic_adjustment: t.enable_dynamic_adjustment,
+                high_watermark: t.high_watermark,
+                low_watermark: t.low_watermark,
+                enable_fair_allocation: t.enable_fair_allocation,
+                fair_allocation_threshold: t.fair_allocation_threshold,
+                enable_burst: t.enable_burst,
+                burst_threshold: t.burst_threshold,
+                keyspace_burst_enabled: burst_enabled,
+                enable_runtime_token_management: t.enable_runtime_token_management,
+                runtime_check_interval_us: t.runtime_check_interval_us,
+                additional_allocation_threshold: t.additional_allocation_threshold,
+                per_allocation_us: t.per_allocation_us,
+                tenant_max_cpu_ratio: t.tenant_max_cpu_ratio,
+                tenant_cap_idle_ttl: t.tenant_cap_idle_ttl,
+                low_priority_dag_global_enabled: t.low_priority_dag_global_enabled,
+            },
+        },
+        write_quota: WriteQuota {
+            pending_write_threshold: raw.write_quota.pending_write_threshold,
+        },
+        admission_control: AdmissionControl {
+            mode: raw.admission_control.mode,
+            max_concurrent_per_tenant: Some(raw.admission_control.max_concurrent_per_tenant)
+                .filter(|n| *n > 0),
+        },
+        agent: AgentConfig {
+            control_socket: a.control_socket.clone(),
+            metrics_addr,
+            measure: a.measure,
+            timer_period: a.timer_period,
+            max_threads: a.max_threads,
+            max_keyspaces: a.max_keyspaces,
+        },
+    };
+    c.errors.into_result(validated)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::checker::CAP_KEY;
+    use super::super::error::ConfigError;
+    use super::*;
+
+    fn capped() -> RawConfig {
+        let mut raw = RawConfig::default();
+        raw.resource_control.cpu_throttle.tenant_max_cpu_ratio = 0.4;
+        raw
+    }
+
+    #[test]
+    fn cap_with_premium_defaults_lists_every_conflict_without_lines() {
+        let errors = validate(&capped(), &SourceMap::none()).unwrap_err();
+        assert_eq!(
+            errors.keys(),
+            vec![
+                "resource-control.cpu-throttle.enforce-global-limit",
+                "resource-control.cpu-throttle.enable-burst",
+                "resource-control.cpu-throttle.enable-fair-allocation",
+                "resource-control.cpu-throttle.enable-dynamic-adjustment",
+            ]
+        );
+        assert!(errors.errors.iter().all(|e| e.line().is_none()));
+        assert!(
+            errors
+                .errors
+                .iter()
+                .all(|e| matches!(e, ConfigError::Conflict { .. }))
+        );
+    }
+
+    #[test]
+    fn cap_with_the_essential_profile_validates() {
+        let mut raw = capped();
+        let t = &mut raw.resource_control.cpu_throttle;
+        t.enforce_global_limit = true;
+        t.enable_burst = false;
+        t.enable_fair_allocation = false;
+        t.enable_dynamic_adjustment = false;
+        let cfg = validate(&raw, &SourceMap::none()).unwrap();
+        assert!(cfg.cpu_throttle().tenant_cap_enabled());
+    }
+
+    #[test]
+    fn nan_ratio_is_out_of_range_and_does_not_enable_the_cap() {
+        let mut raw = RawConfig::default();
+        raw.resource_control.cpu_throttle.tenant_max_cpu_ratio = f64::NAN;
+        let errors = validate(&raw, &SourceMap::none()).unwrap_err();
+        assert_eq!(errors.keys(), vec![CAP_KEY]);
+    }
+
+    #[test]
+    fn more_quotas_than_keyspace_cells_are_rejected() {
+        let mut raw = RawConfig::default();
+        raw.agent.max_keyspaces = 16;
+        raw.resource_control.cpu_throttle.keyspace_cpu_quotas = (1..=17)
+            .map(|i| format!("{i}:100"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let errors = validate(&raw, &SourceMap::none()).unwrap_err();
+        assert_eq!(
+            errors.keys(),
+            vec!["resource-control.cpu-throttle.keyspace-cpu-quotas"]
+        );
+    }
+
+    #[test]
+    fn conflicting_default_points_at_the_cap_line_and_says_so() {
+        let source = "[resource-control.cpu-throttle]\ntenant-max-cpu-ratio = 0.4\nenforce-global-limit = true\nenable-burst = false\nenable-fair-allocation = false\n";
+        let raw: RawConfig = toml::from_str(source).unwrap();
+        let errors = validate(&raw, &SourceMap::new(source)).unwrap_err();
+        assert_eq!(
+            errors.to_string(),
+            "line 2: resource-control.cpu-throttle.enable-dynamic-adjustment: must be false while \
+             tenant-max-cpu-ratio > 0 (essential tenant-cap mode) (not set in the file; its default conflicts)"
+        );
+    }
+}

@@ -1,0 +1,42 @@
+//! governor: a per-node CPU governor for multi-tenant storage servers.
+//!
+//! # Layout
+//!
+//! - [`config`]: the TOML configuration, parsed then validated, with online
+//!   updates applied whole or not at all.
+//! - [`region`]: typed, atomic views of the shared regions (per-CPU switch
+//!   records, thread slots, keyspace cells).
+//! - [`measure`]: the measurement backends: eBPF (the programs of
+//!   governor-ebpf) or the thread-clock fallback.
+//! - [`client`]: what a storage server links: connect, register threads,
+//!   tag work with keyspaces, read the thread clock.
+//! - [`agent`]: the daemon: backend, control socket, slot reuse, window.
+//! - [`proto`]: the control-socket messages.
+//! - [`cli`]: the operator verbs.
+//! - `sys`: the syscall seam (the only other place with `unsafe`).
+#![deny(unsafe_code)]
+
+pub mod agent;
+pub mod cli;
+pub mod client;
+pub mod config;
+pub mod measure;
+pub mod policy;
+pub mod proto;
+pub mod region;
+pub mod sys;
+
+/// The eBPF object built from governor-ebpf by build.rs.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/governor-programs"));
+
+/// "a: b: c" from an error and its sources, for one-line logs.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}

@@ -1,0 +1,166 @@
+//! The `governor` binary: the agent and the operator verbs.
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use governor::cli::{self, CliError, EXIT_USAGE};
+use governor::config::{MeasureMode, ValidatedConfig};
+use serde::Serialize;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "governor", version, about = "Per-node CPU governor for multi-tenant storage servers")]
+struct Cli {
+    #[command(subcommand)]
+    verb: Verb,
+}
+
+#[derive(Subcommand)]
+enum Verb {
+    /// Run the agent: measurement, shared regions, control socket.
+    Agent {
+        /// Configuration file; the embedded default when absent.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Measurement backend: auto, ebpf or thread-clock (overrides agent.measure).
+        #[arg(long)]
+        measure: Option<MeasureMode>,
+        /// Control socket path (overrides agent.control-socket).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Log as JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measurement backend and per-keyspace CPU.
+    Status {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate or show a configuration.
+    Config {
+        #[command(subcommand)]
+        verb: ConfigVerb,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigVerb {
+    /// Validate FILE: print the validated configuration, or every error (exit 64).
+    Validate {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the configuration FILE gives (or the embedded default).
+    Show {
+        file: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn default_socket() -> PathBuf {
+    ValidatedConfig::embedded_default().agent().control_socket.clone()
+}
+
+fn print<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(value).expect("serializable"));
+    } else {
+        print!("{}", text(value));
+    }
+}
+
+fn fail(json: bool, e: &CliError) -> ! {
+    if json {
+        let body = match e {
+            CliError::Config { path, errors } => serde_json::json!({
+                "valid": false,
+                "path": path,
+                "errors": errors.errors.iter().map(|x| serde_json::json!({
+                    "key": x.key(), "line": x.line(), "message": x.to_string()
+                })).collect::<Vec<_>>(),
+            }),
+            other => serde_json::json!({ "error": governor::error_chain(other) }),
+        };
+        println!("{}", serde_json::to_string_pretty(&body).expect("json"));
+    } else {
+        eprintln!("governor: {}", governor::error_chain(e));
+    }
+    std::process::exit(e.exit_code())
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    match cli.verb {
+        Verb::Agent { config, measure, socket, json } => {
+            init_logging(json);
+            let cfg = match &config {
+                Some(p) => cli::load_config(p).unwrap_or_else(|e| fail(false, &e)),
+                None => ValidatedConfig::embedded_default(),
+            };
+            if let Err(e) = run_agent(cfg, measure, socket) {
+                eprintln!("governor agent: {e:#}");
+                std::process::exit(1);
+            }
+        }
+        Verb::Status { socket, json } => {
+            let socket = socket.unwrap_or_else(default_socket);
+            match cli::status::run(&socket) {
+                Ok(s) => print(json, &s, cli::status::render),
+                Err(e) => fail(json, &e),
+            }
+        }
+        Verb::Config { verb: ConfigVerb::Validate { file, json } } => match cli::config_cmd::validate(&file) {
+            Ok(c) => print(json, &c, |c| c.to_toml_string()),
+            Err(e) => fail(json, &e),
+        },
+        Verb::Config { verb: ConfigVerb::Show { file, json } } => match cli::config_cmd::show(file.as_deref()) {
+            Ok(c) => print(json, &c, |c| c.to_toml_string()),
+            Err(e) => fail(json, &e),
+        },
+    }
+}
+
+fn init_logging(json: bool) {
+    let mut b = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"));
+    if json {
+        b.format(|f, r| {
+            use std::io::Write;
+            writeln!(f, "{}", serde_json::json!({"level": r.level().as_str(), "target": r.target(), "message": r.args().to_string()}))
+        });
+    }
+    b.init();
+}
+
+fn run_agent(cfg: ValidatedConfig, measure: Option<MeasureMode>, socket: Option<PathBuf>) -> anyhow::Result<()> {
+    let mut opts = governor::agent::AgentOptions::from_config(&cfg);
+    if let Some(m) = measure {
+        opts.measure = m;
+    }
+    if let Some(s) = socket {
+        opts.socket = s;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the runtime")?;
+    rt.block_on(async {
+        let shutdown = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = term.recv() => {},
+            }
+            log::info!("shutting down");
+        };
+        governor::agent::run(opts, shutdown).await
+    })
+    .map_err(|e| anyhow::anyhow!(governor::error_chain(&e)))
+}

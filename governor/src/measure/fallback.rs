@@ -1,0 +1,68 @@
+//! The thread-clock fallback: the same regions in memfds. Threads read
+//! their clock with CLOCK_THREAD_CPUTIME_ID; the agent plays the kernel's
+//! part by sampling /proc schedstat of each registered thread and charging
+//! the unclaimed interval with the same CAS on `charged_ns` the thread uses.
+
+use super::{Inner, MeasureError, Measurement, Sizing};
+use crate::proto::BackendKind;
+use crate::region::{RegionSizes, Regions, SlotView};
+use crate::sys;
+use governor_common::{cell_of_tag, ThreadSlot, SLOT_LIVE};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+
+pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
+    let ncpus = sys::possible_cpus().map_err(|source| MeasureError::Region { what: "cpu", source })?;
+    let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces };
+    let make = |what: &'static str, n: u32| {
+        sys::memfd(what, n as usize * std::mem::size_of::<ThreadSlot>())
+            .map_err(|source| MeasureError::Region { what, source })
+    };
+    let fds = [make("governor-cpus", sizes.cpus)?, make("governor-slots", sizes.slots)?, make("governor-keyspaces", sizes.keyspaces)?];
+    let regions = Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd()], sizes)?;
+    Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
+}
+
+/// On-CPU ns of `tid` of `tgid` as the scheduler counts it (the same
+/// counter CLOCK_THREAD_CPUTIME_ID reads), or `None` once it is gone.
+pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{tgid}/task/{tid}/schedstat")).ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// Charges `slot` up to `now_ns` of its thread clock, unless the thread
+/// already charged that far. The CAS makes the thread and the agent charge
+/// each interval exactly once.
+pub fn charge_up_to(m: &Measurement, slot: &SlotView, now_ns: u64) {
+    loop {
+        let charged = slot.charged_ns.load(Ordering::Acquire);
+        if now_ns <= charged {
+            return;
+        }
+        let tag = slot.tag.load(Ordering::Acquire);
+        if slot
+            .charged_ns
+            .compare_exchange(charged, now_ns, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            if let Some(cell) = cell_of_tag(tag).and_then(|i| m.regions.keyspaces.cells.get(i)) {
+                cell.cpu_ns.fetch_add(now_ns - charged, Ordering::Relaxed);
+            }
+            return;
+        }
+    }
+}
+
+/// One sampling pass over every live slot (fallback backend only).
+pub fn sample(m: &Measurement) {
+    for (_, slot) in m.regions.slots.iter() {
+        if slot.state.load(Ordering::Acquire) != SLOT_LIVE {
+            continue;
+        }
+        let (tgid, tid) = (slot.tgid.load(Ordering::Relaxed), slot.tid.load(Ordering::Relaxed));
+        if let Some(ns) = schedstat_ns(tgid, tid) {
+            slot.oncpu_ns.store(ns, Ordering::Release);
+            charge_up_to(m, slot, ns);
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Measurement backends: where the regions come from and who plays the
+//! kernel's side of the charging protocol.
+//!
+//! - [`ebpf`]: BPF array maps (mmapable) and the programs of governor-ebpf.
+//! - [`fallback`]: memfd regions; the agent samples schedstat of registered
+//!   threads and charges with the same CAS the threads use.
+
+pub mod ebpf;
+pub mod fallback;
+
+use crate::proto::{BackendKind, ProgramStats};
+use crate::region::{RegionError, RegionSizes, Regions};
+use std::os::fd::{AsRawFd, OwnedFd};
+
+pub use crate::config::MeasureMode;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MeasureError {
+    #[error("eBPF measurement needs {missing} (have: root, or CAP_BPF + CAP_PERFMON)")]
+    MissingCapability { missing: String },
+    #[error("loading the eBPF programs failed")]
+    Load(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("attaching {program} failed")]
+    Attach { program: &'static str, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("creating the {what} region failed")]
+    Region { what: &'static str, #[source] source: std::io::Error },
+    #[error(transparent)]
+    Map(#[from] RegionError),
+    #[error("registering tid {tid} in the kernel map failed: {reason}")]
+    Register { tid: u32, reason: String },
+}
+
+/// Region sizes asked of a backend.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizing {
+    pub max_threads: u32,
+    pub max_keyspaces: u32,
+    pub timer_period_ns: u64,
+}
+
+/// A running backend: the regions (with the fds handed to clients) plus
+/// the backend-specific side.
+pub struct Measurement {
+    pub kind: BackendKind,
+    pub regions: Regions,
+    pub sizes: RegionSizes,
+    fds: [OwnedFd; 3],
+    inner: Inner,
+}
+
+enum Inner {
+    Ebpf(Box<ebpf::EbpfSide>),
+    Fallback,
+}
+
+impl Measurement {
+    /// Starts the backend `mode` asks for.
+    pub fn start(mode: MeasureMode, sizing: Sizing) -> Result<Measurement, MeasureError> {
+        match mode {
+            MeasureMode::ThreadClock => fallback::start(sizing),
+            MeasureMode::Ebpf => ebpf::start(sizing),
+            MeasureMode::Auto => match ebpf::start(sizing) {
+                Ok(m) => Ok(m),
+                Err(e) => {
+                    log::warn!("eBPF measurement unavailable ({}), using the thread-clock fallback", crate::error_chain(&e));
+                    fallback::start(sizing)
+                }
+            },
+        }
+    }
+
+    pub fn raw_fds(&self) -> [i32; 3] {
+        [self.fds[0].as_raw_fd(), self.fds[1].as_raw_fd(), self.fds[2].as_raw_fd()]
+    }
+
+    /// Makes the kernel side charge `tid` into `slot`.
+    pub fn attach_thread(&mut self, tid: u32, slot: u32) -> Result<(), MeasureError> {
+        match &mut self.inner {
+            Inner::Ebpf(side) => side.insert_tid(tid, slot),
+            Inner::Fallback => Ok(()),
+        }
+    }
+
+    /// Stops charging `tid`.
+    pub fn detach_thread(&mut self, tid: u32) {
+        if let Inner::Ebpf(side) = &mut self.inner {
+            side.remove_tid(tid);
+        }
+    }
+
+    pub fn program_stats(&self) -> Vec<ProgramStats> {
+        match &self.inner {
+            Inner::Ebpf(side) => side.program_stats(),
+            Inner::Fallback => Vec::new(),
+        }
+    }
+
+    pub fn is_fallback(&self) -> bool {
+        matches!(self.inner, Inner::Fallback)
+    }
+}

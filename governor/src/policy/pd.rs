@@ -1,0 +1,231 @@
+//! PD service-limit quotas from fetched values (no HTTP here: the caller fetches).
+//!
+//! `quota_i = global_refill_us × limit_i / Σ limits > 0` (µs per refill interval, the unit of
+//! every keyspace quota). A limit of 0 means unlimited: the quota is removed, unless
+//! `pd-override-config = false` and a static config quota exists, which then stays. A new quota
+//! is applied only when its relative change exceeds `pd-service-limit-update-threshold`. A 404
+//! removes a keyspace only after `pd-service-limit-consecutive-404` 404s in a row or after
+//! `pd-service-limit-ttl` without a successful value. While PD is unreachable nothing changes.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::keyspace::QuotaSource;
+use super::manager::Policy;
+use super::settings::millicores_to_us_per_interval;
+
+/// One keyspace's answer from PD.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PdLimit {
+    /// `service_limit` in RU/s (only ratios matter); 0 = unlimited.
+    Limit(f64),
+    /// PD answered 404 for this keyspace.
+    NotFound,
+}
+
+/// The result of one fetch round.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PdFetch {
+    /// PD could not be reached: keep the last quotas.
+    Unreachable,
+    /// Answers per keyspace; keyspaces not listed were not asked this round.
+    Fetched(BTreeMap<u32, PdLimit>),
+}
+
+/// A change the tracker decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum PdAction {
+    Set { keyspace: u32, quota_us: u64 },
+    Remove { keyspace: u32 },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Tracked {
+    limit: f64,
+    applied_us: Option<u64>,
+    consecutive_404: u32,
+    last_ok_us: u64,
+}
+
+/// Parameters of a PD round.
+#[derive(Debug, Clone, Copy)]
+pub struct PdParams {
+    /// Global refill per interval, µs.
+    pub global_refill_us: u64,
+    pub update_threshold: f64,
+    pub consecutive_404: u32,
+    pub ttl_us: u64,
+}
+
+/// Per-keyspace PD state across rounds.
+#[derive(Debug, Default)]
+pub struct PdTracker {
+    tracked: BTreeMap<u32, Tracked>,
+}
+
+impl PdTracker {
+    /// Folds one fetch round into the state and returns the quota changes to apply.
+    pub fn update(&mut self, now_us: u64, fetch: &PdFetch, p: PdParams) -> Vec<PdAction> {
+        let PdFetch::Fetched(answers) = fetch else {
+            return Vec::new();
+        };
+        let mut actions = Vec::new();
+        for (&ks, answer) in answers {
+            let t = self.tracked.entry(ks).or_insert(Tracked {
+                limit: 0.0,
+                applied_us: None,
+                consecutive_404: 0,
+                last_ok_us: now_us,
+            });
+            match *answer {
+                PdLimit::Limit(v) => {
+                    t.limit = v.max(0.0);
+                    t.consecutive_404 = 0;
+                    t.last_ok_us = now_us;
+                }
+                PdLimit::NotFound => t.consecutive_404 += 1,
+            }
+        }
+        let expired: Vec<u32> = self
+            .tracked
+            .iter()
+            .filter(|(_, t)| {
+                t.consecutive_404 >= p.consecutive_404.max(1)
+                    || now_us.saturating_sub(t.last_ok_us) >= p.ttl_us
+            })
+            .map(|(&ks, _)| ks)
+            .collect();
+        for ks in expired {
+            if let Some(t) = self.tracked.remove(&ks)
+                && t.applied_us.is_some()
+            {
+                actions.push(PdAction::Remove { keyspace: ks });
+            }
+        }
+        let sum: f64 = self
+            .tracked
+            .values()
+            .filter(|t| t.limit > 0.0)
+            .map(|t| t.limit)
+            .sum();
+        for (&ks, t) in self.tracked.iter_mut() {
+            if t.limit <= 0.0 {
+                if t.applied_us.take().is_some() {
+                    actions.push(PdAction::Remove { keyspace: ks });
+                }
+                continue;
+            }
+            let quota = (p.global_refill_us as f64 * t.limit / sum) as u64;
+            let apply = match t.applied_us {
+                None => true,
+                Some(old) => {
+                    old == 0 || (quota as f64 - old as f64).abs() / old as f64 > p.update_threshold
+                }
+            };
+            if apply {
+                t.applied_us = Some(quota);
+                actions.push(PdAction::Set {
+                    keyspace: ks,
+                    quota_us: quota,
+                });
+            }
+        }
+        actions
+    }
+
+    /// The quota currently applied for a keyspace, µs per refill interval.
+    pub fn applied_us(&self, keyspace: u32) -> Option<u64> {
+        self.tracked.get(&keyspace).and_then(|t| t.applied_us)
+    }
+}
+
+impl Policy {
+    /// Folds a PD fetch round into the keyspace quotas (when `enable-pd-service-limit`).
+    /// Returns the actions the tracker decided (including ones overridden by static config).
+    pub fn apply_pd_service_limits(&self, now_us: u64, fetch: &PdFetch) -> Vec<PdAction> {
+        let s = self.settings();
+        if !s.enable_pd_service_limit {
+            return Vec::new();
+        }
+        let params = PdParams {
+            global_refill_us: self.global.base_refill_us(),
+            update_threshold: s.pd_service_limit_update_threshold,
+            consecutive_404: s.pd_service_limit_consecutive_404,
+            ttl_us: s.pd_service_limit_ttl_us,
+        };
+        let actions = self
+            .agent
+            .lock()
+            .expect("agent lock")
+            .pd
+            .update(now_us, fetch, params);
+        for a in &actions {
+            match *a {
+                PdAction::Set { keyspace, quota_us } => {
+                    let static_wins = !s.pd_override_config
+                        && s.keyspace_cpu_quotas_millicores.contains_key(&keyspace);
+                    if !static_wins {
+                        self.upsert_quota(keyspace, quota_us, QuotaSource::Pd, &s, now_us);
+                    }
+                }
+                PdAction::Remove { keyspace } => match s
+                    .keyspace_cpu_quotas_millicores
+                    .get(&keyspace)
+                {
+                    Some(&mc) if !s.pd_override_config => {
+                        let us = millicores_to_us_per_interval(mc, s.refill_interval_us);
+                        self.upsert_quota(keyspace, us, QuotaSource::Config, &s, now_us);
+                    }
+                    _ => {
+                        self.remove_keyspace_if(keyspace, |e| e.source() != QuotaSource::TenantCap);
+                    }
+                },
+            }
+        }
+        actions
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> PdParams {
+        PdParams {
+            global_refill_us: 10_000,
+            update_threshold: 0.01,
+            consecutive_404: 3,
+            ttl_us: 1_000_000,
+        }
+    }
+
+    #[test]
+    fn proportional_quotas_and_threshold() {
+        let mut t = PdTracker::default();
+        let f = PdFetch::Fetched(BTreeMap::from([
+            (1, PdLimit::Limit(300.0)),
+            (2, PdLimit::Limit(100.0)),
+        ]));
+        let a = t.update(0, &f, params());
+        assert_eq!(
+            a,
+            vec![
+                PdAction::Set {
+                    keyspace: 1,
+                    quota_us: 7500
+                },
+                PdAction::Set {
+                    keyspace: 2,
+                    quota_us: 2500
+                }
+            ]
+        );
+        // 0.5 % change: below the 1 % threshold, nothing applied.
+        let f = PdFetch::Fetched(BTreeMap::from([
+            (1, PdLimit::Limit(301.5)),
+            (2, PdLimit::Limit(100.0)),
+        ]));
+        assert!(t.update(10, &f, params()).is_empty());
+    }
+}

@@ -1,0 +1,287 @@
+//! The syscall seam: every raw libc call governor makes outside the region
+//! views lives here, each behind a safe function.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// Current thread id.
+pub fn gettid() -> u32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() as u32 }
+}
+
+/// CPU the calling thread runs on (vDSO/rseq, a few ns).
+#[inline]
+pub fn current_cpu() -> u32 {
+    // SAFETY: sched_getcpu has no arguments; -1 only without kernel support.
+    let cpu = unsafe { libc::sched_getcpu() };
+    cpu.max(0) as u32
+}
+
+#[inline]
+fn clock(id: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid out-pointer; the clocks used here always exist.
+    unsafe { libc::clock_gettime(id, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CLOCK_MONOTONIC in ns: the clock `bpf_ktime_get_ns` reads.
+#[inline]
+pub fn monotonic_ns() -> u64 {
+    clock(libc::CLOCK_MONOTONIC)
+}
+
+/// The calling thread's CPU time (a syscall, ~600 ns on a VM).
+#[inline]
+pub fn thread_cputime_ns() -> u64 {
+    clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// Number of possible CPUs (the size of per-CPU tables).
+pub fn possible_cpus() -> io::Result<u32> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/possible")?;
+    parse_cpu_list(text.trim())
+        .map(|max| max + 1)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad cpu list {text:?}")))
+}
+
+/// Online CPU ids.
+pub fn online_cpus() -> io::Result<Vec<u32>> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online")?;
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (u32, u32) = (
+            a.parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, text.clone()))?,
+            b.parse().map_err(|_| io::Error::new(io::ErrorKind::InvalidData, text.clone()))?,
+        );
+        cpus.extend(a..=b);
+    }
+    Ok(cpus)
+}
+
+fn parse_cpu_list(s: &str) -> Option<u32> {
+    s.split(',')
+        .filter_map(|p| p.rsplit('-').next()?.parse::<u32>().ok())
+        .max()
+}
+
+/// Logical cores the node has (what "cores" means in every ratio).
+pub fn logical_cores() -> u32 {
+    std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1)
+}
+
+/// A shared mapping of `len` bytes of `fd` at offset 0.
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all access goes through atomics.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes (rounded up to a page) of `fd`, read-write, shared.
+    pub fn map(fd: RawFd, len: usize) -> io::Result<Mapping> {
+        let page = page_size();
+        let len = len.div_ceil(page) * page;
+        // SAFETY: a fresh shared mapping of a file descriptor we were given;
+        // the kernel validates fd, length and protection.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping { ptr: ptr.cast(), len })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len came from a successful mmap and are unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 { p as usize } else { 4096 }
+}
+
+/// An anonymous memory file of `len` bytes, zero-filled (fallback regions).
+pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
+    let cname = CString::new(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: cname is a valid C string; flags are constants.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fd is a valid memfd.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Sends `data` on a unix stream socket with `fds` attached (SCM_RIGHTS).
+pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
+    let fd_bytes = std::mem::size_of_val(fds) as u32;
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    let mut cbuf = vec![0u8; space.max(1)];
+    // SAFETY: zeroed msghdr is a valid starting value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: msg_control points at a buffer of CMSG_SPACE(fd_bytes)
+        // bytes, so the first header and its data fit.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cmsg).cast(), fds.len());
+        }
+    }
+    // SAFETY: msg points at valid buffers for the duration of the call.
+    let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+}
+
+/// Receives into `buf` from a unix stream socket, collecting up to `max_fds`
+/// descriptors passed with SCM_RIGHTS.
+pub fn recv_with_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let fd_bytes = (max_fds * std::mem::size_of::<RawFd>()) as u32;
+    // SAFETY: pure computation.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    let mut cbuf = vec![0u8; space];
+    // SAFETY: zeroed msghdr is a valid starting value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg points at valid buffers for the duration of the call.
+    let n = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel wrote into cbuf.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg) as *const RawFd;
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok((n as usize, fds))
+}
+
+/// Credentials of the peer of a unix socket.
+pub fn peer_pid(sock: RawFd) -> io::Result<u32> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred/len are valid out-pointers of the right size.
+    let rc = unsafe {
+        libc::getsockopt(sock, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(cred.pid as u32) }
+}
+
+/// Effective capability set of this process, from /proc/self/status.
+pub fn effective_caps() -> io::Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no CapEff in /proc/self/status"))
+}
+
+pub const CAP_SYS_ADMIN: u32 = 21;
+pub const CAP_PERFMON: u32 = 38;
+pub const CAP_BPF: u32 = 39;
+
+/// Raises RLIMIT_MEMLOCK for old kernels that charge BPF maps to it.
+pub fn raise_memlock() {
+    let rl = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: rl is a valid pointer; failure is harmless on new kernels.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_parse() {
+        assert_eq!(parse_cpu_list("0-1"), Some(1));
+        assert_eq!(parse_cpu_list("0"), Some(0));
+        assert_eq!(parse_cpu_list("0-3,8-11"), Some(11));
+        assert_eq!(parse_cpu_list(""), None);
+    }
+
+    #[test]
+    fn thread_clock_advances_with_work() {
+        let a = thread_cputime_ns();
+        let mut x = 0u64;
+        for i in 0..2_000_000u64 {
+            x = x.wrapping_mul(31).wrapping_add(i);
+        }
+        std::hint::black_box(x);
+        assert!(thread_cputime_ns() > a);
+    }
+
+    #[test]
+    fn memfd_maps_zeroed_and_shared() {
+        let fd = memfd("t", 8192).unwrap();
+        let a = Mapping::map(fd.as_raw_fd(), 8192).unwrap();
+        let b = Mapping::map(fd.as_raw_fd(), 8192).unwrap();
+        // SAFETY: both mappings are 8192 bytes of the same memfd.
+        unsafe {
+            assert_eq!(*a.as_ptr().add(100), 0);
+            *a.as_ptr().add(100) = 7;
+            assert_eq!(*b.as_ptr().add(100), 7);
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Simulated-clock load generator shared by the integration tests.
+#![allow(dead_code)]
+
+use governor::policy::{Policy, Refusal};
+
+/// A tenant that tries to run `per_step` requests of `cost_us` CPU every step (greedy when large).
+#[derive(Debug, Clone, Copy)]
+pub struct Load {
+    pub keyspace: u32,
+    pub cost_us: u64,
+    pub per_step: u32,
+}
+
+/// Per-tenant outcome of a run.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub consumed_us: Vec<u64>,
+    pub granted: Vec<u64>,
+    pub refused: Vec<u64>,
+    pub last_refusal: Vec<Option<Refusal>>,
+}
+
+/// Runs `loads` from `start_us` for `duration_us` in steps of `step_us`; every step the agent
+/// ticks, then the tenants take turns (one request each per round) allocating and immediately
+/// releasing with truthful consumption, each until refused or `per_step` requests ran. Returns per-tenant consumption in the run.
+pub fn run(
+    policy: &Policy,
+    loads: &[Load],
+    start_us: u64,
+    duration_us: u64,
+    step_us: u64,
+) -> Outcome {
+    let mut out = Outcome {
+        consumed_us: vec![0; loads.len()],
+        granted: vec![0; loads.len()],
+        refused: vec![0; loads.len()],
+        last_refusal: vec![None; loads.len()],
+    };
+    let mut now = start_us;
+    while now < start_us + duration_us {
+        policy.tick(now, None);
+        // Interleave tenants one request at a time (free competition, no fixed priority).
+        let mut active: Vec<usize> = (0..loads.len()).collect();
+        let mut done = vec![0u32; loads.len()];
+        while !active.is_empty() {
+            active.retain(|&i| {
+                let l = loads[i];
+                if done[i] >= l.per_step {
+                    return false;
+                }
+                match policy.allocate(l.keyspace, Some(l.cost_us), now) {
+                    Ok(g) => {
+                        policy.release(g, l.cost_us);
+                        out.consumed_us[i] += l.cost_us;
+                        out.granted[i] += 1;
+                        done[i] += 1;
+                        true
+                    }
+                    Err(r) => {
+                        out.refused[i] += 1;
+                        out.last_refusal[i] = Some(r);
+                        false
+                    }
+                }
+            });
+        }
+        now += step_us;
+    }
+    out
+}
+
+/// `|actual / expected − 1| <= tol`.
+pub fn assert_close(actual: f64, expected: f64, tol: f64, what: &str) {
+    let rel = (actual / expected - 1.0).abs();
+    assert!(
+        rel <= tol,
+        "{what}: actual {actual} vs expected {expected} (rel error {rel:.4} > {tol})"
+    );
+}

@@ -1,0 +1,139 @@
+//! PD service-limit quotas from fetched values (keyspace-cpu-throttle.md, Key Component 2).
+
+use std::collections::BTreeMap;
+
+use governor::policy::{PdAction, PdFetch, PdLimit, Policy, QuotaSource, Settings};
+
+const SEC: u64 = 1_000_000;
+
+fn pd(f: impl FnOnce(&mut Settings)) -> Policy {
+    let mut s = Settings {
+        enable_pd_service_limit: true,
+        pd_service_limit_ttl_us: 600 * SEC,
+        ..Settings::default() // 8 cores × 0.6 → global refill 48_000 µs per 10 ms
+    };
+    f(&mut s);
+    Policy::new(s, 0).unwrap()
+}
+
+fn fetched(v: &[(u32, PdLimit)]) -> PdFetch {
+    PdFetch::Fetched(v.iter().copied().collect::<BTreeMap<_, _>>())
+}
+
+fn quota(p: &Policy, ks: u32) -> Option<u64> {
+    p.keyspace(ks).map(|e| e.bucket().base_refill_us())
+}
+
+#[test]
+fn pd_quotas_are_proportional_to_positive_limits() {
+    let p = pd(|_| {});
+    let a = p.apply_pd_service_limits(
+        0,
+        &fetched(&[
+            (1, PdLimit::Limit(300.0)),
+            (2, PdLimit::Limit(100.0)),
+            (3, PdLimit::Limit(0.0)),
+        ]),
+    );
+    assert_eq!(a.len(), 2);
+    assert_eq!(quota(&p, 1), Some(36_000));
+    assert_eq!(quota(&p, 2), Some(12_000));
+    assert_eq!(quota(&p, 3), None, "0 = unlimited, does not participate");
+    assert_eq!(p.keyspace(1).unwrap().source(), QuotaSource::Pd);
+    // Below the update threshold (1 %): kept; above: applied.
+    assert!(
+        p.apply_pd_service_limits(
+            SEC,
+            &fetched(&[(1, PdLimit::Limit(301.0)), (2, PdLimit::Limit(100.0))])
+        )
+        .is_empty()
+    );
+    p.apply_pd_service_limits(
+        2 * SEC,
+        &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]),
+    );
+    assert_eq!((quota(&p, 1), quota(&p, 2)), (Some(24_000), Some(24_000)));
+}
+
+#[test]
+fn pd_limit_zero_removes_quota_unless_static_config_wins() {
+    let p = pd(|_| {});
+    p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
+    assert!(quota(&p, 1).is_some());
+    let a = p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
+    assert_eq!(a, vec![PdAction::Remove { keyspace: 1 }]);
+    assert!(p.allocate(1, Some(1), SEC).unwrap().is_skip(), "unlimited");
+
+    let p = pd(|s| {
+        s.pd_override_config = false;
+        s.keyspace_cpu_quotas_millicores = [(1, 1000)].into(); // 10_000 µs
+    });
+    p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
+    assert_eq!(
+        quota(&p, 1),
+        Some(10_000),
+        "static config is not overridden"
+    );
+    p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
+    assert_eq!(quota(&p, 1), Some(10_000), "static quota kept on unlimited");
+    assert_eq!(p.keyspace(1).unwrap().source(), QuotaSource::Config);
+
+    let p = pd(|s| s.keyspace_cpu_quotas_millicores = [(1, 1000)].into());
+    p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
+    assert_eq!(
+        quota(&p, 1),
+        Some(48_000),
+        "pd-override-config = true: PD wins"
+    );
+}
+
+#[test]
+fn pd_404_removes_only_after_consecutive_count_or_ttl() {
+    let p = pd(|s| s.pd_service_limit_consecutive_404 = 3);
+    p.apply_pd_service_limits(
+        0,
+        &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]),
+    );
+    for i in 1..=2 {
+        assert!(
+            p.apply_pd_service_limits(
+                i * SEC,
+                &fetched(&[(1, PdLimit::NotFound), (2, PdLimit::Limit(100.0))])
+            )
+            .is_empty()
+        );
+        assert!(quota(&p, 1).is_some(), "404 #{i} tolerated");
+    }
+    let a = p.apply_pd_service_limits(
+        3 * SEC,
+        &fetched(&[(1, PdLimit::NotFound), (2, PdLimit::Limit(100.0))]),
+    );
+    assert!(a.contains(&PdAction::Remove { keyspace: 1 }));
+    assert!(quota(&p, 1).is_none());
+    assert_eq!(
+        quota(&p, 2),
+        Some(48_000),
+        "sole remaining keyspace gets everything"
+    );
+    // A success resets the 404 streak.
+    p.apply_pd_service_limits(4 * SEC, &fetched(&[(2, PdLimit::NotFound)]));
+    p.apply_pd_service_limits(5 * SEC, &fetched(&[(2, PdLimit::Limit(100.0))]));
+    p.apply_pd_service_limits(6 * SEC, &fetched(&[(2, PdLimit::NotFound)]));
+    assert!(quota(&p, 2).is_some());
+    // TTL: not confirmed for 600 s.
+    let a = p.apply_pd_service_limits(606 * SEC, &fetched(&[]));
+    assert_eq!(a, vec![PdAction::Remove { keyspace: 2 }]);
+}
+
+#[test]
+fn pd_unreachable_keeps_last_quotas() {
+    let p = pd(|_| {});
+    p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
+    for i in 1..100 {
+        assert!(
+            p.apply_pd_service_limits(i * 60 * SEC, &PdFetch::Unreachable)
+                .is_empty()
+        );
+    }
+    assert_eq!(quota(&p, 1), Some(48_000));
+}

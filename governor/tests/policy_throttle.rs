@@ -1,0 +1,384 @@
+//! keyspace-cpu-throttle.md mechanisms: fair allocation, burst, dynamic adjustment, quota shrink
+//! debt, release, adaptive estimate, monitor window, snapshot.
+
+mod common;
+
+use governor::policy::{
+    FairInput, Policy, QuotaSource, Refusal, Settings, UsageSample, fair_allocate,
+};
+
+const SEC: u64 = 1_000_000;
+const MS: u64 = 1_000;
+
+fn approx(a: f64, b: f64, eps: f64) -> bool {
+    (a - b).abs() <= eps
+}
+
+#[test]
+fn throttle_worked_example_fair_allocation() {
+    // 8 cores, 6.0 used (75 %), 2.0 available.
+    let inputs = [
+        FairInput {
+            keyspace: 1,
+            quota: 4.0,
+            usage: 2.5,
+            demand: Some(1.5),
+        }, // A
+        FairInput {
+            keyspace: 2,
+            quota: 2.0,
+            usage: 1.5,
+            demand: Some(1.0),
+        }, // B
+        FairInput {
+            keyspace: 3,
+            quota: 2.0,
+            usage: 2.0,
+            demand: Some(0.5),
+        }, // C
+    ];
+    let out = fair_allocate(8.0, 6.0, &inputs);
+    assert!(approx(out[0].can_use, 2.0 * 4.0 / 6.0, 1e-9), "A gets 1.33");
+    assert!(
+        approx(out[0].allocation, 3.8333, 1e-3),
+        "A = 3.83, got {}",
+        out[0].allocation
+    );
+    assert!(
+        approx(out[1].can_use, 0.5, 1e-9),
+        "B capped at remaining quota"
+    );
+    assert!(approx(out[1].allocation, 2.0, 1e-9));
+    assert_eq!(out[2].can_use, 0.0, "C at its quota gets nothing");
+    assert!(approx(out[2].allocation, 2.0, 1e-9));
+}
+
+/// 8 cores, max-read-cpu-ratio 1.0, 10 ms refill, 1 s window = 1 s stats interval.
+fn premium(f: impl FnOnce(&mut Settings)) -> Settings {
+    let mut s = Settings {
+        cpu_cores: 8.0,
+        max_read_cpu_ratio: 1.0,
+        window_size_us: SEC,
+        stats_interval_us: SEC,
+        ..Settings::default()
+    };
+    f(&mut s);
+    s
+}
+
+fn sample(global_cum_us: u64, ks: &[(u32, u64)]) -> UsageSample {
+    UsageSample {
+        global_cpu_cumulative_us: global_cum_us,
+        keyspace_cpu_us: ks.to_vec(),
+    }
+}
+
+#[test]
+fn fair_allocation_drives_keyspace_refill_above_threshold() {
+    let s = premium(|s| {
+        s.enable_fair_allocation = true;
+        s.keyspace_cpu_quotas_millicores = [(1, 4000), (2, 2000), (3, 2000)].into();
+    });
+    let p = Policy::new(s, 0).unwrap();
+    p.tick(0, Some(&sample(0, &[])));
+    // Pending demand during the interval (refused requests count as demand too).
+    for (ks, demand) in [(1, 1_500_000), (2, 1_000_000), (3, 500_000)] {
+        assert!(p.allocate(ks, Some(demand), 500 * MS).is_err());
+    }
+    // Node at 75 %: A 2.5, B 1.5, C 2.0 cores over the 1 s window.
+    let r = p.tick(
+        SEC,
+        Some(&sample(
+            6 * SEC,
+            &[(1, 2_500_000), (2, 1_500_000), (3, 2 * SEC)],
+        )),
+    );
+    assert!(r.fair_active);
+    assert!(approx(r.global_ratio, 0.75, 1e-9));
+    let refill = |ks| p.keyspace(ks).unwrap().bucket().refill_us();
+    // µs per 10 ms interval: 10_000 = one core.
+    assert_eq!(refill(1), 38_333, "A: 3.83 cores");
+    assert_eq!(refill(2), 20_000, "B: 2.0 cores");
+    assert_eq!(refill(3), 20_000, "C: 2.0 cores");
+    assert_eq!(p.snapshot().keyspaces[0].fair_allocations, 1);
+    // Below the threshold, base rates come back.
+    let r = p.tick(2 * SEC, Some(&sample(9 * SEC, &[(1, SEC)])));
+    assert!(!r.fair_active);
+    assert_eq!(refill(1), 40_000);
+}
+
+#[test]
+fn burst_uses_global_tokens_under_the_seed_conditions_and_is_capped_per_interval() {
+    let s = premium(|s| {
+        s.max_read_cpu_ratio = 0.6; // global refill 48_000 per interval
+        s.enable_burst = true;
+        s.enable_runtime_token_management = false;
+        s.keyspace_cpu_quotas_millicores = [(1, 1000), (2, 1000)].into();
+        s.keyspace_burst_enabled = [(2, false)].into();
+    });
+    let p = Policy::new(s, 0).unwrap();
+    p.tick(0, Some(&sample(0, &[])));
+    p.tick(SEC, Some(&sample(SEC, &[(1, 100_000)]))); // global 0.21, keyspace 0.02: may burst
+    assert!(p.keyspace(1).unwrap().burst_allowed());
+    assert!(!p.keyspace(2).unwrap().burst_allowed() || !p.keyspace(2).unwrap().burst_enabled());
+    let now = SEC;
+    let held = p.allocate(1, Some(100_000), now).unwrap(); // drains keyspace 1
+    assert!(!held.is_burst());
+    let b = p.allocate(1, Some(40_000), now).unwrap();
+    assert!(b.is_burst());
+    assert_eq!((b.tenant_us(), b.global_us()), (0, 40_000));
+    // Burst budget is one global refill (48_000): 8_000 left this interval.
+    assert_eq!(
+        p.allocate(1, Some(10_000), now).unwrap_err(),
+        Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
+    );
+    let small = p.allocate(1, Some(8_000), now).unwrap();
+    assert!(small.is_burst());
+    // keyspace-burst-enabled = false for keyspace 2.
+    let held2 = p.allocate(2, Some(100_000), now).unwrap();
+    assert!(p.allocate(2, Some(1), now).is_err());
+    p.tick(now + 10 * MS, None); // budget refreshed at the refill boundary
+    let again = p.allocate(1, Some(30_000), now + 10 * MS).unwrap();
+    assert!(again.is_burst());
+    assert_eq!(p.counters().burst_granted, 3);
+    // High global ratio: no burst.
+    p.tick(2 * SEC, Some(&sample(SEC + 3_500_000, &[]))); // 3.5 / 4.8 = 0.73 < 0.9 still allowed
+    assert!(p.keyspace(1).unwrap().burst_allowed());
+    p.tick(3 * SEC, Some(&sample(SEC + 8_300_000, &[]))); // 4.8 / 4.8 = 1.0
+    assert!(!p.keyspace(1).unwrap().burst_allowed());
+    for g in [held, b, small, held2, again] {
+        let used = g.granted_us();
+        p.release(g, used);
+    }
+    assert_eq!(p.global_bucket().inflight_us(), 0);
+}
+
+#[test]
+fn dynamic_adjustment_follows_the_watermarks() {
+    let s = premium(|s| {
+        s.max_read_cpu_ratio = 0.6; // global 48_000 per interval, 4.8 s per 1 s window
+        s.enable_dynamic_adjustment = true;
+        s.keyspace_cpu_quotas_millicores = [(1, 2000)].into(); // 20_000; quota ratio 0.4167
+    });
+    let p = Policy::new(s, 0).unwrap();
+    p.tick(0, Some(&sample(0, &[])));
+    // Global ratio 1.0 > 0.8: reduce to base × 0.8 / 1.0. Keyspace ratio 0.75 > 0.9 × 0.4167.
+    p.tick(SEC, Some(&sample(4_800_000, &[(1, 3_600_000)])));
+    assert_eq!(p.global_bucket().refill_us(), 38_400);
+    assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 10_000);
+    // 0.6 is between the watermarks: keep the reduced global rate; keyspace under → base.
+    p.tick(
+        2 * SEC,
+        Some(&sample(4_800_000 + 2_880_000, &[(1, 100_000)])),
+    );
+    assert_eq!(p.global_bucket().refill_us(), 38_400);
+    assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 20_000);
+    // 0.4 < 0.5: restore.
+    p.tick(
+        3 * SEC,
+        Some(&sample(4_800_000 + 2_880_000 + 1_920_000, &[])),
+    );
+    assert_eq!(p.global_bucket().refill_us(), 48_000);
+}
+
+#[test]
+fn quota_shrink_enters_debt_until_inflight_drains() {
+    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 2000)].into());
+    let p = Policy::new(s, 0).unwrap();
+    let g = p.allocate(1, Some(15_000), 0).unwrap();
+    p.set_keyspace_quota_millicores(1, Some(1000), 0).unwrap(); // 10_000 < 15_000 in flight
+    let snap = p.snapshot().keyspaces[0].clone();
+    assert!(snap.in_debt_mode);
+    assert_eq!(
+        (snap.available_us, snap.base_refill_us, snap.capacity_us),
+        (0, 10_000, 100_000)
+    );
+    assert_eq!(
+        p.allocate(1, Some(1), 0).unwrap_err(),
+        Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
+    );
+    p.tick(50 * MS, None);
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 0);
+    p.release(g, 20_000); // overran by 5_000: debt
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), -5_000);
+    assert_eq!(p.snapshot().keyspaces[0].debt_us, 5_000);
+    p.tick(60 * MS, None);
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 5_000);
+    assert!(!p.keyspace(1).unwrap().bucket().in_debt());
+    // Removing the quota removes the bucket: the keyspace is unknown again.
+    p.set_keyspace_quota_millicores(1, None, 0).unwrap();
+    assert!(p.allocate(1, Some(1), 0).unwrap().is_skip());
+}
+
+#[test]
+fn release_refunds_unused_estimate_and_charges_overrun() {
+    let s = premium(|s| {
+        s.enforce_global_limit = true;
+        s.keyspace_cpu_quotas_millicores = [(1, 1000)].into();
+    });
+    let p = Policy::new(s, 0).unwrap();
+    let full = p.keyspace(1).unwrap().bucket().available_us();
+    let g = p.allocate(1, Some(5_000), 0).unwrap();
+    p.release(g, 2_000);
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), full - 2_000);
+    let g = p.allocate(1, Some(5_000), 0).unwrap();
+    p.release(g, 9_000);
+    assert_eq!(
+        p.keyspace(1).unwrap().bucket().available_us(),
+        full - 11_000
+    );
+    assert_eq!(
+        p.global_bucket().available_us(),
+        p.global_bucket().capacity_us() - 11_000
+    );
+    let ks = p.snapshot().keyspaces[0].clone();
+    assert_eq!(
+        (ks.consumed_us, ks.released, ks.inflight_us),
+        (11_000, 2, 0)
+    );
+    assert_eq!(ks.bucket.debt_total_us, 4_000);
+}
+
+#[test]
+fn global_is_best_effort_tracking_unless_enforced() {
+    let mk = |enforce| {
+        Policy::new(
+            premium(|s| {
+                s.enforce_global_limit = enforce;
+                s.cpu_cores = 1.0; // global 10_000 per interval, capacity 100_000
+                s.keyspace_cpu_quotas_millicores = [(1, 8000)].into();
+            }),
+            0,
+        )
+        .unwrap()
+    };
+    let p = mk(false);
+    let a = p.allocate(1, Some(100_000), 0).unwrap();
+    let b = p.allocate(1, Some(50_000), 0).unwrap(); // global empty: tracked as overdraft
+    assert_eq!(p.global_bucket().available_us(), -50_000);
+    assert_eq!(p.counters().global_best_effort_overdraft, 1);
+    p.release(a, 100_000);
+    p.release(b, 50_000);
+    let p = mk(true);
+    let a = p.allocate(1, Some(100_000), 0).unwrap();
+    assert_eq!(
+        p.allocate(1, Some(50_000), 0).unwrap_err(),
+        Refusal::GlobalCpuExhausted { keyspace: 1 }
+    );
+    assert_eq!(
+        p.keyspace(1).unwrap().bucket().available_us(),
+        800_000 - 100_000,
+        "tenant rolled back"
+    );
+    assert_eq!(p.counters().global_exhausted, 1);
+    p.release(a, 100_000);
+}
+
+#[test]
+fn adaptive_estimate_updates_once_per_stats_interval() {
+    let s = premium(|s| {
+        s.enable_adaptive_estimate = true;
+        s.adaptive_estimate_alpha = 0.5;
+        s.keyspace_cpu_quotas_millicores = [(1, 4000), (2, 4000)].into();
+        s.keyspace_estimated_cpu_per_request_us = [(2, 1500)].into();
+    });
+    let p = Policy::new(s, 0).unwrap();
+    assert_eq!(p.keyspace(1).unwrap().estimate_us(), 1000);
+    assert_eq!(
+        p.keyspace(2).unwrap().estimate_us(),
+        1500,
+        "per-keyspace override"
+    );
+    for _ in 0..10 {
+        let g = p.allocate(1, None, 0).unwrap();
+        assert_eq!(g.granted_us(), 1000);
+        p.release(g, 3000);
+    }
+    assert_eq!(
+        p.keyspace(1).unwrap().estimate_us(),
+        1000,
+        "not before the stats interval"
+    );
+    p.tick(SEC, Some(&sample(0, &[])));
+    assert_eq!(p.keyspace(1).unwrap().estimate_us(), 2000);
+    p.tick(2 * SEC, Some(&sample(0, &[])));
+    assert_eq!(
+        p.keyspace(1).unwrap().estimate_us(),
+        2000,
+        "no requests, no change"
+    );
+    let g = p.allocate(1, None, 2 * SEC).unwrap();
+    assert_eq!(g.granted_us(), 2000);
+    p.release(g, 2000);
+    assert_eq!(p.keyspace(2).unwrap().estimate_us(), 1500);
+}
+
+#[test]
+fn monitor_window_ratios_are_published_and_exported() {
+    let s = Settings {
+        cpu_cores: 4.0,
+        max_read_cpu_ratio: 0.5,
+        window_size_us: 4 * SEC,
+        stats_interval_us: SEC,
+        ..Settings::default()
+    };
+    let s = Settings {
+        keyspace_cpu_quotas_millicores: [(1, 1000)].into(),
+        ..s
+    };
+    let p = Policy::new(s, 0).unwrap();
+    // max_cpu_time = 4 × 0.5 × 4 s = 8 s.
+    for i in 0..=5u64 {
+        p.tick(i * SEC, Some(&sample(i * SEC, &[(1, 500_000)])));
+    }
+    // Window (1 s, 5 s]: global 4 s, keyspace 4 × 0.5 s = 2 s.
+    assert!(approx(p.global_ratio(), 0.5, 1e-9));
+    let snap = p.snapshot();
+    assert!(approx(snap.keyspaces[0].ratio, 0.25, 1e-9));
+    assert_eq!(snap.keyspaces[0].source, QuotaSource::Config);
+    let json = serde_json::to_value(&snap).unwrap();
+    assert_eq!(json["keyspaces"][0]["keyspace"], 1);
+    assert_eq!(json["keyspaces"][0]["source"], "config");
+    for key in [
+        "available_us",
+        "capacity_us",
+        "refill_us",
+        "inflight_us",
+        "debt_us",
+        "ratio",
+        "estimate_us",
+        "burst_allowed",
+        "granted",
+    ] {
+        assert!(json["keyspaces"][0].get(key).is_some(), "missing {key}");
+    }
+    assert!(json["counters"].get("tenant_cap_exhausted").is_some());
+    assert!(json["counters"].get("global_exhausted").is_some());
+}
+
+#[test]
+fn refill_is_per_interval_and_never_exceeds_capacity() {
+    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 500)].into()); // 5_000 / 10 ms
+    let p = Policy::new(s, 0).unwrap();
+    let b = p.keyspace(1).unwrap();
+    assert_eq!(
+        b.bucket().capacity_us(),
+        50_000,
+        "rate × 100 ms burst window"
+    );
+    let g = p.allocate(1, Some(50_000), 0).unwrap();
+    p.release(g, 50_000);
+    assert_eq!(p.next_refill_at_us(), 10 * MS);
+    assert_eq!(p.tick(25 * MS, None).refill_intervals, 2);
+    assert_eq!(
+        p.next_refill_at_us(),
+        30 * MS,
+        "boundaries stay on the refill grid"
+    );
+    assert_eq!(b.bucket().available_us(), 10_000);
+    assert_eq!(p.tick(29 * MS, None).refill_intervals, 0);
+    p.tick(10 * SEC, None);
+    assert_eq!(b.bucket().available_us(), 50_000);
+    let snap = b.bucket().snapshot();
+    assert_eq!(snap.ledger_available_us(), snap.available_us);
+}

@@ -1,0 +1,178 @@
+//! End-to-end measurement: the real agent (real eBPF on this kernel, or the
+//! thread-clock fallback) and real client processes.
+
+use governor_tests::{run_workload, spawn_workload_started, Agent};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The tests load programs on every context switch and count CPU time:
+/// run them one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const CONFIG: &str = "[agent]\nmax-threads = 256\n";
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Runs the exactly-once workload; returns (total error %, worst share
+/// difference in share points).
+fn exactly_once(measure: &str) -> (f64, f64) {
+    let agent = Agent::start(measure, CONFIG).expect("agent starts");
+    let threads = (3 * cores()).to_string();
+    let out = run_workload(
+        &agent.socket,
+        &["exactly-once", "--threads", &threads, "--keyspaces", "8", "--switches", "100000", "--base", "1000"],
+    )
+    .expect("workload runs");
+    assert_eq!(out["backend"], measure);
+    assert_eq!(out["switches"].as_u64().unwrap(), 100_000 * 3 * cores() as u64);
+    let truth = out["thread_cpu_ns"].as_u64().unwrap() as f64;
+    let own: BTreeMap<u32, f64> = out["self_measured_ns"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap() as f64))
+        .collect();
+    assert_eq!(own.len(), 8);
+    let status = agent.status().unwrap();
+    let charged: BTreeMap<u32, f64> =
+        status.keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds * 1e9)).collect();
+    assert_eq!(charged.keys().collect::<Vec<_>>(), own.keys().collect::<Vec<_>>());
+    let charged_total: f64 = charged.values().sum();
+    let own_total: f64 = own.values().sum();
+    let err_pct = (charged_total - truth).abs() / truth * 100.0;
+    let worst_share_pp = own
+        .iter()
+        .map(|(k, v)| ((v / own_total) - (charged[k] / charged_total)).abs() * 100.0)
+        .fold(0.0, f64::max);
+    eprintln!(
+        "{measure}: charged {:.4} s vs thread clocks {:.4} s: error {err_pct:.3} %, worst share diff {worst_share_pp:.3} pp",
+        charged_total / 1e9,
+        truth / 1e9
+    );
+    (err_pct, worst_share_pp)
+}
+
+#[test]
+fn ebpf_charges_every_nanosecond_exactly_once() {
+    let _s = serial();
+    let (err, share) = exactly_once("ebpf");
+    assert!(err <= 0.5, "attribution error {err:.3} % > 0.5 %");
+    assert!(share <= 1.0, "a keyspace's share is off by {share:.3} share points");
+}
+
+#[test]
+fn thread_clock_fallback_charges_exactly_once_within_two_percent() {
+    let _s = serial();
+    let (err, share) = exactly_once("thread-clock");
+    assert!(err <= 2.0, "attribution error {err:.3} % > 2 %");
+    assert!(share <= 1.0, "a keyspace's share is off by {share:.3} share points");
+}
+
+#[test]
+fn long_slice_is_charged_while_it_runs() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", CONFIG).unwrap();
+    let (mut child, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "77", "--seconds", "2"]).unwrap();
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let at_one_second = agent.keyspace_seconds(77).unwrap();
+    let waited = t0.elapsed();
+    assert!(child.wait().unwrap().success());
+    eprintln!("charged {at_one_second:.3} s after {:.3} s of a 2 s busy thread", waited.as_secs_f64());
+    assert!(at_one_second >= 0.8, "only {at_one_second:.3} s charged at 1 s");
+    // And the whole slice once it ends.
+    let total = agent.keyspace_seconds(77).unwrap();
+    assert!(total >= 1.9, "only {total:.3} s charged for 2 s of work");
+}
+
+#[test]
+fn untagged_and_unregistered_time_is_charged_to_no_keyspace() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", CONFIG).unwrap();
+    let out = run_workload(&agent.socket, &["untagged", "--seconds", "1", "--keyspace", "7"]).unwrap();
+    let tagged = out["tagged_ns"].as_u64().unwrap() as f64 / 1e9;
+    let status = agent.status().unwrap();
+    let total: f64 = status.keyspaces.iter().map(|k| k.cpu_seconds).sum();
+    let seven = agent.keyspace_seconds(7).unwrap();
+    eprintln!("tagged thread {tagged:.4} s; keyspace 7 charged {seven:.4} s; all keyspaces {total:.4} s");
+    // The unregistered thread's "tag" must not even create keyspace 8.
+    assert!(status.keyspaces.iter().all(|k| k.keyspace_id == 7), "{:?}", status.keyspaces);
+    assert!((seven - tagged).abs() / tagged < 0.01, "keyspace 7: {seven} vs {tagged}");
+    assert!((total - seven).abs() < 1e-9);
+}
+
+#[test]
+fn ten_thousand_short_lived_threads_reuse_slots() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", "[agent]\nmax-threads = 64\n").unwrap();
+    let out = run_workload(&agent.socket, &["churn", "--threads", "10000", "--parallel", "4", "--keyspace", "5"]).unwrap();
+    assert_eq!(out["failures"], 0, "{out}");
+    assert_eq!(out["abrupt_exits"], 5000);
+    let status = agent.status().unwrap();
+    eprintln!("{:?}", status.threads);
+    assert_eq!(status.threads.capacity, 64);
+    assert!(status.threads.handed_out >= 10_000, "{:?}", status.threads);
+    assert_eq!(status.threads.exhausted, 0);
+    assert!(agent.keyspace_seconds(5).unwrap() > 0.0);
+}
+
+#[test]
+fn ebpf_without_capabilities_fails_naming_them() {
+    let _s = serial();
+    let dir = governor_tests::Scratch::new("nocap");
+    let socket = dir.0.join("g.sock");
+    let out = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
+        .arg(governor_tests::governor_bin())
+        .args(["agent", "--measure", "ebpf", "--socket"])
+        .arg(&socket)
+        .output()
+        .expect("setpriv runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "agent started without capabilities: {stderr}");
+    assert!(stderr.contains("CAP_BPF") && stderr.contains("CAP_PERFMON"), "{stderr}");
+}
+
+#[test]
+fn auto_without_capabilities_falls_back_and_says_so() {
+    let _s = serial();
+    let dir = governor_tests::Scratch::new("nocap-auto");
+    let socket = dir.0.join("g.sock");
+    let mut child = std::process::Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
+        .arg(governor_tests::governor_bin())
+        .args(["agent", "--measure", "auto", "--socket"])
+        .arg(&socket)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = governor::cli::status::run(&socket);
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(status.expect("fallback agent answers").backend, governor::proto::BackendKind::ThreadClock);
+    assert!(stderr.contains("thread-clock") && stderr.contains("CAP_BPF"), "{stderr}");
+}
+
+#[test]
+fn client_on_a_missing_socket_gets_a_typed_error_naming_the_path() {
+    let path = std::path::Path::new("/tmp/governor-no-such-dir/agent.sock");
+    match governor::client::Client::connect(path) {
+        Err(governor::client::ClientError::Connect { path: p, .. }) => assert_eq!(p, path),
+        Err(other) => panic!("wrong error: {other}"),
+        Ok(_) => panic!("connected to nothing"),
+    }
+    let err = governor::client::Client::connect(path).err().unwrap();
+    assert!(err.to_string().contains("/tmp/governor-no-such-dir/agent.sock"), "{err}");
+}

@@ -1,0 +1,127 @@
+//! Project tasks: `cargo xtask setup | test | demo | bench [--json]`.
+//!
+//! # Layout
+//!
+//! - `setup`: installs what a bare machine lacks (idempotent).
+//! - `test`: setup, then every test: host tests (real eBPF included) and the
+//!   aarch64 cross build with its pure unit tests under qemu-user.
+//! - `demo`: the agent measuring a noisy-neighbour workload.
+//! - `bench`: the benchmark harness; `--json` prints one JSON object.
+
+mod setup;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the toolchain parts, bpf-linker and Debian packages needed.
+    Setup,
+    /// Setup, then run every test.
+    Test {
+        /// Skip the aarch64 cross build and qemu-user tests.
+        #[arg(long)]
+        host_only: bool,
+    },
+    /// Setup, then run the demo.
+    Demo,
+    /// Setup, then run the benchmarks.
+    Bench {
+        /// Print one JSON object on stdout (progress goes to stderr).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+/// Runs `cmd` from the workspace root, failing on a non-zero exit.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    cmd.current_dir(root());
+    eprintln!("+ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn build_release() -> Result<()> {
+    run(cargo().args(["build", "--release", "--bins"]))
+}
+
+fn test(host_only: bool) -> Result<()> {
+    setup::setup(!host_only)?;
+    build_release()?;
+    // Host: unit, config, policy and end-to-end tests (real eBPF).
+    run(cargo().args(["test", "--release"]))?;
+    if !host_only {
+        cross_aarch64()?;
+    }
+    Ok(())
+}
+
+/// Cross-compiles the userspace for aarch64 and runs the pure unit tests
+/// (layouts, config, policy, regions) under qemu-user.
+fn cross_aarch64() -> Result<()> {
+    let target = "aarch64-unknown-linux-gnu";
+    let env = [
+        ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc"),
+        ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", "qemu-aarch64 -L /usr/aarch64-linux-gnu"),
+        ("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc"),
+    ];
+    let with_env = |mut c: Command| {
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c
+    };
+    run(with_env(cargo()).args(["build", "--release", "--target", target, "-p", "governor", "--bins"]))?;
+    run(with_env(cargo()).args(["test", "--release", "--target", target, "-p", "governor-common"]))?;
+    run(with_env(cargo()).args([
+        "test", "--release", "--target", target, "-p", "governor", "--lib", "--test", "config_malformed_files",
+        "--test", "config_online_update", "--test", "config_seed_cap", "--test", "config_seed_samples",
+        "--test", "policy_admission", "--test", "policy_pd_service_limit", "--test", "policy_tenant_cap",
+        "--test", "policy_throttle", "--test", "policy_write_quota", "--test", "policy_properties",
+    ]))
+}
+
+fn tests_bin(name: &str) -> PathBuf {
+    root().join("target/release").join(name)
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::Setup => setup::setup(true),
+        Task::Test { host_only } => test(host_only),
+        Task::Demo => {
+            setup::setup(false)?;
+            build_release()?;
+            run(&mut Command::new(tests_bin("demo")))
+        }
+        Task::Bench { json } => {
+            setup::setup(false)?;
+            build_release()?;
+            let mut cmd = Command::new(tests_bin("bench"));
+            if json {
+                cmd.arg("--json");
+            }
+            run(&mut cmd)
+        }
+    }
+}
