@@ -238,4 +238,51 @@ proptest! {
             }
         }
     }
+
+    /// The same bound for several keyspaces at once, under global pressure and with runtime
+    /// top-ups: each keyspace's truthful consumption over any window of k refill intervals is at
+    /// most k × cap + one refill quantum + one request's overrun.
+    #[test]
+    fn prop_every_keyspace_bounded_by_cap_with_top_ups(
+        reqs in prop::collection::vec(
+            (0u64..2_000, 0u32..3, 1u64..8_000, 0u64..8_000, prop::option::of(1u64..4_000)),
+            1..800,
+        ),
+    ) {
+        const INTERVAL: u64 = 10_000;
+        const MAX_CONSUMED: u64 = 8_000;
+        let mut s = Settings::essential(4.0, 0.2); // cap 8_000 µs per 10 ms each, global 24_000
+        s.burst_window_us = INTERVAL;
+        let p = Policy::new(s, 0).unwrap();
+        let cap = p.tenant_cap_refill_us();
+        prop_assert_eq!(cap, 8_000);
+        let mut now = 0u64;
+        let mut per: Vec<Vec<u64>> = vec![Vec::new(); 3];
+        for (dt, ks, est, consumed, top_up) in reqs {
+            now += dt;
+            p.tick(now, None);
+            if let Ok(mut g) = p.allocate(ks, Some(est), now) {
+                if let Some(us) = top_up {
+                    let _ = p.allocate_more(&mut g, us, now);
+                }
+                let series = &mut per[ks as usize];
+                let idx = (now / INTERVAL) as usize;
+                if series.len() <= idx {
+                    series.resize(idx + 1, 0);
+                }
+                series[idx] += consumed;
+                p.release(g, consumed);
+            }
+        }
+        for (ks, series) in per.iter().enumerate() {
+            for start in 0..series.len() {
+                let mut sum = 0;
+                for (k, c) in series[start..].iter().enumerate() {
+                    sum += c;
+                    let bound = (k as u64 + 1) * cap + cap + MAX_CONSUMED;
+                    prop_assert!(sum <= bound, "keyspace {ks}: window [{start}, +{}) consumed {sum} > {bound}", k + 1);
+                }
+            }
+        }
+    }
 }

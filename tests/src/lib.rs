@@ -166,3 +166,26 @@ pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, Bu
     }
     Ok((child, out))
 }
+
+/// One USER_HZ tick in ns: the resolution of [`steal_ns`], per CPU.
+pub fn steal_tick_ns() -> u64 {
+    #[allow(unsafe_code)]
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    1_000_000_000 / hz
+}
+
+/// Steal time of the whole machine so far (ns), from /proc/stat: time the
+/// hypervisor ran something else while a vCPU wanted to run. The eBPF
+/// backend measures on CLOCK_MONOTONIC, which includes it; the threads' CPU
+/// clocks exclude it. Resolution: one tick per CPU ([`steal_tick_ns`]).
+pub fn steal_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: u64 = stat
+        .lines()
+        .find(|l| l.starts_with("cpu "))
+        .and_then(|l| l.split_whitespace().nth(8))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    ticks * steal_tick_ns()
+}

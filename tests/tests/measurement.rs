@@ -21,9 +21,11 @@ fn cores() -> usize {
 }
 
 /// Runs the exactly-once workload; returns (total error %, worst share
-/// difference in share points).
-fn exactly_once(measure: &str) -> (f64, f64) {
+/// difference in share points, steal during the run as % of the threads'
+/// CPU time).
+fn exactly_once(measure: &str) -> (f64, f64, f64) {
     let agent = Agent::start(measure, CONFIG).expect("agent starts");
+    let steal_before = governor_tests::steal_ns();
     let threads = (3 * cores()).to_string();
     let out = run_workload(
         &agent.socket,
@@ -40,37 +42,45 @@ fn exactly_once(measure: &str) -> (f64, f64) {
         .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap() as f64))
         .collect();
     assert_eq!(own.len(), 8);
+    let steal = (governor_tests::steal_ns() - steal_before) as f64;
     let status = agent.status().unwrap();
     let charged: BTreeMap<u32, f64> =
         status.keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds * 1e9)).collect();
     assert_eq!(charged.keys().collect::<Vec<_>>(), own.keys().collect::<Vec<_>>());
     let charged_total: f64 = charged.values().sum();
     let own_total: f64 = own.values().sum();
-    let err_pct = (charged_total - truth).abs() / truth * 100.0;
+    // Signed: positive is over-charging.
+    let err_pct = (charged_total - truth) / truth * 100.0;
     let worst_share_pp = own
         .iter()
         .map(|(k, v)| ((v / own_total) - (charged[k] / charged_total)).abs() * 100.0)
         .fold(0.0, f64::max);
+    let steal_pct = steal / truth * 100.0;
     eprintln!(
-        "{measure}: charged {:.4} s vs thread clocks {:.4} s: error {err_pct:.3} %, worst share diff {worst_share_pp:.3} pp",
+        "{measure}: charged {:.4} s vs thread clocks {:.4} s: error {err_pct:.3} %, worst share diff \
+         {worst_share_pp:.3} pp, steal {steal_pct:.3} %",
         charged_total / 1e9,
         truth / 1e9
     );
-    (err_pct, worst_share_pp)
+    (err_pct, worst_share_pp, steal_pct)
 }
 
 #[test]
 fn ebpf_charges_every_nanosecond_exactly_once() {
     let _s = serial();
-    let (err, share) = exactly_once("ebpf");
-    assert!(err <= 0.5, "attribution error {err:.3} % > 0.5 %");
+    let (err, share, steal) = exactly_once("ebpf");
+    // Monotonic time (what the kernel side measures) includes the steal time
+    // the hypervisor reports; the threads' CPU clocks do not. Only that
+    // reported steal widens the bound.
+    assert!(err >= -0.5 && err <= 0.5 + steal, "attribution error {err:+.3} % outside ±0.5 % (+{steal:.3} % steal)");
     assert!(share <= 1.0, "a keyspace's share is off by {share:.3} share points");
 }
 
 #[test]
 fn thread_clock_fallback_charges_exactly_once_within_two_percent() {
     let _s = serial();
-    let (err, share) = exactly_once("thread-clock");
+    let (err, share, _steal) = exactly_once("thread-clock");
+    let err = err.abs();
     assert!(err <= 2.0, "attribution error {err:.3} % > 2 %");
     assert!(share <= 1.0, "a keyspace's share is off by {share:.3} share points");
 }

@@ -93,12 +93,8 @@ fn cross_aarch64() -> Result<()> {
     };
     run(with_env(cargo()).args(["build", "--release", "--target", target, "-p", "governor", "--bins"]))?;
     run(with_env(cargo()).args(["test", "--release", "--target", target, "-p", "governor-common"]))?;
-    run(with_env(cargo()).args([
-        "test", "--release", "--target", target, "-p", "governor", "--lib", "--test", "config_malformed_files",
-        "--test", "config_online_update", "--test", "config_seed_cap", "--test", "config_seed_samples",
-        "--test", "policy_admission", "--test", "policy_pd_service_limit", "--test", "policy_tenant_cap",
-        "--test", "policy_throttle", "--test", "policy_write_quota", "--test", "policy_properties",
-    ]))
+    // governor's own integration tests are the pure config and policy suites.
+    run(with_env(cargo()).args(["test", "--release", "--target", target, "-p", "governor", "--lib", "--tests"]))
 }
 
 fn tests_bin(name: &str) -> PathBuf {

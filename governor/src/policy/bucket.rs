@@ -221,15 +221,17 @@ impl BucketCell {
         }
     }
 
-    /// Agent: sets the quota (base refill) and capacity. When the quota shrinks below what is in
-    /// flight, the bucket enters debt: positive tokens are dropped and refill pauses until
-    /// in-flight drains to the new quota. Tokens above the new capacity are dropped.
+    /// Agent: sets the quota (base refill) and capacity. When the quota is *reduced* below what
+    /// is in flight, the bucket enters debt: positive tokens are dropped and refill pauses until
+    /// in-flight drains to the new quota. An unchanged or raised quota never enters debt (the
+    /// seed's rule is about shrinks only). Tokens above the new capacity are dropped.
     pub fn set_quota(&self, base_refill_us: u64, capacity_us: u64) {
-        self.base_refill_us.store(base_refill_us, Ordering::Release);
+        let old_base = self.base_refill_us.swap(base_refill_us, Ordering::AcqRel);
         self.refill_us.store(base_refill_us, Ordering::Release);
         self.capacity_us
             .store(to_i64(capacity_us), Ordering::Release);
-        let limit = if self.inflight_us.load(Ordering::Acquire) > base_refill_us {
+        let shrunk = base_refill_us < old_base;
+        let limit = if shrunk && self.inflight_us.load(Ordering::Acquire) > base_refill_us {
             self.debt_mode.store(1, Ordering::Release);
             0
         } else {
@@ -347,5 +349,20 @@ mod tests {
         assert!(!b.in_debt());
         let s = b.snapshot();
         assert_eq!(s.ledger_available_us(), s.available_us);
+    }
+
+    #[test]
+    fn unchanged_or_raised_quota_never_enters_debt() {
+        let b = BucketCell::new(1000, 10_000);
+        assert!(b.try_take(4000));
+        b.set_quota(1000, 10_000); // same quota, 4000 in flight > 1000
+        assert!(!b.in_debt());
+        assert_eq!(b.available_us(), 6000, "no tokens dropped");
+        b.set_quota(2000, 20_000); // raised, still below in flight
+        assert!(!b.in_debt());
+        assert_eq!(b.available_us(), 6000);
+        b.set_quota(1500, 15_000); // reduced below in flight: debt
+        assert!(b.in_debt());
+        assert_eq!(b.available_us(), 0);
     }
 }

@@ -58,8 +58,11 @@ impl Policy {
         drop(guard);
         self.store_knobs(&next);
 
-        // Tenant cap buckets.
+        // Tenant cap buckets: recomputed only when the cap itself changed, so an unrelated
+        // online change (admission mode, write threshold, ...) never touches busy buckets.
+        let prev_cap = prev.tenant_cap_refill_us(prev.tenant_max_cpu_ratio);
         match next.tenant_cap_refill_us(next.tenant_max_cpu_ratio) {
+            Some(cap) if prev_cap == Some(cap) => {}
             Some(cap) => {
                 let capacity = next.capacity_for(cap);
                 for e in self

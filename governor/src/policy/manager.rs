@@ -3,9 +3,11 @@
 //! Allocation order (tenant-cpu-cap.md §3.2): keyspace (tenant) bucket, then global bucket, with
 //! rollback of the tenant tokens when the global bucket refuses. When the tenant bucket refuses,
 //! a quota'd keyspace may burst on global tokens (never in tenant-cap mode). The fast path does one
-//! table lookup, a few CAS operations and counter increments: no allocation (except the first
-//! request of a keyspace in tenant-cap mode), no lock, no clock read. The agent side lives in
-//! `agent.rs`.
+//! table lookup (a sharded-map read; a grant keeps its entry, so release and top-up do none), a
+//! few CAS operations on the buckets' plain atomics and counter increments: no allocation (except
+//! the first request of a keyspace in tenant-cap mode), no mutex, no clock read. The token
+//! operations themselves (take, refund, charge debt) are lock-free on [`BucketCell`]. The agent
+//! side lives in `agent.rs`.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

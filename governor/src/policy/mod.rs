@@ -24,6 +24,7 @@ mod dynamic;
 mod error;
 mod estimate;
 mod fair;
+mod from_config;
 mod grant;
 mod hot;
 mod keyspace;

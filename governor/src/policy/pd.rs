@@ -1,7 +1,10 @@
 //! PD service-limit quotas from fetched values (no HTTP here: the caller fetches).
 //!
 //! `quota_i = global_refill_us × limit_i / Σ limits > 0` (µs per refill interval, the unit of
-//! every keyspace quota). A limit of 0 means unlimited: the quota is removed, unless
+//! every keyspace quota). The seed writes `global_capacity_us` because, when it was written, the
+//! global capacity *was* one refill interval's budget (`cores × max-read-cpu-ratio ×
+//! refill-interval`); since `burst-window` decoupled capacity from refill, the per-interval
+//! global budget is the quantity that keeps Σ quotas equal to the global rate. A limit of 0 means unlimited: the quota is removed, unless
 //! `pd-override-config = false` and a static config quota exists, which then stays. A new quota
 //! is applied only when its relative change exceeds `pd-service-limit-update-threshold`. A 404
 //! removes a keyspace only after `pd-service-limit-consecutive-404` 404s in a row or after

@@ -1,7 +1,15 @@
 //! Simulated-clock load generator shared by the integration tests.
 #![allow(dead_code)]
 
-use governor::policy::{Policy, Refusal};
+use governor::policy::{Policy, Refusal, Settings};
+
+pub const SEC: u64 = 1_000_000;
+pub const MS: u64 = 1_000;
+
+/// The Essential profile of tenant-cpu-cap.md §4.1 on an 8-core node with the given cap ratio.
+pub fn essential(ratio: f64) -> Policy {
+    Policy::new(Settings::essential(8.0, ratio), 0).expect("valid essential profile")
+}
 
 /// A tenant that tries to run `per_step` requests of `cost_us` CPU every step (greedy when large).
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +75,13 @@ pub fn run(
         now += step_us;
     }
     out
+}
+
+/// 1 s warm-up (drains the initial burst-window capacity), then 1 s measured: the measured
+/// per-tenant consumption.
+pub fn steady(policy: &Policy, loads: &[Load]) -> Vec<u64> {
+    run(policy, loads, 0, SEC, MS);
+    run(policy, loads, SEC, SEC, MS).consumed_us
 }
 
 /// `|actual / expected − 1| <= tol`.

@@ -97,8 +97,11 @@ fn ebpf_cost(client: &Client, agent: &Agent) -> Result<BTreeMap<String, f64>> {
     Ok(out)
 }
 
-fn attribution_error_pct(agent: &Agent) -> Result<f64> {
+/// |Σ charges − Σ thread clocks| / Σ thread clocks, and the machine's
+/// steal time over the same run as a share of the thread clocks.
+fn attribution_error_pct(agent: &Agent) -> Result<(f64, f64)> {
     let cores = sys::logical_cores();
+    let steal_before = governor_tests::steal_ns();
     let out = run_workload(
         &agent.socket,
         &["exactly-once", "--threads", &(3 * cores).to_string(), "--switches", "100000", "--base", "5000"],
@@ -111,7 +114,8 @@ fn attribution_error_pct(agent: &Agent) -> Result<f64> {
         .filter(|k| (5000..5100).contains(&k.keyspace_id))
         .map(|k| k.cpu_seconds * 1e9)
         .sum();
-    Ok((charged - truth).abs() / truth * 100.0)
+    let steal = (governor_tests::steal_ns() - steal_before) as f64;
+    Ok(((charged - truth).abs() / truth * 100.0, steal / truth * 100.0))
 }
 
 fn policy_allocate_release_ns() -> f64 {
@@ -144,7 +148,7 @@ fn main() -> Result<()> {
     }));
     drop(_g);
     let ebpf = ebpf_cost(&client, &agent)?;
-    let attribution = attribution_error_pct(&agent)?;
+    let (attribution, steal) = attribution_error_pct(&agent)?;
     let policy = policy_allocate_release_ns();
 
     let result = json!({
@@ -158,6 +162,7 @@ fn main() -> Result<()> {
         ),
         "ebpf_timer_ns": round(ebpf.get("gov_timer").copied().unwrap_or(f64::NAN)),
         "attribution_error_pct": (attribution * 1000.0).round() / 1000.0,
+        "attribution_steal_pct": (steal * 1000.0).round() / 1000.0,
         "policy_allocate_release_ns": round(policy),
         "logical_cores": sys::logical_cores(),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),

@@ -61,7 +61,7 @@ fn exactly_once(args: &[String]) -> Result<serde_json::Value> {
             let client = client.clone();
             std::thread::spawn(move || -> Result<(u64, BTreeMap<u32, u64>, u64)> {
                 client.register_current_thread()?;
-                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1) * 7919);
+                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 7919));
                 let mut own: BTreeMap<u32, u64> = BTreeMap::new();
                 let start = sys::thread_cputime_ns();
                 let mut prev_t = start;
@@ -176,9 +176,11 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
                     burn(20);
                     Ok(())
                 })();
-                let _ = tx.send(r.err().map(|e| governor::error_chain(e.as_ref())));
                 if abrupt {
                     abrupt_done.fetch_add(1, Ordering::SeqCst);
+                }
+                let _ = tx.send(r.err().map(|e| governor::error_chain(e.as_ref())));
+                if abrupt {
                     // SAFETY: ends this thread at once, skipping destructors,
                     // as a crashed thread would; nothing else touches its stack.
                     unsafe { libc::syscall(libc::SYS_exit, 0) };

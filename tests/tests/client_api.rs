@@ -1,0 +1,168 @@
+//! The client library against a real agent, in-process: nested tag guards
+//! restore the previous tag, the `Tagged` future charges exactly its polls,
+//! and the thread clock follows CLOCK_THREAD_CPUTIME_ID.
+
+use governor::client::{self, Client, TaggedExt};
+use governor::sys;
+use governor_tests::Agent;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn burn(d: Duration) {
+    let t = Instant::now();
+    let mut x = 1u64;
+    while t.elapsed() < d {
+        for i in 0..1000 {
+            x = x.rotate_left(3) ^ i;
+        }
+    }
+    std::hint::black_box(x);
+}
+
+/// This thread's on-CPU ns spent in `f`, on the thread clock the agent
+/// charges by (the same timeline as the charges, so tag bookkeeping is
+/// checked without the clocks' own differences; those are checked in
+/// `thread_clock_follows_the_cpu_clock` and the measurement tests).
+fn cpu_of(f: impl FnOnce()) -> u64 {
+    let t = client::thread_cpu_ns().expect("registered");
+    f();
+    client::thread_cpu_ns().expect("registered") - t
+}
+
+fn charged(c: &Client, ks: u32) -> u64 {
+    c.keyspace_cpu_ns(ks).unwrap_or(0)
+}
+
+/// `a` matches `truth` within `rel` (plus 0.3 ms). Over-charging may also
+/// include up to `steal` ns: the eBPF side measures on CLOCK_MONOTONIC, which
+/// counts time the hypervisor stole from a running vCPU; thread CPU clocks
+/// do not.
+fn close(a: u64, truth: u64, rel: f64, steal: u64) -> bool {
+    let (a, t) = (a as f64, truth as f64);
+    a >= t * (1.0 - rel) - 300_000.0 && a <= t * (1.0 + rel) + 300_000.0 + steal as f64
+}
+
+fn nested_guards_restore_the_previous_tag(measure: &str) {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start(measure, "").unwrap();
+    let c = Client::connect(&agent.socket).unwrap();
+    let c2 = c.clone();
+    let (outer, inner, untagged) = std::thread::spawn(move || {
+        c2.register_current_thread().unwrap();
+        let mut outer = 0;
+        let mut inner = 0;
+        {
+            let _a = client::tag(11).unwrap();
+            outer += cpu_of(|| burn(Duration::from_millis(60)));
+            {
+                let _b = client::tag(12).unwrap();
+                inner += cpu_of(|| burn(Duration::from_millis(30)));
+            }
+            // Back on 11, not on "no keyspace".
+            outer += cpu_of(|| burn(Duration::from_millis(60)));
+        }
+        let untagged = cpu_of(|| burn(Duration::from_millis(40)));
+        assert!(client::thread_cpu_ns().is_some());
+        client::unregister_current_thread();
+        (outer, inner, untagged)
+    })
+    .join()
+    .unwrap();
+    let (k11, k12) = (charged(&c, 11), charged(&c, 12));
+    eprintln!("{measure}: ks11 {k11} (truth {outer}), ks12 {k12} (truth {inner}), untagged {untagged}");
+    assert!(close(k11, outer, 0.01, 0), "ks 11: {k11} vs {outer}");
+    assert!(close(k12, inner, 0.01, 0), "ks 12: {k12} vs {inner}");
+}
+
+#[test]
+fn nested_guards_restore_the_previous_tag_ebpf() {
+    nested_guards_restore_the_previous_tag("ebpf");
+}
+
+#[test]
+fn nested_guards_restore_the_previous_tag_thread_clock() {
+    nested_guards_restore_the_previous_tag("thread-clock");
+}
+
+/// Burns `per_poll` on each poll, `polls` times.
+struct Work {
+    left: u32,
+    per_poll: Duration,
+    spent: u64,
+}
+
+impl Future for Work {
+    type Output = u64;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<u64> {
+        let d = self.per_poll;
+        self.spent += cpu_of(|| burn(d));
+        self.left -= 1;
+        if self.left == 0 {
+            Poll::Ready(self.spent)
+        } else {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
+}
+
+#[test]
+fn tagged_future_charges_exactly_its_polls() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").unwrap();
+    let c = Client::connect(&agent.socket).unwrap();
+    let c2 = c.clone();
+    let (in_polls, between) = std::thread::spawn(move || {
+        c2.register_current_thread().unwrap();
+        let _worker = client::tag(21).unwrap();
+        let mut fut = std::pin::pin!(Work { left: 10, per_poll: Duration::from_millis(5), spent: 0 }.tagged(22));
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut between = 0;
+        let in_polls = loop {
+            match fut.as_mut().poll(&mut cx) {
+                Poll::Ready(v) => break v,
+                // The executor's own work between polls belongs to the worker's tag.
+                Poll::Pending => between += cpu_of(|| burn(Duration::from_millis(5))),
+            }
+        };
+        drop(_worker);
+        client::unregister_current_thread();
+        (in_polls, between)
+    })
+    .join()
+    .unwrap();
+    let (k21, k22) = (charged(&c, 21), charged(&c, 22));
+    eprintln!("future ks22 {k22} (polls {in_polls}); worker ks21 {k21} (between {between})");
+    assert!(close(k22, in_polls, 0.01, 0), "future keyspace: {k22} vs {in_polls}");
+    assert!(close(k21, between, 0.01, 0), "worker keyspace: {k21} vs {between}");
+}
+
+#[test]
+fn thread_clock_follows_the_cpu_clock() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").unwrap();
+    let c = Client::connect(&agent.socket).unwrap();
+    let steal0 = governor_tests::steal_ns();
+    std::thread::spawn(move || {
+        assert_eq!(client::thread_cpu_ns(), None, "unregistered threads have no clock");
+        c.register_current_thread().unwrap();
+        assert!(matches!(c.register_current_thread(), Err(client::ClientError::AlreadyRegistered)));
+        let (a, ta) = (client::thread_cpu_ns().unwrap(), sys::thread_cputime_ns());
+        burn(Duration::from_millis(600));
+        std::thread::sleep(Duration::from_millis(50)); // off-CPU time is not counted
+        burn(Duration::from_millis(400));
+        let (b, tb) = (client::thread_cpu_ns().unwrap(), sys::thread_cputime_ns());
+        let (ours, truth) = (b - a, tb - ta);
+        // /proc/stat counts steal in whole ticks per CPU: allow one more.
+        let steal = governor_tests::steal_ns() - steal0 + governor_tests::steal_tick_ns() * 2;
+        eprintln!("thread clock {ours} ns vs CLOCK_THREAD_CPUTIME_ID {truth} ns; steal bound {steal}");
+        assert!(close(ours, truth, 0.01, steal), "{ours} vs {truth}");
+    })
+    .join()
+    .unwrap();
+}
