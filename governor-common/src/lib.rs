@@ -44,6 +44,8 @@ pub const PROG_TIMER: &str = "gov_timer";
 pub const PROG_EXIT: &str = "gov_exit";
 /// An empty sched_switch program, for benchmarks only.
 pub const PROG_CALIBRATE: &str = "gov_calibrate";
+/// A sched_switch program that only reads the clock, for benchmarks only.
+pub const PROG_CALIBRATE_CLOCK: &str = "gov_calibrate_clock";
 
 /// Compiled-in upper bounds of the maps; the agent may load smaller ones.
 pub const MAX_CPUS: u32 = 1024;

@@ -140,6 +140,14 @@ pub fn gov_calibrate(_ctx: BtfTracePointContext) -> i32 {
     0
 }
 
+/// Reads the clock and nothing else: with [`gov_calibrate`], what one
+/// `bpf_ktime_get_ns` costs on this machine. Benchmark only.
+#[btf_tracepoint(function = "sched_switch")]
+pub fn gov_calibrate_clock(_ctx: BtfTracePointContext) -> i32 {
+    let now = unsafe { bpf_ktime_get_ns() };
+    (now & 1) as i32
+}
+
 #[perf_event]
 pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     let now = unsafe { bpf_ktime_get_ns() };
