@@ -1,5 +1,4 @@
 //! The `governor` binary: the agent and the operator verbs.
-use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use governor::cli::{self, CliError, EXIT_USAGE};
 use governor::config::{MeasureMode, ValidatedConfig};
@@ -108,8 +107,13 @@ fn main() {
                 None => ValidatedConfig::embedded_default(),
             };
             if let Err(e) = run_agent(cfg, measure, socket) {
-                eprintln!("governor agent: {e:#}");
-                std::process::exit(1);
+                eprintln!("governor agent: {}", governor::error_chain(&e));
+                // EX_NOPERM when privileges are what is missing.
+                let code = match &e {
+                    governor::agent::AgentError::Measure(governor::measure::MeasureError::MissingCapability { .. }) => 77,
+                    _ => 1,
+                };
+                std::process::exit(code);
             }
         }
         Verb::Status { socket, json } => {
@@ -141,7 +145,11 @@ fn init_logging(json: bool) {
     b.init();
 }
 
-fn run_agent(cfg: ValidatedConfig, measure: Option<MeasureMode>, socket: Option<PathBuf>) -> anyhow::Result<()> {
+fn run_agent(
+    cfg: ValidatedConfig,
+    measure: Option<MeasureMode>,
+    socket: Option<PathBuf>,
+) -> Result<(), governor::agent::AgentError> {
     let mut opts = governor::agent::AgentOptions::from_config(&cfg);
     if let Some(m) = measure {
         opts.measure = m;
@@ -149,7 +157,7 @@ fn run_agent(cfg: ValidatedConfig, measure: Option<MeasureMode>, socket: Option<
     if let Some(s) = socket {
         opts.socket = s;
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the runtime")?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(governor::agent::AgentError::Runtime)?;
     rt.block_on(async {
         let shutdown = async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -162,5 +170,4 @@ fn run_agent(cfg: ValidatedConfig, measure: Option<MeasureMode>, socket: Option<
         };
         governor::agent::run(opts, shutdown).await
     })
-    .map_err(|e| anyhow::anyhow!(governor::error_chain(&e)))
 }

@@ -31,6 +31,8 @@ pub enum AgentError {
     Listen { path: PathBuf, #[source] source: std::io::Error },
     #[error("another agent is already serving {path}")]
     AlreadyRunning { path: PathBuf },
+    #[error("starting the async runtime failed")]
+    Runtime(#[source] std::io::Error),
 }
 
 /// What the agent runs with, from the configuration and the command line.

@@ -16,7 +16,7 @@ pub use crate::config::MeasureMode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MeasureError {
-    #[error("eBPF measurement needs {missing} (have: root, or CAP_BPF + CAP_PERFMON)")]
+    #[error("eBPF measurement needs {missing}, which this process lacks: run the agent as root or grant CAP_BPF and CAP_PERFMON (or use --measure=auto to fall back)")]
     MissingCapability { missing: String },
     #[error("loading the eBPF programs failed")]
     Load(#[source] Box<dyn std::error::Error + Send + Sync>),
