@@ -12,12 +12,71 @@ pub fn gettid() -> u32 {
     unsafe { libc::gettid() as u32 }
 }
 
-/// CPU the calling thread runs on (vDSO/rseq, a few ns).
+/// CPU the calling thread runs on: read straight from the thread's rseq
+/// area (which glibc registers and the kernel keeps current), else
+/// `sched_getcpu`.
 #[inline]
 pub fn current_cpu() -> u32 {
+    if let Some(cpu) = rseq::cpu_id() {
+        return cpu;
+    }
     // SAFETY: sched_getcpu has no arguments; -1 only without kernel support.
     let cpu = unsafe { libc::sched_getcpu() };
     cpu.max(0) as u32
+}
+
+#[cfg(all(target_env = "gnu", any(target_arch = "x86_64", target_arch = "aarch64")))]
+mod rseq {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    // Exported by glibc ≥ 2.35: where this thread's `struct rseq` lives,
+    // relative to the thread pointer, and its size (0: not registered).
+    unsafe extern "C" {
+        static __rseq_offset: isize;
+        static __rseq_size: u32;
+    }
+
+    /// Offset of `cpu_id` in `struct rseq` (after `cpu_id_start`).
+    const CPU_ID: isize = 4;
+
+    #[inline]
+    fn thread_pointer() -> *const u8 {
+        let tp: usize;
+        // SAFETY: reads the thread pointer register (x86_64: the TCB's self
+        // pointer at %fs:0; aarch64: TPIDR_EL0); no memory is written.
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            std::arch::asm!("mov {}, fs:0", out(reg) tp, options(nostack, readonly, preserves_flags));
+            #[cfg(target_arch = "aarch64")]
+            std::arch::asm!("mrs {}, tpidr_el0", out(reg) tp, options(nostack, nomem, preserves_flags));
+        }
+        tp as *const u8
+    }
+
+    #[inline]
+    pub fn cpu_id() -> Option<u32> {
+        // SAFETY: plain reads of two constants glibc sets before main.
+        if unsafe { __rseq_size } == 0 {
+            return None;
+        }
+        // SAFETY: with rseq registered, thread pointer + __rseq_offset is this
+        // thread's `struct rseq`, live for the thread's lifetime; the kernel
+        // updates cpu_id, so it is read atomically.
+        let cpu = unsafe {
+            let p = thread_pointer().offset(__rseq_offset + CPU_ID) as *const AtomicU32;
+            (*p).load(Ordering::Relaxed)
+        };
+        // RSEQ_CPU_ID_UNINITIALIZED / REGISTRATION_FAILED are negative.
+        (cpu as i32 >= 0).then_some(cpu)
+    }
+}
+
+#[cfg(not(all(target_env = "gnu", any(target_arch = "x86_64", target_arch = "aarch64"))))]
+mod rseq {
+    #[inline]
+    pub fn cpu_id() -> Option<u32> {
+        None
+    }
 }
 
 #[inline]
@@ -259,6 +318,24 @@ mod tests {
         assert_eq!(parse_cpu_list("0"), Some(0));
         assert_eq!(parse_cpu_list("0-3,8-11"), Some(11));
         assert_eq!(parse_cpu_list(""), None);
+    }
+
+    #[test]
+    fn rseq_cpu_matches_sched_getcpu() {
+        // Pinned, so the two reads cannot straddle a migration.
+        // SAFETY: a zeroed cpu_set_t is valid; sched_setaffinity only reads it.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            let cpu = libc::sched_getcpu() as usize;
+            libc::CPU_SET(cpu, &mut set);
+            assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set), 0);
+            for _ in 0..100 {
+                assert_eq!(current_cpu(), libc::sched_getcpu() as u32);
+            }
+            if let Some(c) = rseq::cpu_id() {
+                assert_eq!(c as usize, cpu);
+            }
+        }
     }
 
     #[test]

@@ -51,7 +51,10 @@ pub fn charge_now(backend: BackendKind, regions: &Regions, slot: &SlotView) {
             let tag = slot.tag.load(Ordering::Relaxed);
             if let Some(cell) = cell_of_tag(tag).and_then(|i| regions.keyspaces.cells.get(i)) {
                 cell.cpu_ns.fetch_add(t - x, Ordering::Relaxed);
-                slot.self_charged_ns.fetch_add(t - x, Ordering::Relaxed);
+                // Only this thread writes it (the agent resets it while the
+                // thread waits for its registration): no locked add needed.
+                let own = slot.self_charged_ns.load(Ordering::Relaxed);
+                slot.self_charged_ns.store(own + (t - x), Ordering::Relaxed);
             }
             return;
         }
