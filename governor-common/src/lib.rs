@@ -127,6 +127,25 @@ pub struct KeyspaceCell {
     pub _pad: [u64; 6],
 }
 
+/// The agent's header region (a memfd in every backend): what the agent
+/// publishes for all clients. Today: the TSC → CLOCK_MONOTONIC mapping that
+/// lets a thread read the kernel's clock without the vDSO call.
+///
+/// `ns = ns_base + ((tsc − tsc_base) × mult) >> 32`, valid while
+/// `clock_valid != 0`; `clock_seq` is odd while the agent rewrites it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeaderCell {
+    pub clock_seq: u64,
+    pub tsc_base: u64,
+    pub ns_base: u64,
+    /// ns per TSC tick, 32.32 fixed point.
+    pub mult: u64,
+    pub clock_valid: u64,
+    pub _pad: [u64; 3],
+}
+
+const _: () = assert!(size_of::<HeaderCell>() == 64);
 const _: () = assert!(size_of::<CpuCell>() == 64);
 const _: () = assert!(size_of::<ThreadSlot>() == 64);
 const _: () = assert!(size_of::<KeyspaceCell>() == 64);

@@ -13,6 +13,7 @@
 //! - [`agent`]: the daemon: backend, control socket, slot reuse, window.
 //! - [`proto`]: the control-socket messages.
 //! - [`cli`]: the operator verbs.
+//! - [`tsc`]: CLOCK_MONOTONIC from the TSC, calibrated by the agent.
 //! - `sys`: the syscall seam (the only other place with `unsafe`).
 #![deny(unsafe_code)]
 
@@ -25,6 +26,7 @@ pub mod policy;
 pub mod proto;
 pub mod region;
 pub mod sys;
+pub mod tsc;
 
 /// The eBPF object built from governor-ebpf by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/governor-programs"));

@@ -53,6 +53,9 @@ pub enum Reply {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
     pub backend: BackendKind,
+    /// Where threads read the clock: `tsc` (the agent's published mapping),
+    /// `vdso` (CLOCK_MONOTONIC) or `thread-cputime` (fallback backend).
+    pub thread_clock_source: String,
     pub logical_cores: u32,
     pub uptime_seconds: f64,
     /// The monitor window the ratios are computed over.

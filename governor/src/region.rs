@@ -8,7 +8,7 @@
 #![allow(unsafe_code)]
 
 use crate::sys::Mapping;
-use governor_common::{probe_start, CpuCell, KeyspaceCell, ThreadSlot, KS_BUSY, KS_EMPTY, KS_LIVE};
+use governor_common::{probe_start, CpuCell, HeaderCell, KeyspaceCell, ThreadSlot, KS_BUSY, KS_EMPTY, KS_LIVE};
 use std::mem::{offset_of, size_of};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -56,6 +56,17 @@ pub struct KeyspaceView {
     _pad: [u64; 6],
 }
 
+/// Atomic mirror of [`HeaderCell`].
+#[repr(C)]
+pub struct HeaderView {
+    pub clock_seq: AtomicU64,
+    pub tsc_base: AtomicU64,
+    pub ns_base: AtomicU64,
+    pub mult: AtomicU64,
+    pub clock_valid: AtomicU64,
+    _pad: [u64; 3],
+}
+
 macro_rules! same_layout {
     ($view:ty, $cell:ty, $($f:ident),*) => {
         const _: () = assert!(size_of::<$view>() == size_of::<$cell>());
@@ -65,6 +76,7 @@ macro_rules! same_layout {
 same_layout!(CpuView, CpuCell, seq, last_switch_ns);
 same_layout!(SlotView, ThreadSlot, oncpu_ns, charged_ns, tag, generation, tid, state, tgid, self_charged_ns);
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns, keyspace_id, state);
+same_layout!(HeaderView, HeaderCell, clock_seq, tsc_base, ns_base, mult, clock_valid);
 
 /// One mmapped array of `T`.
 pub struct Table<T> {
@@ -189,11 +201,13 @@ fn wait_settled(cell: &KeyspaceView) -> u32 {
     }
 }
 
-/// The three regions, as one process sees them.
+/// The four regions, as one process sees them.
 pub struct Regions {
     pub cpus: Table<CpuView>,
     pub slots: Table<SlotView>,
     pub keyspaces: KeyspaceTable,
+    /// One cell, written by the agent only.
+    pub header: Table<HeaderView>,
 }
 
 /// Sizes of the regions, sent with their fds.
@@ -205,13 +219,19 @@ pub struct RegionSizes {
 }
 
 impl Regions {
-    /// Maps the regions from their fds (cpus, slots, keyspaces).
-    pub fn map(fds: [RawFd; 3], sizes: RegionSizes) -> Result<Self, RegionError> {
+    /// Maps the regions from their fds (cpus, slots, keyspaces, header).
+    pub fn map(fds: [RawFd; 4], sizes: RegionSizes) -> Result<Self, RegionError> {
         Ok(Regions {
             cpus: Table::map("cpu", fds[0], sizes.cpus)?,
             slots: Table::map("thread slot", fds[1], sizes.slots)?,
             keyspaces: KeyspaceTable::new(Table::map("keyspace", fds[2], sizes.keyspaces)?)?,
+            header: Table::map("header", fds[3], 1)?,
         })
+    }
+
+    /// The agent's header cell.
+    pub fn header(&self) -> &HeaderView {
+        self.header.get(0).expect("the header region has one cell")
     }
 }
 

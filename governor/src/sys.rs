@@ -362,3 +362,17 @@ mod tests {
         }
     }
 }
+
+/// The CPU's time-stamp counter, where it has one (x86_64).
+#[inline]
+pub fn rdtsc() -> Option<u64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: RDTSC reads a counter; it has no memory effects.
+        Some(unsafe { core::arch::x86_64::_rdtsc() })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}

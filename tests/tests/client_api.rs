@@ -166,3 +166,14 @@ fn thread_clock_follows_the_cpu_clock() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn agent_publishes_the_tsc_clock_where_the_kernel_keeps_time_on_it() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let want = if governor::tsc::usable() { "tsc" } else { "vdso" };
+    assert_eq!(agent.status().unwrap().thread_clock_source, want);
+    let fallback = Agent::start("thread-clock", "").unwrap();
+    assert_eq!(fallback.status().unwrap().thread_clock_source, "thread-cputime");
+}

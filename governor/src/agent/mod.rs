@@ -103,8 +103,16 @@ impl Shared {
             })
             .collect();
         keyspaces.sort_by_key(|k| k.keyspace_id);
+        let thread_clock_source = if m.is_fallback() {
+            "thread-cputime"
+        } else if crate::tsc::now_ns(m.regions.header()).is_some() {
+            "tsc"
+        } else {
+            "vdso"
+        };
         StatusReport {
             backend: m.kind,
+            thread_clock_source: thread_clock_source.to_string(),
             logical_cores: self.cores,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             window_seconds: span as f64 / 1e9,
@@ -148,7 +156,17 @@ async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut last_reclaim = Instant::now();
     let mut last_window = None::<Instant>;
+    // The TSC clock only serves the eBPF backend's thread clock.
+    let mut tsc = (!shared.lock_measurement().is_fallback() && crate::tsc::usable())
+        .then(crate::tsc::Calibrator::default);
+    let mut last_calibration = None::<Instant>;
     loop {
+        if let Some(cal) = tsc.as_mut() {
+            if last_calibration.is_none_or(|t| t.elapsed() >= crate::tsc::CALIBRATION_PERIOD) {
+                cal.publish(shared.lock_measurement().regions.header());
+                last_calibration = Some(Instant::now());
+            }
+        }
         interval.tick().await;
         {
             let m = shared.lock_measurement();

@@ -85,7 +85,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
     shared.lock_slots().drop_connection(&mut m, conn);
 }
 
-fn handle(shared: &Shared, conn: u64, peer: u32, request: Request) -> (Reply, Option<[i32; 3]>) {
+fn handle(shared: &Shared, conn: u64, peer: u32, request: Request) -> (Reply, Option<[i32; 4]>) {
     match request {
         Request::Hello => {
             let m = shared.lock_measurement();
@@ -109,7 +109,7 @@ fn handle(shared: &Shared, conn: u64, peer: u32, request: Request) -> (Reply, Op
     }
 }
 
-async fn send(stream: &mut UnixStream, reply: &Reply, fds: Option<[i32; 3]>) -> std::io::Result<()> {
+async fn send(stream: &mut UnixStream, reply: &Reply, fds: Option<[i32; 4]>) -> std::io::Result<()> {
     let mut bytes = serde_json::to_vec(reply).expect("replies serialize");
     bytes.push(b'\n');
     match fds {

@@ -18,6 +18,7 @@ pub fn run(socket: &Path) -> Result<StatusReport, CliError> {
 pub fn render(s: &StatusReport) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "backend      {}", s.backend.as_str());
+    let _ = writeln!(out, "thread clock {}", s.thread_clock_source);
     let _ = writeln!(out, "cores        {}", s.logical_cores);
     let _ = writeln!(out, "uptime       {:.1} s", s.uptime_seconds);
     let _ = writeln!(

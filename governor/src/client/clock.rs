@@ -26,7 +26,7 @@ pub fn thread_clock(backend: BackendKind, regions: &Regions, slot: &SlotView) ->
         let s1 = cell.seq.load(Ordering::Acquire);
         let last = cell.last_switch_ns.load(Ordering::Acquire);
         let on = slot.oncpu_ns.load(Ordering::Acquire);
-        let now = sys::monotonic_ns();
+        let now = crate::tsc::now_ns(regions.header()).unwrap_or_else(sys::monotonic_ns);
         let s2 = cell.seq.load(Ordering::Acquire);
         let cpu2 = sys::current_cpu();
         if s1 == s2 && cpu1 == cpu2 && last != 0 {

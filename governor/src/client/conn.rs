@@ -79,7 +79,7 @@ impl Client {
         // The reply line arrives with the fds; read it byte-exactly so no
         // later bytes are consumed outside the buffered reader.
         let mut buf = vec![0u8; 4096];
-        let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, 3)?;
+        let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, 4)?;
         let mut line = buf[..n].to_vec();
         let mut reader = BufReader::new(stream);
         if !line.ends_with(b"\n") {
@@ -92,10 +92,11 @@ impl Client {
             Reply::Error { message } => return Err(ClientError::Refused { message }),
             other => return Err(ClientError::Protocol { detail: format!("expected hello, got {other:?}") }),
         };
-        if fds.len() != 3 {
-            return Err(ClientError::Protocol { detail: format!("expected 3 region fds, got {}", fds.len()) });
+        if fds.len() != 4 {
+            return Err(ClientError::Protocol { detail: format!("expected 4 region fds, got {}", fds.len()) });
         }
-        let regions = Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd()], sizes)?;
+        let regions =
+            Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
         Ok(Client { inner: Arc::new(Inner { conn: Mutex::new(Conn { reader }), backend, regions, sizes }) })
     }
 

@@ -122,11 +122,10 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     // The rules map stays empty (and FLAG_RULES zero) until rules are configured.
     let _ = MAP_TGID_RULES;
 
-    let fds: [OwnedFd; 3] = fds.try_into().map_err(|_| MeasureError::Load("three region fds".into()))?;
-    let regions = Regions::map(
-        [fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd()],
-        sizes,
-    )?;
+    fds.push(super::header_region()?);
+    let fds: [OwnedFd; 4] = fds.try_into().map_err(|_| MeasureError::Load("four region fds".into()))?;
+    let regions =
+        Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
     Ok(Measurement {
         kind: BackendKind::Ebpf,
         regions,

@@ -18,8 +18,14 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         sys::memfd(what, n as usize * std::mem::size_of::<ThreadSlot>())
             .map_err(|source| MeasureError::Region { what, source })
     };
-    let fds = [make("governor-cpus", sizes.cpus)?, make("governor-slots", sizes.slots)?, make("governor-keyspaces", sizes.keyspaces)?];
-    let regions = Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd()], sizes)?;
+    let fds = [
+        make("governor-cpus", sizes.cpus)?,
+        make("governor-slots", sizes.slots)?,
+        make("governor-keyspaces", sizes.keyspaces)?,
+        super::header_region()?,
+    ];
+    let regions =
+        Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
     Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
 }
 

@@ -44,13 +44,19 @@ pub struct Measurement {
     pub kind: BackendKind,
     pub regions: Regions,
     pub sizes: RegionSizes,
-    fds: [OwnedFd; 3],
+    fds: [OwnedFd; 4],
     inner: Inner,
 }
 
 enum Inner {
     Ebpf(Box<ebpf::EbpfSide>),
     Fallback,
+}
+
+/// The agent's header region: a one-cell memfd in every backend.
+pub(crate) fn header_region() -> Result<OwnedFd, MeasureError> {
+    crate::sys::memfd("governor-header", std::mem::size_of::<governor_common::HeaderCell>())
+        .map_err(|source| MeasureError::Region { what: "header", source })
 }
 
 impl Measurement {
@@ -69,8 +75,8 @@ impl Measurement {
         }
     }
 
-    pub fn raw_fds(&self) -> [i32; 3] {
-        [self.fds[0].as_raw_fd(), self.fds[1].as_raw_fd(), self.fds[2].as_raw_fd()]
+    pub fn raw_fds(&self) -> [i32; 4] {
+        [self.fds[0].as_raw_fd(), self.fds[1].as_raw_fd(), self.fds[2].as_raw_fd(), self.fds[3].as_raw_fd()]
     }
 
     /// Makes the kernel side charge `tid` into `slot`.

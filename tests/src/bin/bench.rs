@@ -149,6 +149,13 @@ fn policy_allocate_release_ns() -> f64 {
 fn main() -> Result<()> {
     let json_out = std::env::args().any(|a| a == "--json");
     let agent = Agent::start_default("ebpf")?;
+    // Measure the steady state: the agent publishes the TSC clock after its
+    // second calibration anchor (where the kernel keeps time on the TSC).
+    let deadline = Instant::now() + std::time::Duration::from_secs(2);
+    while agent.status()?.thread_clock_source == "vdso" && governor::tsc::usable() && Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let clock_source = agent.status()?.thread_clock_source;
     let client = Client::connect(&agent.socket)?;
     client.register_current_thread()?;
     let _g = client::tag(1)?;
@@ -169,6 +176,7 @@ fn main() -> Result<()> {
 
     let result = json!({
         "thread_clock_ns": round(thread_clock_ns),
+        "thread_clock_source": clock_source,
         "clock_thread_cputime_ns": round(clock_thread_cputime_ns),
         "tag_switch_ns": round(tag_switch_ns),
         "ebpf_sched_switch_ns": round(ebpf.get("gov_sched_switch").copied().unwrap_or(f64::NAN)),
