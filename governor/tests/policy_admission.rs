@@ -100,3 +100,24 @@ fn admission_mode_change_while_running_keeps_counts_exact() {
     a.leave(counted);
     assert_eq!(a.inflight(1), 0);
 }
+
+#[test]
+fn idle_tenants_are_forgotten_and_busy_ones_kept_with_their_count() {
+    let p = policy(AdmissionMode::Enforced, 2);
+    let a = p.admission();
+    // 1000 tenants come and go; tenant 7 stays busy with two requests.
+    for t in 0..1000u32 {
+        let permit = a.enter(t).unwrap();
+        a.leave(permit);
+    }
+    let busy: Vec<_> = (0..2).map(|_| a.enter(7).unwrap()).collect();
+    assert_eq!(a.tracked_tenants(), 1000);
+    let report = p.tick(1_000_000, Some(&governor::policy::UsageSample::default()));
+    assert_eq!(report.admission_evicted, 999);
+    assert_eq!(a.tracked_tenants(), 1);
+    // The busy tenant's count survived: it is still at its limit.
+    assert!(matches!(a.enter(7), Err(Refusal::ConcurrencyLimited { inflight: 2, .. })));
+    busy.into_iter().for_each(|p| a.leave(p));
+    assert_eq!(a.inflight(7), 0);
+    assert!(a.enter(7).is_ok());
+}

@@ -159,6 +159,22 @@ impl TenantAdmission {
         }
     }
 
+    /// Forgets tenants with nothing in flight, so the table holds only
+    /// active tenants however many come and go. A tenant's entry is held
+    /// (shard-locked) while `enter` counts into it, and a counted permit
+    /// keeps it above zero until `leave`, so no count is lost. Returns how
+    /// many entries went.
+    pub fn evict_idle(&self) -> usize {
+        let before = self.inflight.len();
+        self.inflight.retain(|_, c| c.load(Ordering::Acquire) != 0);
+        before.saturating_sub(self.inflight.len())
+    }
+
+    /// Tenants with an entry (in flight now, or since the last eviction).
+    pub fn tracked_tenants(&self) -> usize {
+        self.inflight.len()
+    }
+
     /// Requests of `tenant` currently counted in flight.
     pub fn inflight(&self, tenant: u32) -> u64 {
         self.inflight

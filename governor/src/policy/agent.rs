@@ -54,6 +54,8 @@ pub struct TickReport {
     pub global_ratio: f64,
     /// Auto-created tenant-cap buckets evicted as idle.
     pub evicted: usize,
+    /// Admission-control tenants forgotten with nothing in flight.
+    pub admission_evicted: usize,
 }
 
 impl Policy {
@@ -71,6 +73,8 @@ impl Policy {
             report.observed = true;
             report.global_ratio = ratio;
             report.fair_active = fair;
+            // Once per stats interval is often enough to keep the table small.
+            report.admission_evicted = self.admission().evict_idle();
         }
         report.global_ratio = self.global_ratio();
         report.evicted = self.evict_idle(now_us);
