@@ -129,13 +129,16 @@ fn untagged(args: &[String]) -> Result<serde_json::Value> {
     let secs: f64 = arg(args, "--seconds", 1.0);
     let tagged_ks: u32 = arg(args, "--keyspace", 7);
     let client = Client::connect(socket(args))?;
+    // Each thread reports its CPU time by CLOCK_THREAD_CPUTIME_ID and, when
+    // registered, by the thread clock (the timeline the agent charges on).
     let run = |mode: u32| {
         let client = client.clone();
-        std::thread::spawn(move || -> Result<u64> {
+        std::thread::spawn(move || -> Result<(u64, Option<u64>)> {
             if mode < 2 {
                 client.register_current_thread()?;
             }
             let start = sys::thread_cputime_ns();
+            let clock_start = client::thread_cpu_ns();
             let g = match mode {
                 0 => Some(client::tag(tagged_ks)?),
                 2 => Some(client::tag(tagged_ks + 1)?), // a no-op: not registered
@@ -143,12 +146,19 @@ fn untagged(args: &[String]) -> Result<serde_json::Value> {
             };
             burn_for(Duration::from_secs_f64(secs));
             drop(g);
-            Ok(sys::thread_cputime_ns() - start)
+            let clock = clock_start.and_then(|s| Some(client::thread_cpu_ns()? - s));
+            Ok((sys::thread_cputime_ns() - start, clock))
         })
     };
     let hs: Vec<_> = (0..3).map(run).collect();
-    let times: Vec<u64> = hs.into_iter().map(|h| h.join().expect("no panic")).collect::<Result<_>>()?;
-    Ok(json!({ "tagged_ns": times[0], "registered_untagged_ns": times[1], "unregistered_ns": times[2] }))
+    let times: Vec<(u64, Option<u64>)> =
+        hs.into_iter().map(|h| h.join().expect("no panic")).collect::<Result<_>>()?;
+    Ok(json!({
+        "tagged_ns": times[0].0,
+        "tagged_thread_clock_ns": times[0].1,
+        "registered_untagged_ns": times[1].0,
+        "unregistered_ns": times[2].0,
+    }))
 }
 
 /// Many short-lived registered threads, `--parallel` at a time. Half exit
