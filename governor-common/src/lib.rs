@@ -64,10 +64,9 @@ pub const SLOT_LIVE: u32 = 1;
 /// reuse the slot once it has read it.
 pub const SLOT_DEAD: u32 = 2;
 
-/// Keyspace cell states (`KeyspaceCell::state`).
+/// Keyspace cell states (`KeyspaceCell::state`). A cell goes from empty to
+/// live in one 64-bit CAS over `keyspace_id` and `state` together.
 pub const KS_EMPTY: u32 = 0;
-/// Reserved by an inserter that has not yet published the id.
-pub const KS_BUSY: u32 = 1;
 pub const KS_LIVE: u32 = 2;
 
 /// Per-CPU switch record.
@@ -81,7 +80,11 @@ pub const KS_LIVE: u32 = 2;
 pub struct CpuCell {
     pub seq: u64,
     pub last_switch_ns: u64,
-    pub _pad: [u64; 6],
+    /// Non-zero while the exit hook closes a slice on this CPU: the timer
+    /// (a hardirq that can land inside it) then skips its tick instead of
+    /// closing the same slice a second time.
+    pub busy: u64,
+    pub _pad: [u64; 5],
 }
 
 /// Per-thread measurement slot.
@@ -224,6 +227,7 @@ mod tests {
         // is an ABI change.
         assert_eq!(core::mem::offset_of!(CpuCell, seq), 0);
         assert_eq!(core::mem::offset_of!(CpuCell, last_switch_ns), 8);
+        assert_eq!(core::mem::offset_of!(CpuCell, busy), 16);
         assert_eq!(core::mem::offset_of!(ThreadSlot, oncpu_ns), 0);
         assert_eq!(core::mem::offset_of!(ThreadSlot, charged_ns), 8);
         assert_eq!(core::mem::offset_of!(ThreadSlot, tag), 16);

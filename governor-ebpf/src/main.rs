@@ -34,7 +34,7 @@ use aya_log_ebpf::error;
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use governor_common::{
     cell_of_tag, CpuCell, KeyspaceCell, ThreadSlot, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS,
-    MAX_CPUS, SLOT_DEAD, DEFAULT_MAX_TIDS, FLAG_COUNT, FLAG_RULES,
+    MAX_CPUS, SLOT_DEAD, SLOT_LIVE, DEFAULT_MAX_TIDS, FLAG_COUNT, FLAG_RULES,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -101,7 +101,12 @@ fn close_slice(now: u64, pid_tgid: u64) -> Option<*mut ThreadSlot> {
         let slot = match tid_entry(tid).map(|e| read_volatile(e)) {
             Some(index) if index != 0 => GOV_SLOTS.get_ptr_mut(index - 1),
             _ => None,
-        };
+        }
+        // Only a live slot that still names this thread: a slot handed to
+        // another thread since the tid entry was read is left alone.
+        .filter(|&s| {
+            read_volatile(addr_of_mut!((*s).tid)) == tid && read_volatile(addr_of_mut!((*s).state)) == SLOT_LIVE
+        });
         if let Some(s) = slot {
             found = Some(s);
             if last != 0 && now > last {
@@ -150,6 +155,13 @@ pub fn gov_calibrate_clock(_ctx: BtfTracePointContext) -> i32 {
 
 #[perf_event]
 pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    if let Some(cell) = GOV_CPUS.get_ptr_mut(cpu) {
+        // SAFETY: map value pointer, valid for this run.
+        if unsafe { read_volatile(addr_of_mut!((*cell).busy)) } != 0 {
+            return 0; // interrupted the exit hook mid-slice: skip this tick
+        }
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     close_slice(now, bpf_get_current_pid_tgid());
     0
@@ -173,6 +185,12 @@ pub fn gov_exit(ctx: BtfTracePointContext) -> i32 {
         unsafe { write_volatile(entry, 0) };
         return 0;
     }
+    let cell = GOV_CPUS.get_ptr_mut(unsafe { bpf_get_smp_processor_id() });
+    if let Some(c) = cell {
+        // SAFETY: map value pointer, valid for this run; only this CPU
+        // writes its cell.
+        unsafe { write_volatile(addr_of_mut!((*c).busy), 1) };
+    }
     if let Some(slot) = close_slice(now, pid_tgid) {
         // SAFETY: map value pointers, valid for this run. The slot is dead
         // before the tid entry clears, so the agent never sees a live slot
@@ -181,6 +199,10 @@ pub fn gov_exit(ctx: BtfTracePointContext) -> i32 {
             write_volatile(addr_of_mut!((*slot).state), SLOT_DEAD);
             write_volatile(entry, 0);
         }
+    }
+    if let Some(c) = cell {
+        // SAFETY: as above.
+        unsafe { write_volatile(addr_of_mut!((*c).busy), 0) };
     }
     0
 }

@@ -8,7 +8,7 @@
 #![allow(unsafe_code)]
 
 use crate::sys::Mapping;
-use governor_common::{probe_start, CpuCell, HeaderCell, KeyspaceCell, ThreadSlot, KS_BUSY, KS_EMPTY, KS_LIVE};
+use governor_common::{probe_start, CpuCell, HeaderCell, KeyspaceCell, ThreadSlot, KS_EMPTY, KS_LIVE};
 use std::mem::{offset_of, size_of};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -29,7 +29,8 @@ pub enum RegionError {
 pub struct CpuView {
     pub seq: AtomicU64,
     pub last_switch_ns: AtomicU64,
-    _pad: [u64; 6],
+    pub busy: AtomicU64,
+    _pad: [u64; 5],
 }
 
 /// Atomic mirror of [`ThreadSlot`].
@@ -47,13 +48,29 @@ pub struct SlotView {
     _pad: [u64; 1],
 }
 
-/// Atomic mirror of [`KeyspaceCell`].
+/// Atomic mirror of [`KeyspaceCell`]. `keyspace_id` and `state` are one
+/// aligned little-endian u64 (`key`), so a single CAS publishes a cell
+/// whole: no reader ever waits on a half-inserted cell, and an inserter that
+/// dies leaves nothing behind.
 #[repr(C)]
 pub struct KeyspaceView {
     pub cpu_ns: AtomicU64,
-    pub keyspace_id: AtomicU32,
-    pub state: AtomicU32,
+    key: AtomicU64,
     _pad: [u64; 6],
+}
+
+#[inline]
+const fn live_key(keyspace_id: u32) -> u64 {
+    keyspace_id as u64 | (KS_LIVE as u64) << 32
+}
+
+impl KeyspaceView {
+    /// (state, keyspace id).
+    #[inline]
+    pub fn load(&self) -> (u32, u32) {
+        let k = self.key.load(Ordering::Acquire);
+        ((k >> 32) as u32, k as u32)
+    }
 }
 
 /// Atomic mirror of [`HeaderCell`].
@@ -73,9 +90,13 @@ macro_rules! same_layout {
         $(const _: () = assert!(offset_of!($view, $f) == offset_of!($cell, $f));)*
     };
 }
-same_layout!(CpuView, CpuCell, seq, last_switch_ns);
+same_layout!(CpuView, CpuCell, seq, last_switch_ns, busy);
 same_layout!(SlotView, ThreadSlot, oncpu_ns, charged_ns, tag, generation, tid, state, tgid, self_charged_ns);
-same_layout!(KeyspaceView, KeyspaceCell, cpu_ns, keyspace_id, state);
+same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
+const _: () = assert!(offset_of!(KeyspaceView, key) == offset_of!(KeyspaceCell, keyspace_id));
+const _: () = assert!(offset_of!(KeyspaceCell, state) == offset_of!(KeyspaceCell, keyspace_id) + 4);
+#[cfg(target_endian = "big")]
+compile_error!("the keyspace cell's id/state word assumes little-endian");
 same_layout!(HeaderView, HeaderCell, clock_seq, tsc_base, ns_base, mult, clock_valid);
 
 /// One mmapped array of `T`.
@@ -141,9 +162,9 @@ impl KeyspaceTable {
         let mut i = probe_start(keyspace_id, len);
         for _ in 0..len {
             let cell = self.cells.get(i)?;
-            match wait_settled(cell) {
-                KS_EMPTY => return None,
-                KS_LIVE if cell.keyspace_id.load(Ordering::Relaxed) == keyspace_id => return Some(i),
+            match cell.load() {
+                (KS_EMPTY, _) => return None,
+                (KS_LIVE, id) if id == keyspace_id => return Some(i),
                 _ => {}
             }
             i = (i + 1) & (len - 1);
@@ -158,21 +179,19 @@ impl KeyspaceTable {
         let mut probes = 0;
         while probes < len {
             let cell = self.cells.get(i).expect("index masked to the table length");
-            match wait_settled(cell) {
-                KS_EMPTY => {
+            match cell.load() {
+                (KS_EMPTY, _) => {
                     if cell
-                        .state
-                        .compare_exchange(KS_EMPTY, KS_BUSY, Ordering::AcqRel, Ordering::Acquire)
+                        .key
+                        .compare_exchange(0, live_key(keyspace_id), Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
                     {
-                        cell.keyspace_id.store(keyspace_id, Ordering::Relaxed);
-                        cell.state.store(KS_LIVE, Ordering::Release);
                         return Ok(i);
                     }
                     // Lost the race for this cell: look at it again.
                     continue;
                 }
-                KS_LIVE if cell.keyspace_id.load(Ordering::Relaxed) == keyspace_id => return Ok(i),
+                (KS_LIVE, id) if id == keyspace_id => return Ok(i),
                 _ => {}
             }
             i = (i + 1) & (len - 1);
@@ -183,21 +202,10 @@ impl KeyspaceTable {
 
     /// Every live keyspace: (keyspace id, cell index, charged ns).
     pub fn live(&self) -> impl Iterator<Item = (u32, u32, u64)> + '_ {
-        self.cells.iter().filter(|(_, c)| c.state.load(Ordering::Acquire) == KS_LIVE).map(|(i, c)| {
-            (c.keyspace_id.load(Ordering::Relaxed), i, c.cpu_ns.load(Ordering::Relaxed))
+        self.cells.iter().filter_map(|(i, c)| match c.load() {
+            (KS_LIVE, id) => Some((id, i, c.cpu_ns.load(Ordering::Relaxed))),
+            _ => None,
         })
-    }
-}
-
-/// State of a cell once any in-progress insert has published its id.
-#[inline]
-fn wait_settled(cell: &KeyspaceView) -> u32 {
-    loop {
-        let s = cell.state.load(Ordering::Acquire);
-        if s != KS_BUSY {
-            return s;
-        }
-        std::hint::spin_loop();
     }
 }
 

@@ -25,6 +25,14 @@ pub fn current_cpu() -> u32 {
     cpu.max(0) as u32
 }
 
+/// [`current_cpu`], with acquire ordering: no later load moves before it.
+#[inline]
+pub fn current_cpu_ordered() -> u32 {
+    let cpu = current_cpu();
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    cpu
+}
+
 #[cfg(all(target_env = "gnu", any(target_arch = "x86_64", target_arch = "aarch64")))]
 mod rseq {
     use std::sync::atomic::{AtomicU32, Ordering};
@@ -300,6 +308,13 @@ pub fn effective_caps() -> io::Result<u64> {
 pub const CAP_SYS_ADMIN: u32 = 21;
 pub const CAP_PERFMON: u32 = 38;
 pub const CAP_BPF: u32 = 39;
+
+/// Runs `child` in the child after every fork of this process.
+pub fn on_fork_child(child: extern "C" fn()) {
+    // SAFETY: registers a plain function pointer; it runs in the child with
+    // only the forking thread alive.
+    unsafe { libc::pthread_atfork(None, None, Some(child)) };
+}
 
 /// Raises RLIMIT_MEMLOCK for old kernels that charge BPF maps to it.
 pub fn raise_memlock() {

@@ -6,8 +6,11 @@
 //! (TSC, CLOCK_MONOTONIC) taken every [`CALIBRATION_PERIOD`] and the rate
 //! between the last two anchors; a thread extrapolates from the newest
 //! anchor. The error stays within the clock's rate change over one period
-//! (NTP slews by a few ppm: well under a microsecond), and it never
-//! accumulates: the kernel's own timestamps re-anchor every slice.
+//! (NTP slews by a few ppm: well under a microsecond; a clock being slewed
+//! hard can be off by more, and the thread clock then falls back to the
+//! vDSO whenever the TSC reading lands before the kernel's last switch),
+//! and it never accumulates: the kernel's own timestamps re-anchor every
+//! slice. A mapping older than three periods is not used.
 //!
 //! Used only where the kernel itself keeps time with a stable, synchronised
 //! TSC (`clocksource` tsc, `constant_tsc` and `nonstop_tsc`); elsewhere the
@@ -36,30 +39,30 @@ pub fn usable() -> bool {
 
 /// CLOCK_MONOTONIC ns now, from the header's mapping; `None` when the
 /// agent publishes none (the caller then uses the vDSO).
+///
+/// It never waits on the agent: a mapping being rewritten, or one older
+/// than [`MAX_AGE_NS`] (an agent that died or stalls), reads as `None`.
 #[inline]
 pub fn now_ns(h: &HeaderView) -> Option<u64> {
-    loop {
-        let s1 = h.clock_seq.load(Ordering::Acquire);
-        if s1 & 1 == 1 {
-            std::hint::spin_loop();
-            continue;
-        }
-        if h.clock_valid.load(Ordering::Relaxed) == 0 {
-            return None;
-        }
-        let tsc_base = h.tsc_base.load(Ordering::Relaxed);
-        let ns_base = h.ns_base.load(Ordering::Relaxed);
-        let mult = h.mult.load(Ordering::Relaxed);
-        fence(Ordering::Acquire);
-        if h.clock_seq.load(Ordering::Relaxed) != s1 {
-            continue;
-        }
-        let tsc = sys::rdtsc()?;
-        // A TSC a few ticks behind the anchor's CPU reads as the anchor.
-        let delta = tsc.saturating_sub(tsc_base);
-        return Some(ns_base + ((delta as u128 * mult as u128) >> 32) as u64);
+    let s1 = h.clock_seq.load(Ordering::Acquire);
+    if s1 & 1 == 1 || h.clock_valid.load(Ordering::Relaxed) == 0 {
+        return None;
     }
+    let tsc_base = h.tsc_base.load(Ordering::Relaxed);
+    let ns_base = h.ns_base.load(Ordering::Relaxed);
+    let mult = h.mult.load(Ordering::Relaxed);
+    fence(Ordering::Acquire);
+    if h.clock_seq.load(Ordering::Relaxed) != s1 {
+        return None;
+    }
+    let tsc = sys::rdtsc()?;
+    // A TSC a few ticks behind the anchor's CPU reads as the anchor.
+    let elapsed = ((tsc.saturating_sub(tsc_base) as u128 * mult as u128) >> 32) as u64;
+    (elapsed <= MAX_AGE_NS).then_some(ns_base + elapsed)
 }
+
+/// Oldest anchor a thread extrapolates from: three calibration periods.
+pub const MAX_AGE_NS: u64 = 3 * CALIBRATION_PERIOD.as_nanos() as u64;
 
 /// The agent's side: anchors the mapping and publishes it.
 #[derive(Default)]
@@ -84,8 +87,14 @@ impl Calibrator {
     }
 
     /// Takes a new anchor and, from the second one on, publishes the
-    /// mapping into `h`.
+    /// mapping into `h`. Withdraws it if the kernel stopped keeping time on
+    /// the TSC (its clocksource watchdog can switch away at run time).
     pub fn publish(&mut self, h: &HeaderView) {
+        if !usable() {
+            Self::withdraw(h);
+            self.last = None;
+            return;
+        }
         let Some((tsc, ns)) = Self::anchor() else { return };
         if let Some((tsc0, ns0)) = self.last {
             if tsc > tsc0 && ns > ns0 {

@@ -177,3 +177,44 @@ fn agent_publishes_the_tsc_clock_where_the_kernel_keeps_time_on_it() {
     let fallback = Agent::start("thread-clock", "").unwrap();
     assert_eq!(fallback.status().unwrap().thread_clock_source, "thread-cputime");
 }
+
+#[test]
+fn a_forked_child_leaves_the_parents_registration_alone() {
+    let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").unwrap();
+    let c = Client::connect(&agent.socket).unwrap();
+    let c2 = c.clone();
+    let socket = agent.socket.clone();
+    std::thread::spawn(move || {
+        c2.register_current_thread().unwrap();
+        let _g = client::tag(31).unwrap();
+        #[allow(unsafe_code)]
+        // SAFETY: the child only calls the client library and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // The child has no registration: tags are no-ops, the clock is
+            // absent, talking on the parent's connection is refused; its
+            // exit (which runs thread-local destructors) must not unregister
+            // the parent's thread.
+            let ok = client::thread_cpu_ns().is_none()
+                && client::tag(32).is_ok()
+                && matches!(c2.register_current_thread(), Err(client::ClientError::Forked { .. }));
+            std::process::exit(if ok { 0 } else { 3 });
+        }
+        let mut status = 0;
+        #[allow(unsafe_code)]
+        // SAFETY: waits for the child just forked.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status}");
+        // The parent is still registered and still charged.
+        let before = c2.keyspace_cpu_ns(31).unwrap_or(0);
+        burn(Duration::from_millis(50));
+        drop(_g);
+        assert!(c2.keyspace_cpu_ns(31).unwrap() >= before + 40_000_000);
+        assert_eq!(c2.keyspace_cpu_ns(32), None, "the child created keyspace 32");
+        let status = governor::cli::status::run(&socket).unwrap();
+        assert_eq!(status.threads.registered, 1, "the parent's slot was given back");
+    })
+    .join()
+    .unwrap();
+}

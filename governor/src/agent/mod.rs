@@ -142,8 +142,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         cores: sys::logical_cores(),
     });
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
-    let result = server::serve(listener, shared, shutdown).await;
+    let result = server::serve(listener, shared.clone(), shutdown).await;
     background.abort();
+    // Clients outlive us: stop them extrapolating a clock nobody anchors.
+    crate::tsc::Calibrator::withdraw(shared.lock_measurement().regions.header());
     let _ = std::fs::remove_file(&opts.socket);
     result
 }

@@ -61,9 +61,11 @@ impl Slots {
         }
         if let Some(&slot) = self.by_tid.get(&tid) {
             // A tid is reused only after its thread died: drop the stale holder.
-            if self.held.get(&slot).is_some_and(|h| h.tgid == tgid && h.conn == conn) {
+            let live = m.regions.slots.get(slot).is_some_and(|v| v.state.load(Ordering::Acquire) == SLOT_LIVE);
+            if live && self.held.get(&slot).is_some_and(|h| h.tgid == tgid && h.conn == conn) {
                 return Err(SlotError::AlreadyRegistered { tid, slot });
             }
+            // A dead thread's tid came back before the reclaim pass: free it now.
             self.release(m, slot);
         }
         if self.free.is_empty() {

@@ -21,14 +21,24 @@ pub fn thread_clock(backend: BackendKind, regions: &Regions, slot: &SlotView) ->
     loop {
         let cpu1 = sys::current_cpu();
         let Some(cell) = regions.cpus.get(cpu1) else {
-            return sys::thread_cputime_ns();
+            // A CPU beyond the table (hot-added after the agent started):
+            // report the kernel's figure so far rather than mix timelines.
+            return slot.oncpu_ns.load(Ordering::Acquire);
         };
         let s1 = cell.seq.load(Ordering::Acquire);
         let last = cell.last_switch_ns.load(Ordering::Acquire);
         let on = slot.oncpu_ns.load(Ordering::Acquire);
-        let now = crate::tsc::now_ns(regions.header()).unwrap_or_else(sys::monotonic_ns);
+        let now = match crate::tsc::now_ns(regions.header()) {
+            Some(t) if t >= last => t,
+            // No mapping, or one that reads before the kernel's own switch
+            // time: the vDSO is the kernel's clock.
+            _ => sys::monotonic_ns(),
+        };
+        // The CPU is read again before the sequence, so a thread that
+        // left this CPU and came back between the two reads of `seq` is
+        // caught by one check or the other.
+        let cpu2 = sys::current_cpu_ordered();
         let s2 = cell.seq.load(Ordering::Acquire);
-        let cpu2 = sys::current_cpu();
         if s1 == s2 && cpu1 == cpu2 && last != 0 {
             return on + now.saturating_sub(last);
         }

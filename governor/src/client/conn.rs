@@ -11,6 +11,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+/// How long a call to the agent may take.
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot connect to the governor agent at {path}")]
@@ -25,6 +28,8 @@ pub enum ClientError {
     Region(#[from] RegionError),
     #[error("this thread is already registered")]
     AlreadyRegistered,
+    #[error("this client was connected by process {parent}; a forked child must connect its own")]
+    Forked { parent: u32 },
 }
 
 struct Conn {
@@ -55,6 +60,9 @@ fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
 
 pub(crate) struct Inner {
     conn: Mutex<Conn>,
+    /// The process that connected: a forked child shares the socket and
+    /// must not talk on it.
+    pid: u32,
     pub(crate) backend: BackendKind,
     pub(crate) regions: Regions,
     pub(crate) sizes: RegionSizes,
@@ -73,6 +81,10 @@ impl Client {
         let path = path.as_ref();
         let stream = UnixStream::connect(path)
             .map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+        // A hung agent must not hang the server's threads (registration,
+        // thread exit): calls fail after this long instead.
+        stream.set_read_timeout(Some(CALL_TIMEOUT))?;
+        stream.set_write_timeout(Some(CALL_TIMEOUT))?;
         let mut hello = serde_json::to_string(&Request::Hello).expect("serializes");
         hello.push('\n');
         (&stream).write_all(hello.as_bytes())?;
@@ -97,7 +109,9 @@ impl Client {
         }
         let regions =
             Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
-        Ok(Client { inner: Arc::new(Inner { conn: Mutex::new(Conn { reader }), backend, regions, sizes }) })
+        super::install_fork_handler();
+        let pid = std::process::id();
+        Ok(Client { inner: Arc::new(Inner { conn: Mutex::new(Conn { reader }), pid, backend, regions, sizes }) })
     }
 
     /// Which backend measures this client.
@@ -132,6 +146,9 @@ impl Client {
 
     /// Sends one request and waits for its reply.
     pub fn call(&self, req: &Request) -> Result<Reply, ClientError> {
+        if std::process::id() != self.inner.pid {
+            return Err(ClientError::Forked { parent: self.inner.pid });
+        }
         self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()).call(req)
     }
 

@@ -39,12 +39,9 @@ impl<F: Future> Future for Tagged<F> {
         if this.cell.is_none() {
             *this.cell = resolve(*this.keyspace_id).ok().flatten();
         }
-        let prev = this.cell.and_then(|c| set_raw_tag(tag_for_cell(c)));
-        let out = this.inner.poll(cx);
-        if let Some(p) = prev {
-            set_raw_tag(p);
-        }
-        out
+        // The guard restores the worker's tag even if the poll panics.
+        let _restore = super::TagGuard::new(this.cell.and_then(|c| set_raw_tag(tag_for_cell(c))));
+        this.inner.poll(cx)
     }
 }
 

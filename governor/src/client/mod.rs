@@ -37,10 +37,19 @@ thread_local! {
     static CURRENT: RefCell<Option<conn::ThreadCtx>> = const { RefCell::new(None) };
 }
 
-/// Restores the previous tag when dropped.
+/// Restores the previous tag when dropped. Not `Send`: a tag belongs to the
+/// thread that set it, so a guard cannot be held across an `.await` that
+/// might resume on another worker (use [`Tagged`] for futures).
 #[must_use = "the tag is restored when the guard drops"]
 pub struct TagGuard {
     previous: Option<u64>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl TagGuard {
+    pub(crate) fn new(previous: Option<u64>) -> TagGuard {
+        TagGuard { previous, _not_send: std::marker::PhantomData }
+    }
 }
 
 impl Drop for TagGuard {
@@ -59,7 +68,7 @@ pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
         Some(ctx) => ctx.client.cell_of(keyspace_id).map(Some),
         None => Ok(None),
     })?;
-    Ok(TagGuard { previous: cell.and_then(|cell| set_raw_tag(tag_for_cell(cell))) })
+    Ok(TagGuard::new(cell.and_then(|cell| set_raw_tag(tag_for_cell(cell)))))
 }
 
 /// Switches the calling thread to `keyspace_id` with no guard: for
@@ -77,12 +86,14 @@ pub fn clear_tag() {
 /// Leaves the current keyspace: time is charged to no keyspace until the
 /// guard drops.
 pub fn untagged() -> TagGuard {
-    TagGuard { previous: set_raw_tag(TAG_NONE) }
+    TagGuard::new(set_raw_tag(TAG_NONE))
 }
 
 /// Sets the raw tag of the current thread; the previous tag, if registered.
 pub(crate) fn set_raw_tag(tag: u64) -> Option<u64> {
-    CURRENT.with(|c| c.borrow().as_ref().map(|ctx| ctx.switch(tag)))
+    // try_with: a guard dropped while thread-locals are being destroyed
+    // finds no context rather than panicking.
+    CURRENT.try_with(|c| c.borrow().as_ref().map(|ctx| ctx.switch(tag))).ok().flatten()
 }
 
 /// The calling thread's on-CPU ns since registration (eBPF backend) or
@@ -94,6 +105,24 @@ pub fn thread_cpu_ns() -> Option<u64> {
 /// Whether the calling thread is registered.
 pub fn is_registered() -> bool {
     CURRENT.with(|c| c.borrow().is_some())
+}
+
+/// In a forked child, the forking thread's context belongs to the parent:
+/// its slot, its tags, its connection. Forget it without running its
+/// destructor (which would give the parent's live slot back).
+extern "C" fn forget_thread_context_after_fork() {
+    let _ = CURRENT.try_with(|c| {
+        if let Ok(mut slot) = c.try_borrow_mut() {
+            if let Some(ctx) = slot.take() {
+                std::mem::forget(ctx);
+            }
+        }
+    });
+}
+
+pub(crate) fn install_fork_handler() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| crate::sys::on_fork_child(forget_thread_context_after_fork));
 }
 
 /// Charges the thread's time so far and gives its slot back.
