@@ -194,3 +194,27 @@ fn client_on_a_missing_socket_gets_a_typed_error_naming_the_path() {
     let err = governor::client::Client::connect(path).err().unwrap();
     assert!(err.to_string().contains("/tmp/governor-no-such-dir/agent.sock"), "{err}");
 }
+
+#[test]
+fn a_client_in_its_own_pid_namespace_is_measured_under_its_host_tids() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", CONFIG).unwrap();
+    // The workload runs as pid 1 of a fresh PID namespace: the tids it sends
+    // are not the kernel's.
+    let out = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc"])
+        .arg(governor_tests::workload_bin())
+        .args(["busy", "--keyspace", "55", "--seconds", "0.5", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .expect("unshare runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let ran = serde_json::from_str::<serde_json::Value>(stdout.lines().last().unwrap()).unwrap()["thread_cpu_ns"]
+        .as_u64()
+        .unwrap() as f64
+        / 1e9;
+    let charged = agent.keyspace_seconds(55).unwrap();
+    eprintln!("namespaced client: ran {ran:.4} s, charged {charged:.4} s");
+    assert!(charged >= ran * 0.99 && charged <= ran * 1.02 + 0.005, "charged {charged} for {ran}");
+}

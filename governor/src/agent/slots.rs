@@ -54,11 +54,12 @@ impl Slots {
         }
     }
 
-    /// Gives `tid` of process `tgid` a slot and starts measuring it.
+    /// Gives `tid` of process `tgid` a slot and starts measuring it. `tid`
+    /// is as the client sees it (its own PID namespace); `tgid` as the agent
+    /// sees it (SO_PEERCRED translates it).
     pub fn register(&mut self, m: &mut Measurement, conn: u64, tgid: u32, tid: u32) -> Result<(u32, u64), SlotError> {
-        if !std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists() {
-            return Err(SlotError::NotYourThread { tid, pid: tgid });
-        }
+        let client_tid = tid;
+        let tid = host_tid(tgid, client_tid).ok_or(SlotError::NotYourThread { tid: client_tid, pid: tgid })?;
         if let Some(&slot) = self.by_tid.get(&tid) {
             // A tid is reused only after its thread died: drop the stale holder.
             let live = m.regions.slots.get(slot).is_some_and(|v| v.state.load(Ordering::Acquire) == SLOT_LIVE);
@@ -159,5 +160,46 @@ impl Slots {
             reclaimed: self.reclaimed,
             exhausted: self.exhausted,
         }
+    }
+}
+
+/// The innermost-namespace pid list of a task (`NSpid:` in its status).
+fn nspid(tgid: u32, task: u32) -> Option<Vec<u32>> {
+    let status = std::fs::read_to_string(format!("/proc/{tgid}/task/{task}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    line.split_whitespace().map(|v| v.parse().ok()).collect()
+}
+
+/// The tid, as the kernel (and so the eBPF programs) and the agent see it,
+/// of the thread of process `tgid` that calls itself `client_tid` in its
+/// own PID namespace. A client in a container sees other numbers than the
+/// host: its thread is the one whose innermost NSpid is `client_tid`.
+fn host_tid(tgid: u32, client_tid: u32) -> Option<u32> {
+    // Same namespace: the task exists under that number and has no inner id.
+    if nspid(tgid, client_tid).is_some_and(|ids| ids == [client_tid]) {
+        return Some(client_tid);
+    }
+    std::fs::read_dir(format!("/proc/{tgid}/task"))
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find(|&task| nspid(tgid, task).is_some_and(|ids| ids.len() > 1 && ids.last() == Some(&client_tid)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_threads_map_to_themselves() {
+        let pid = std::process::id();
+        let tid = crate::sys::gettid();
+        assert_eq!(host_tid(pid, tid), Some(tid));
+        assert_eq!(host_tid(pid, pid), Some(pid));
+    }
+
+    #[test]
+    fn a_tid_of_another_process_is_not_ours() {
+        // pid 1 is never one of this test's threads.
+        assert_eq!(host_tid(std::process::id(), 1), None);
     }
 }
