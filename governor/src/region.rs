@@ -8,7 +8,7 @@
 #![allow(unsafe_code)]
 
 use crate::sys::Mapping;
-use governor_common::{probe_start, CpuCell, HeaderCell, KeyspaceCell, ThreadSlot, KS_EMPTY, KS_LIVE};
+use governor_common::{cell_of_tag, probe_start, CpuCell, HeaderCell, KeyspaceCell, ThreadSlot, KS_EMPTY, KS_LIVE};
 use std::mem::{offset_of, size_of};
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -235,6 +235,24 @@ impl Regions {
             keyspaces: KeyspaceTable::new(Table::map("keyspace", fds[2], sizes.keyspaces)?)?,
             header: Table::map("header", fds[3], 1)?,
         })
+    }
+
+    /// One attempt at the protocol's charge: move `slot.charged_ns` from
+    /// `from` (as the caller read it) to `to` with one CAS and, on success,
+    /// add the interval to the keyspace of the slot's tag. `None`: another
+    /// party (kernel, thread or agent) moved `charged_ns` first; read again.
+    /// `Some(true)` when a keyspace was charged, `Some(false)` when the slot
+    /// was untagged. The tag is read before the CAS, so it is the tag the
+    /// interval ran under whoever charges.
+    #[inline]
+    pub fn try_charge(&self, slot: &SlotView, from: u64, to: u64) -> Option<bool> {
+        let tag = slot.tag.load(Ordering::Acquire);
+        slot.charged_ns.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).ok()?;
+        let cell = cell_of_tag(tag).and_then(|i| self.keyspaces.cells.get(i));
+        if let Some(cell) = cell {
+            cell.cpu_ns.fetch_add(to - from, Ordering::Relaxed);
+        }
+        Some(cell.is_some())
     }
 
     /// The agent's header cell.

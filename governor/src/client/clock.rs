@@ -4,7 +4,6 @@
 use crate::proto::BackendKind;
 use crate::region::{Regions, SlotView};
 use crate::sys;
-use governor_common::cell_of_tag;
 use std::sync::atomic::Ordering;
 
 /// This thread's on-CPU ns on the slot's timeline.
@@ -57,10 +56,8 @@ pub fn charge_now(backend: BackendKind, regions: &Regions, slot: &SlotView) {
         if t <= x {
             return;
         }
-        if slot.charged_ns.compare_exchange(x, t, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            let tag = slot.tag.load(Ordering::Relaxed);
-            if let Some(cell) = cell_of_tag(tag).and_then(|i| regions.keyspaces.cells.get(i)) {
-                cell.cpu_ns.fetch_add(t - x, Ordering::Relaxed);
+        if let Some(charged_keyspace) = regions.try_charge(slot, x, t) {
+            if charged_keyspace {
                 // Only this thread writes it (the agent resets it while the
                 // thread waits for its registration): no locked add needed.
                 let own = slot.self_charged_ns.load(Ordering::Relaxed);

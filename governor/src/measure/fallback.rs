@@ -7,7 +7,7 @@ use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
 use crate::region::{RegionSizes, Regions, SlotView};
 use crate::sys;
-use governor_common::{cell_of_tag, ThreadSlot, SLOT_LIVE};
+use governor_common::{ThreadSlot, SLOT_LIVE};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
@@ -42,18 +42,7 @@ pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
 pub fn charge_up_to(m: &Measurement, slot: &SlotView, now_ns: u64) {
     loop {
         let charged = slot.charged_ns.load(Ordering::Acquire);
-        if now_ns <= charged {
-            return;
-        }
-        let tag = slot.tag.load(Ordering::Acquire);
-        if slot
-            .charged_ns
-            .compare_exchange(charged, now_ns, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            if let Some(cell) = cell_of_tag(tag).and_then(|i| m.regions.keyspaces.cells.get(i)) {
-                cell.cpu_ns.fetch_add(now_ns - charged, Ordering::Relaxed);
-            }
+        if now_ns <= charged || m.regions.try_charge(slot, charged, now_ns).is_some() {
             return;
         }
     }
