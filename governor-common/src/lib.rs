@@ -26,26 +26,31 @@ pub const MAP_CPUS: &str = "GOV_CPUS";
 pub const MAP_SLOTS: &str = "GOV_SLOTS";
 /// Name of the `KeyspaceCell` array map (indexed by keyspace cell id).
 pub const MAP_KEYSPACES: &str = "GOV_KEYSPACES";
-/// Name of the `tid → slot id` hash map the agent fills.
+/// Name of the `tid → slot + 1` array the agent fills.
 pub const MAP_TID_SLOT: &str = "GOV_TID_SLOT";
-/// Name of the `tgid → tag` hash map: rule-matched unmodified processes.
-pub const MAP_TGID_RULES: &str = "GOV_TGID_RULES";
-/// Name of the small array of agent-set switches (`FLAG_*` indexes).
-pub const MAP_FLAGS: &str = "GOV_FLAGS";
-/// `GOV_FLAGS[FLAG_RULES]`: non-zero when any tgid rule exists.
-pub const FLAG_RULES: u32 = 0;
-pub const FLAG_COUNT: u32 = 4;
 /// Compiled-in tid table length; the agent loads it at `kernel.pid_max`.
 pub const DEFAULT_MAX_TIDS: u32 = 1 << 22;
 
 /// Program names, as exported by the eBPF object.
 pub const PROG_SCHED_SWITCH: &str = "gov_sched_switch";
 pub const PROG_TIMER: &str = "gov_timer";
-pub const PROG_EXIT: &str = "gov_exit";
 /// An empty sched_switch program, for benchmarks only.
 pub const PROG_CALIBRATE: &str = "gov_calibrate";
 /// A sched_switch program that only reads the clock, for benchmarks only.
 pub const PROG_CALIBRATE_CLOCK: &str = "gov_calibrate_clock";
+
+/// Read-only globals of the eBPF object: byte offsets in `struct
+/// task_struct` that the agent resolves from the running kernel's BTF and
+/// sets before loading (the verifier then knows them as constants).
+pub const GLOBAL_OFF_PID: &str = "GOV_OFF_PID";
+pub const GLOBAL_OFF_STATE: &str = "GOV_OFF_STATE";
+/// `se.sum_exec_runtime`, from the start of `task_struct`.
+pub const GLOBAL_OFF_RUNTIME: &str = "GOV_OFF_RUNTIME";
+/// `se.exec_start`, from the start of `task_struct`.
+pub const GLOBAL_OFF_EXEC_START: &str = "GOV_OFF_EXEC_START";
+
+/// `task_struct.__state` of a task on its final switch (`TASK_DEAD`).
+pub const TASK_DEAD: u32 = 0x80;
 
 /// Compiled-in upper bounds of the maps; the agent may load smaller ones.
 pub const MAX_CPUS: u32 = 1024;
@@ -60,8 +65,8 @@ pub const TAG_NONE: u64 = 0;
 pub const SLOT_FREE: u32 = 0;
 /// Registered and alive: the kernel charges it.
 pub const SLOT_LIVE: u32 = 1;
-/// The thread exited; the kernel closed its last slice and the agent may
-/// reuse the slot once it has read it.
+/// The thread exited: the kernel charged its final slice and cleared its
+/// tid entry; the agent may reuse the slot.
 pub const SLOT_DEAD: u32 = 2;
 
 /// Keyspace cell states (`KeyspaceCell::state`). A cell goes from empty to
@@ -69,36 +74,69 @@ pub const SLOT_DEAD: u32 = 2;
 pub const KS_EMPTY: u32 = 0;
 pub const KS_LIVE: u32 = 2;
 
-/// Per-CPU switch record.
+/// Per-CPU switch record: the anchor of the registered thread running on
+/// this CPU, written by the kernel when it switches a registered thread in.
 ///
-/// `last_switch_ns` is the start of the current unaccounted interval of the
-/// task running on this CPU (its switch-in, or the last timer tick). `seq`
-/// changes whenever `last_switch_ns` does, so a reader on this CPU can tell
-/// that its reads were not split by a switch or a tick.
+/// A running thread's kernel CPU time is `base_ns` (its runtime at the
+/// switch-in) plus the time since `last_switch_ns`, on CLOCK_MONOTONIC.
+/// `seq` changes whenever the anchor does, so a reader on this CPU can tell
+/// that its reads were not split by a switch.
+///
+/// The reader trusts the anchor only if it is its own and current: `owner`
+/// names the slot (`slot + 1`, with the slot's generation in the high half)
+/// and `base_ns` equals the slot's `oncpu_ns`, which the kernel sets at every
+/// switch-out. A thread registered while it ran has no anchor of its own
+/// yet; and where the kernel does not trace a switch (some hypervisor
+/// helper threads are switched without the tracepoint firing), the anchor
+/// or the slot belongs to another slice and the two disagree. In both cases
+/// the reader asks the kernel with a syscall instead. `last_switch_ns` is 0
+/// while no anchor can be made.
+///
+/// The anchor costs no clock read at a switch: it is the task's own
+/// `se.exec_start` (where the kernel starts counting the slice, on the run
+/// queue's task clock) moved onto CLOCK_MONOTONIC by `mono_offset_ns`, the
+/// difference between the two clocks on this CPU. The offset moves only as
+/// the hypervisor steals time from this CPU; it is measured again (one clock
+/// read) at the first registered switch-in after each timer tick, which
+/// raises `resample`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuCell {
     pub seq: u64,
     pub last_switch_ns: u64,
-    /// Non-zero while the exit hook closes a slice on this CPU: the timer
-    /// (a hardirq that can land inside it) then skips its tick instead of
-    /// closing the same slice a second time.
-    pub busy: u64,
-    pub _pad: [u64; 5],
+    pub owner: u64,
+    /// The switched-in thread's kernel runtime at the switch.
+    pub base_ns: u64,
+    /// CLOCK_MONOTONIC − the run queue's task clock, wrapping.
+    pub mono_offset_ns: u64,
+    /// Non-zero: measure `mono_offset_ns` again at the next chance.
+    pub resample: u64,
+    /// Non-zero once `mono_offset_ns` has been measured.
+    pub offset_valid: u64,
+    pub _pad: [u64; 1],
+}
+
+/// `CpuCell::owner` of slot `index` at `generation`.
+#[inline]
+pub const fn cpu_owner(index: u32, generation: u64) -> u64 {
+    (index as u64 + 1) | generation << 32
 }
 
 /// Per-thread measurement slot.
 ///
-/// `oncpu_ns` is written only by the kernel (the thread is off-CPU or
-/// interrupted while it runs). `charged_ns` is the point up to which the
-/// thread's time has been charged: the kernel stores it while the thread
-/// cannot run; the thread moves it with a single CAS, so an interval is
-/// charged by exactly one side.
+/// `oncpu_ns` is the thread's CPU time as the kernel counts it
+/// (`se.sum_exec_runtime`, the counter behind schedstat and
+/// `CLOCK_THREAD_CPUTIME_ID`) at its last switch-out: written only by the
+/// kernel, while the thread is off-CPU (the fallback backend's agent
+/// samples it instead). `charged_ns` is the point of that timeline up to
+/// which the thread's time has been charged: the kernel stores it while the
+/// thread cannot run; the thread moves it with a single CAS, so an interval
+/// is charged by exactly one side.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ThreadSlot {
-    /// Total on-CPU ns since registration (eBPF backend), or the thread's
-    /// CPU clock (fallback backend).
+    /// Kernel CPU time at the last switch-out (eBPF backend) or the last
+    /// schedstat sample (fallback backend).
     pub oncpu_ns: u64,
     pub charged_ns: u64,
     /// Current tag: [`TAG_NONE`] or keyspace cell index + 1.
@@ -205,6 +243,14 @@ mod tests {
     }
 
     #[test]
+    fn cpu_owner_tells_slots_and_generations_apart() {
+        assert_ne!(cpu_owner(0, 1), cpu_owner(1, 1));
+        assert_ne!(cpu_owner(5, 1), cpu_owner(5, 2));
+        // Never 0, the value of a cell no registered thread was switched into.
+        assert_ne!(cpu_owner(0, 0), 0);
+    }
+
+    #[test]
     fn probe_start_stays_in_range_and_spreads_dense_ids() {
         let len = 4096;
         let mut seen = [false; 4096];
@@ -227,7 +273,8 @@ mod tests {
         // is an ABI change.
         assert_eq!(core::mem::offset_of!(CpuCell, seq), 0);
         assert_eq!(core::mem::offset_of!(CpuCell, last_switch_ns), 8);
-        assert_eq!(core::mem::offset_of!(CpuCell, busy), 16);
+        assert_eq!(core::mem::offset_of!(CpuCell, owner), 16);
+        assert_eq!(core::mem::offset_of!(CpuCell, base_ns), 24);
         assert_eq!(core::mem::offset_of!(ThreadSlot, oncpu_ns), 0);
         assert_eq!(core::mem::offset_of!(ThreadSlot, charged_ns), 8);
         assert_eq!(core::mem::offset_of!(ThreadSlot, tag), 16);

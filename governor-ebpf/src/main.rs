@@ -2,51 +2,80 @@
 //!
 //! # Layout
 //!
-//! - `gov_sched_switch` (`tp_btf/sched_switch`): closes the slice of the task
-//!   being switched out (`current` is still `prev` there) and opens the next.
-//! - `gov_timer` (`perf_event`, a software CPU clock per CPU): closes the slice
-//!   of whatever runs now, so a long query is charged while it runs.
-//! - `gov_exit` (`tp_btf/sched_process_exit`): closes the last slice of an
-//!   exiting registered thread and marks its slot dead for the agent to reuse.
+//! - `gov_sched_switch` (`tp_btf/sched_switch`): charges the slice of a
+//!   registered task being switched out, exactly as the kernel counted it,
+//!   and anchors the clock of a registered task being switched in.
+//! - `gov_timer` (`perf_event`, a software CPU clock per CPU): charges what
+//!   the kernel has counted so far for a registered task that is still
+//!   running, so a long query is charged while it runs.
 //!
-//! None of them reads a `task_struct` field: the task is identified through
-//! `bpf_get_current_pid_tgid`, so one object runs on every kernel with BTF,
-//! on x86_64 and aarch64, without CO-RE relocations.
+//! # What "exact" means here
 //!
-//! The charging protocol (see docs/design.md §3): the kernel accumulates
-//! `oncpu_ns` and charges `oncpu_ns - charged_ns` to the slot's tag; the
-//! thread charges its own intervals with one CAS on `charged_ns`. The kernel
-//! only writes a slot while its thread cannot run (switched out, interrupted
-//! or in its exit path), so plain stores suffice on the slot; keyspace totals
-//! are shared by all CPUs and use an atomic add.
+//! The kernel's own count of a task's CPU time is `se.sum_exec_runtime`:
+//! schedstat, `CLOCK_THREAD_CPUTIME_ID`, `getrusage`, `top` and cgroup
+//! `cpu.stat` all report it. The programs read it from the tracepoint's
+//! typed task pointers, so a registered thread is charged what the kernel
+//! added to it, no more and no less, however it sleeps, blocks or is
+//! preempted. (Timing slices between two tracepoints instead would give the
+//! time between a wakeup and the switch to the woken task to the task
+//! switched out; the kernel gives it to the woken one.)
+//!
+//! Field offsets are globals the agent resolves from the running kernel's
+//! BTF and sets before load; the verifier knows them as constants. One
+//! object runs on every kernel with BTF, on x86_64 and aarch64, without
+//! CO-RE relocations.
+//!
+//! # Cost
+//!
+//! A switch between two tasks that are not registered reads two tids and
+//! two tid-table entries and returns: no helper call, no clock. A registered
+//! task switched out reads its own runtime; one switched in reads its slice
+//! start (`se.exec_start`) and anchors its userspace thread clock there.
+//! The clock is read once per timer tick per CPU at most, to keep the
+//! offset between the kernel's task clock and CLOCK_MONOTONIC current.
+//!
+//! The charging protocol (docs/design.md §3): the kernel stores the task's
+//! runtime in `oncpu_ns` at switch-out and charges `runtime − charged_ns` to
+//! the slot's tag; the thread charges its own intervals with one CAS on
+//! `charged_ns`. The kernel only writes a slot while its thread cannot run
+//! (switched out or interrupted), so plain stores suffice on the slot;
+//! keyspace totals are shared by all CPUs and use an atomic add.
 #![no_std]
 #![no_main]
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    helpers::{bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns},
     macros::{btf_tracepoint, map, perf_event},
-    maps::{Array, HashMap},
+    maps::Array,
     programs::{BtfTracePointContext, PerfEventContext},
 };
-use aya_log_ebpf::error;
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use governor_common::{
-    cell_of_tag, CpuCell, KeyspaceCell, ThreadSlot, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS,
-    MAX_CPUS, SLOT_DEAD, SLOT_LIVE, DEFAULT_MAX_TIDS, FLAG_COUNT, FLAG_RULES,
+    cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, ThreadSlot, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS,
+    DEFAULT_MAX_TIDS, MAX_CPUS, SLOT_DEAD, SLOT_LIVE, TASK_DEAD,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
 const BPF_F_MMAPABLE: u32 = 1 << 10;
+
+// Offsets in `struct task_struct`, set by the agent from the kernel's BTF.
+#[unsafe(no_mangle)]
+static GOV_OFF_PID: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_STATE: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_RUNTIME: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_EXEC_START: u32 = 0;
 
 #[map]
 static GOV_CPUS: Array<CpuCell> = Array::with_max_entries(MAX_CPUS, BPF_F_MMAPABLE);
 #[map]
 static GOV_SLOTS: Array<ThreadSlot> = Array::with_max_entries(DEFAULT_MAX_THREADS, BPF_F_MMAPABLE);
 #[map]
-static GOV_KEYSPACES: Array<KeyspaceCell> =
-    Array::with_max_entries(DEFAULT_MAX_KEYSPACES, BPF_F_MMAPABLE);
+static GOV_KEYSPACES: Array<KeyspaceCell> = Array::with_max_entries(DEFAULT_MAX_KEYSPACES, BPF_F_MMAPABLE);
 /// `tid → slot + 1` (0: not registered), one entry per possible tid
 /// (`kernel.pid_max`): an array lookup is a bounds check and an add, where a
 /// hash lookup would hash the key on every context switch. The agent writes
@@ -56,6 +85,21 @@ static GOV_KEYSPACES: Array<KeyspaceCell> =
 #[map]
 static GOV_TID_SLOT: Array<[u32; 2]> = Array::with_max_entries(DEFAULT_MAX_TIDS / 2, BPF_F_MMAPABLE);
 
+/// A field of a kernel task at a BTF-resolved offset.
+///
+/// # Safety
+/// `task` is a trusted task pointer the verifier typed from BTF, and
+/// `offset` names a field of type `T` in the running kernel.
+#[inline(always)]
+unsafe fn task_field<T: Copy>(task: *const u8, offset: &'static u32) -> T {
+    // SAFETY: as the caller promises. The global is read-only and frozen:
+    // the verifier sees a constant offset into a typed kernel object.
+    unsafe {
+        let off = read_volatile(offset) as usize;
+        read_volatile(task.add(off) as *const T)
+    }
+}
+
 /// `tid → slot + 1` entry of `tid`, if the table covers it.
 #[inline(always)]
 fn tid_entry(tid: u32) -> Option<*mut u32> {
@@ -63,13 +107,25 @@ fn tid_entry(tid: u32) -> Option<*mut u32> {
     // SAFETY: in-bounds element of the pair the map returned.
     Some(unsafe { (pair as *mut u32).add((tid & 1) as usize) })
 }
-/// `tgid → tag` for unmodified processes measured by rule.
-#[map]
-static GOV_TGID_RULES: HashMap<u32, u64> = HashMap::with_max_entries(1024, 0);
-/// Agent-set switches: [FLAG_RULES] is non-zero when any rule exists, so
-/// the common case skips the rules hash lookup.
-#[map]
-static GOV_FLAGS: Array<u64> = Array::with_max_entries(FLAG_COUNT, 0);
+
+/// The live slot of `tid` (with its index and tid entry), if registered.
+/// A slot handed to another thread since the entry was read is not it.
+#[inline(always)]
+fn registered(tid: u32) -> Option<(*mut ThreadSlot, u32, *mut u32)> {
+    let entry = tid_entry(tid)?;
+    // SAFETY: map value pointers are valid for this run.
+    unsafe {
+        let index = read_volatile(entry);
+        if index == 0 {
+            return None;
+        }
+        let slot = GOV_SLOTS.get_ptr_mut(index - 1)?;
+        if read_volatile(addr_of_mut!((*slot).tid)) != tid || read_volatile(addr_of_mut!((*slot).state)) != SLOT_LIVE {
+            return None;
+        }
+        Some((slot, index - 1, entry))
+    }
+}
 
 #[inline(always)]
 fn charge(tag: u64, delta: u64) {
@@ -86,55 +142,85 @@ fn charge(tag: u64, delta: u64) {
     }
 }
 
-/// Closes the running slice on this CPU at `now`: charges it to the current
-/// task's slot (or its rule) and starts the next slice.
+/// Charges the slot up to the kernel's `runtime` of its thread, unless the
+/// thread already charged that far.
+///
+/// # Safety
+/// `slot` is a map value pointer whose thread cannot run now.
 #[inline(always)]
-fn close_slice(now: u64, pid_tgid: u64) -> Option<*mut ThreadSlot> {
-    let cpu = unsafe { bpf_get_smp_processor_id() };
-    let cell = GOV_CPUS.get_ptr_mut(cpu)?;
-    let tid = pid_tgid as u32;
-    let mut found = None;
-    // SAFETY: map value pointers are valid for this run; this CPU is the
-    // only writer of its cell.
+unsafe fn charge_up_to(slot: *mut ThreadSlot, runtime: u64) {
+    // SAFETY: as the caller promises.
     unsafe {
-        let last = read_volatile(addr_of_mut!((*cell).last_switch_ns));
-        let slot = match tid_entry(tid).map(|e| read_volatile(e)) {
-            Some(index) if index != 0 => GOV_SLOTS.get_ptr_mut(index - 1),
-            _ => None,
+        let charged = read_volatile(addr_of_mut!((*slot).charged_ns));
+        if runtime > charged {
+            charge(read_volatile(addr_of_mut!((*slot).tag)), runtime - charged);
+            write_volatile(addr_of_mut!((*slot).charged_ns), runtime);
         }
-        // Only a live slot that still names this thread: a slot handed to
-        // another thread since the tid entry was read is left alone.
-        .filter(|&s| {
-            read_volatile(addr_of_mut!((*s).tid)) == tid && read_volatile(addr_of_mut!((*s).state)) == SLOT_LIVE
-        });
-        if let Some(s) = slot {
-            found = Some(s);
-            if last != 0 && now > last {
-                let on = read_volatile(addr_of_mut!((*s).oncpu_ns)) + (now - last);
-                write_volatile(addr_of_mut!((*s).oncpu_ns), on);
-                let charged = read_volatile(addr_of_mut!((*s).charged_ns));
-                if on > charged {
-                    charge(read_volatile(addr_of_mut!((*s).tag)), on - charged);
-                    write_volatile(addr_of_mut!((*s).charged_ns), on);
-                }
-            }
-        } else if last != 0 && now > last && GOV_FLAGS.get(FLAG_RULES).is_some_and(|f| *f != 0) {
-            if let Some(tag) = GOV_TGID_RULES.get(&((pid_tgid >> 32) as u32)) {
-                charge(*tag, now - last);
-            }
-        }
-        write_volatile(addr_of_mut!((*cell).last_switch_ns), now);
-        let seq = read_volatile(addr_of_mut!((*cell).seq));
-        write_volatile(addr_of_mut!((*cell).seq), seq + 1);
     }
-    found
 }
 
 #[btf_tracepoint(function = "sched_switch")]
-pub fn gov_sched_switch(_ctx: BtfTracePointContext) -> i32 {
-    let now = unsafe { bpf_ktime_get_ns() };
-    close_slice(now, bpf_get_current_pid_tgid());
+pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
+    // sched_switch(bool preempt, struct task_struct *prev, struct task_struct *next, ...)
+    // SAFETY: arguments 1 and 2 are the typed task pointers of this
+    // tracepoint on every supported kernel; fields at BTF offsets.
+    unsafe {
+        let prev: *const u8 = ctx.arg(1);
+        let next: *const u8 = ctx.arg(2);
+        if let Some((slot, _, entry)) = registered(task_field::<u32>(prev, &GOV_OFF_PID)) {
+            // The kernel brought prev's runtime up to date before the switch.
+            let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
+            charge_up_to(slot, runtime);
+            write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
+            if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
+                // Its final switch: the slot is dead before the tid entry
+                // clears, so the agent never sees a live slot without a tid.
+                write_volatile(addr_of_mut!((*slot).state), SLOT_DEAD);
+                write_volatile(entry, 0);
+            }
+        }
+        if let Some((slot, index, _)) = registered(task_field::<u32>(next, &GOV_OFF_PID)) {
+            if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
+                let (start, runtime) =
+                    (task_field::<u64>(next, &GOV_OFF_EXEC_START), task_field::<u64>(next, &GOV_OFF_RUNTIME));
+                anchor(cell, start, runtime, index, slot);
+            }
+        }
+    }
     0
+}
+
+/// Anchors the clock of the registered thread being switched in: its slice
+/// starts at `exec_start` on the run queue's task clock, moved onto
+/// CLOCK_MONOTONIC by this CPU's offset between the two. The offset is
+/// measured (the only clock read) after each timer tick; until the first
+/// measurement the anchor reads as absent.
+///
+/// # Safety
+/// `cell` and `slot` are map value pointers; this CPU is the only writer of
+/// its cell and runs with interrupts off here.
+#[inline(always)]
+unsafe fn anchor(cell: *mut CpuCell, exec_start: u64, runtime: u64, index: u32, slot: *mut ThreadSlot) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        if read_volatile(addr_of_mut!((*cell).resample)) != 0 {
+            let offset = bpf_ktime_get_ns().wrapping_sub(exec_start);
+            write_volatile(addr_of_mut!((*cell).mono_offset_ns), offset);
+            write_volatile(addr_of_mut!((*cell).offset_valid), 1);
+            write_volatile(addr_of_mut!((*cell).resample), 0);
+        }
+        let start = if read_volatile(addr_of_mut!((*cell).offset_valid)) != 0 {
+            exec_start.wrapping_add(read_volatile(addr_of_mut!((*cell).mono_offset_ns)))
+        } else {
+            0
+        };
+        let owner = cpu_owner(index, read_volatile(addr_of_mut!((*slot).generation)));
+        write_volatile(addr_of_mut!((*cell).last_switch_ns), start);
+        write_volatile(addr_of_mut!((*cell).base_ns), runtime);
+        write_volatile(addr_of_mut!((*cell).owner), owner);
+        let seq = read_volatile(addr_of_mut!((*cell).seq));
+        write_volatile(addr_of_mut!((*cell).seq), seq + 1);
+    }
 }
 
 /// Does nothing: `cargo xtask bench` attaches it beside `gov_sched_switch`
@@ -153,56 +239,25 @@ pub fn gov_calibrate_clock(_ctx: BtfTracePointContext) -> i32 {
     (now & 1) as i32
 }
 
+/// Charges a running registered task up to the runtime the kernel has
+/// counted so far (brought up to date at least every scheduler tick), and
+/// asks the next registered switch-in on this CPU to measure the clock
+/// offset again. The running thread's anchor is left alone.
 #[perf_event]
 pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
-    let cpu = unsafe { bpf_get_smp_processor_id() };
-    if let Some(cell) = GOV_CPUS.get_ptr_mut(cpu) {
-        // SAFETY: map value pointer, valid for this run.
-        if unsafe { read_volatile(addr_of_mut!((*cell).busy)) } != 0 {
-            return 0; // interrupted the exit hook mid-slice: skip this tick
+    // SAFETY: the helper returns the trusted current task; a timer (a
+    // hardirq) cannot land inside the switch program, whose IRQs are off.
+    unsafe {
+        if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
+            write_volatile(addr_of_mut!((*cell).resample), 1);
         }
-    }
-    let now = unsafe { bpf_ktime_get_ns() };
-    close_slice(now, bpf_get_current_pid_tgid());
-    0
-}
-
-#[btf_tracepoint(function = "sched_process_exit")]
-pub fn gov_exit(ctx: BtfTracePointContext) -> i32 {
-    let now = unsafe { bpf_ktime_get_ns() };
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let tid = pid_tgid as u32;
-    let Some(entry) = tid_entry(tid) else { return 0 };
-    // SAFETY: map value pointer, valid for this run.
-    let index = unsafe { read_volatile(entry) };
-    if index == 0 {
-        return 0;
-    }
-    if GOV_SLOTS.get_ptr_mut(index - 1).is_none() {
-        // Only a corrupted tid table gets here; say so, the agent logs it.
-        error!(&ctx, "tid {} maps to slot {} beyond the slot table", tid, index - 1);
-        // SAFETY: as above.
-        unsafe { write_volatile(entry, 0) };
-        return 0;
-    }
-    let cell = GOV_CPUS.get_ptr_mut(unsafe { bpf_get_smp_processor_id() });
-    if let Some(c) = cell {
-        // SAFETY: map value pointer, valid for this run; only this CPU
-        // writes its cell.
-        unsafe { write_volatile(addr_of_mut!((*c).busy), 1) };
-    }
-    if let Some(slot) = close_slice(now, pid_tgid) {
-        // SAFETY: map value pointers, valid for this run. The slot is dead
-        // before the tid entry clears, so the agent never sees a live slot
-        // without its tid.
-        unsafe {
-            write_volatile(addr_of_mut!((*slot).state), SLOT_DEAD);
-            write_volatile(entry, 0);
+        let task = bpf_get_current_task_btf() as *const u8;
+        if task.is_null() {
+            return 0;
         }
-    }
-    if let Some(c) = cell {
-        // SAFETY: as above.
-        unsafe { write_volatile(addr_of_mut!((*c).busy), 0) };
+        if let Some((slot, _, _)) = registered(task_field::<u32>(task, &GOV_OFF_PID)) {
+            charge_up_to(slot, task_field::<u64>(task, &GOV_OFF_RUNTIME));
+        }
     }
     0
 }

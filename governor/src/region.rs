@@ -29,8 +29,12 @@ pub enum RegionError {
 pub struct CpuView {
     pub seq: AtomicU64,
     pub last_switch_ns: AtomicU64,
-    pub busy: AtomicU64,
-    _pad: [u64; 5],
+    pub owner: AtomicU64,
+    pub base_ns: AtomicU64,
+    pub mono_offset_ns: AtomicU64,
+    pub resample: AtomicU64,
+    pub offset_valid: AtomicU64,
+    _pad: [u64; 1],
 }
 
 /// Atomic mirror of [`ThreadSlot`].
@@ -90,7 +94,7 @@ macro_rules! same_layout {
         $(const _: () = assert!(offset_of!($view, $f) == offset_of!($cell, $f));)*
     };
 }
-same_layout!(CpuView, CpuCell, seq, last_switch_ns, busy);
+same_layout!(CpuView, CpuCell, seq, last_switch_ns, owner, base_ns, mono_offset_ns, resample, offset_valid);
 same_layout!(SlotView, ThreadSlot, oncpu_ns, charged_ns, tag, generation, tid, state, tgid, self_charged_ns);
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
 const _: () = assert!(offset_of!(KeyspaceView, key) == offset_of!(KeyspaceCell, keyspace_id));

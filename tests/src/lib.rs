@@ -91,7 +91,9 @@ impl Agent {
         let mut agent = Agent { child, socket, log, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if std::os::unix::net::UnixStream::connect(&agent.socket).is_ok() {
+            // Ready once it answers: its programs are attached and its
+            // start-up work is over (a bare connect succeeds earlier).
+            if agent.socket.exists() && agent.status().is_ok() {
                 return Ok(agent);
             }
             if let Some(st) = agent.child.try_wait()? {
@@ -188,4 +190,118 @@ pub fn steal_ns() -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     ticks * steal_tick_ns()
+}
+
+/// The kernel's count of a thread's on-CPU ns (`/proc/<pid>/task/<tid>/schedstat`,
+/// first field), read from outside the thread.
+pub fn schedstat_ns(pid: u32, tid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))
+        .with_context(|| format!("schedstat of {pid}/{tid}"))?;
+    text.split_whitespace().next().context("empty schedstat")?.parse().context("schedstat value")
+}
+
+/// One thread of a `workload threads` run, with the kernel's figures for
+/// its tagged work.
+#[derive(Clone, Debug)]
+pub struct ThreadReport {
+    pub tid: u32,
+    pub keyspace: u32,
+    pub kind: String,
+    /// `CLOCK_THREAD_CPUTIME_ID` over the tagged period (inside the thread).
+    pub thread_cpu_ns: u64,
+    /// The client's thread clock over the same period.
+    pub thread_clock_ns: u64,
+    /// schedstat from outside, read while the thread waited before and after.
+    pub schedstat_ns: u64,
+}
+
+/// A running `workload threads` process, driven through its protocol.
+pub struct ThreadsWorkload {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+    ready: Vec<(u32, u32, String)>,
+    schedstat_before: Vec<u64>,
+}
+
+impl ThreadsWorkload {
+    /// Starts it and waits until every thread is registered.
+    pub fn spawn(socket: &Path, args: &[&str]) -> Result<ThreadsWorkload> {
+        let mut child = Command::new(workload_bin())
+            .arg("threads")
+            .args(args)
+            .arg("--socket")
+            .arg(socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut out = BufReader::new(child.stdout.take().context("stdout")?);
+        let v = read_json(&mut out)?;
+        let ready = v["ready"]
+            .as_array()
+            .with_context(|| format!("expected ready, got {v}"))?
+            .iter()
+            .map(|t| {
+                Ok((
+                    t["tid"].as_u64().context("tid")? as u32,
+                    t["keyspace"].as_u64().context("keyspace")? as u32,
+                    t["kind"].as_str().context("kind")?.to_string(),
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ThreadsWorkload { child, out, ready, schedstat_before: Vec::new() })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Reads every thread's schedstat, then lets them work.
+    pub fn go(&mut self) -> Result<()> {
+        let pid = self.pid();
+        self.schedstat_before = self.ready.iter().map(|(tid, ..)| schedstat_ns(pid, *tid)).collect::<Result<_>>()?;
+        self.send_line()
+    }
+
+    /// Waits for the work to end; reads schedstat again while the threads
+    /// wait, then lets the process exit.
+    pub fn finish(mut self) -> Result<Vec<ThreadReport>> {
+        let v = read_json(&mut self.out)?;
+        let worked = v["worked"].as_array().with_context(|| format!("expected worked, got {v}"))?.clone();
+        let pid = self.pid();
+        let mut reports = Vec::new();
+        for (i, (tid, keyspace, kind)) in self.ready.iter().enumerate() {
+            let w = worked.iter().find(|w| w["tid"].as_u64() == Some(*tid as u64)).context("thread result")?;
+            let after = schedstat_ns(pid, *tid)?;
+            reports.push(ThreadReport {
+                tid: *tid,
+                keyspace: *keyspace,
+                kind: kind.clone(),
+                thread_cpu_ns: w["thread_cpu_ns"].as_u64().context("thread_cpu_ns")?,
+                thread_clock_ns: w["thread_clock_ns"].as_u64().context("thread_clock_ns")?,
+                schedstat_ns: after - self.schedstat_before[i],
+            });
+        }
+        self.send_line()?;
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("workload threads exited with {status}");
+        }
+        Ok(reports)
+    }
+
+    fn send_line(&mut self) -> Result<()> {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().context("stdin")?;
+        stdin.write_all(b"go\n")?;
+        stdin.flush()?;
+        Ok(())
+    }
+}
+
+fn read_json(out: &mut BufReader<std::process::ChildStdout>) -> Result<serde_json::Value> {
+    let mut line = String::new();
+    if out.read_line(&mut line)? == 0 {
+        bail!("workload ended without a report");
+    }
+    serde_json::from_str(&line).with_context(|| format!("workload said {line:?}"))
 }

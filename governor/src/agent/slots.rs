@@ -1,7 +1,7 @@
 //! Thread-slot allocation: which slot each registered thread holds, and
 //! reuse of slots whose thread exited or whose client went away.
 
-use crate::measure::{fallback, Measurement};
+use crate::measure::Measurement;
 use crate::proto::ThreadStats;
 use governor_common::{SLOT_DEAD, SLOT_FREE, SLOT_LIVE, TAG_NONE};
 use std::collections::{HashMap, VecDeque};
@@ -77,7 +77,11 @@ impl Slots {
             return Err(SlotError::Exhausted { capacity: self.capacity });
         };
         let view = m.regions.slots.get(slot).expect("free list holds valid slots");
-        let start = if m.is_fallback() { fallback::schedstat_ns(tgid, tid).unwrap_or(0) } else { 0 };
+        // Both backends count on the kernel's timeline: the thread's runtime
+        // so far is where its charging starts. It is blocked waiting for this
+        // reply, so the value holds still (what it ran before blocking, if
+        // anything, is charged to no tag at its switch-out).
+        let start = crate::measure::schedstat_ns(tgid, tid).ok_or(SlotError::NotYourThread { tid, pid: tgid })?;
         let generation = view.generation.load(Ordering::Relaxed) + 1;
         view.oncpu_ns.store(start, Ordering::Relaxed);
         view.charged_ns.store(start, Ordering::Relaxed);
@@ -132,8 +136,8 @@ impl Slots {
         self.reclaimed += 1;
     }
 
-    /// Frees the slots of threads that exited: marked dead by the kernel's
-    /// exit hook (eBPF), or gone from /proc (fallback).
+    /// Frees the slots of threads that exited: marked dead at their final
+    /// switch (eBPF), or gone from /proc (fallback).
     pub fn reclaim(&mut self, m: &mut Measurement) -> usize {
         let fallback = m.is_fallback();
         let dead: Vec<u32> = self

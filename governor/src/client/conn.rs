@@ -1,10 +1,10 @@
 //! The connection to the agent and the per-thread registration.
 
-use super::clock;
+use super::clock::ThreadRef;
 use crate::proto::{BackendKind, Reply, Request};
-use crate::region::{RegionError, RegionSizes, Regions, SlotView};
+use crate::region::{RegionError, RegionSizes, Regions};
 use crate::sys;
-use governor_common::TAG_NONE;
+use governor_common::{cpu_owner, TAG_NONE};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -177,20 +177,25 @@ pub(crate) struct ThreadCtx {
 }
 
 impl ThreadCtx {
-    fn view(&self) -> &SlotView {
-        self.client.inner.regions.slots.get(self.slot).expect("slot checked at registration")
+    #[inline]
+    fn thread(&self) -> ThreadRef<'_> {
+        let i = &self.client.inner;
+        ThreadRef {
+            backend: i.backend,
+            regions: &i.regions,
+            slot: i.regions.slots.get(self.slot).expect("slot checked at registration"),
+            owner: cpu_owner(self.slot, self.generation),
+        }
     }
 
     #[inline]
     pub(crate) fn switch(&self, tag: u64) -> u64 {
-        let i = &self.client.inner;
-        clock::switch_tag(i.backend, &i.regions, self.view(), tag)
+        self.thread().switch_tag(tag)
     }
 
     #[inline]
     pub(crate) fn clock(&self) -> u64 {
-        let i = &self.client.inner;
-        clock::thread_clock(i.backend, &i.regions, self.view())
+        self.thread().clock()
     }
 }
 

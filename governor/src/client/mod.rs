@@ -26,7 +26,6 @@ mod clock;
 mod conn;
 mod future;
 
-pub use clock::{charge_now, switch_tag, thread_clock};
 pub use conn::{Client, ClientError};
 pub use future::{Tagged, TaggedExt};
 
@@ -96,8 +95,9 @@ pub(crate) fn set_raw_tag(tag: u64) -> Option<u64> {
     CURRENT.try_with(|c| c.borrow().as_ref().map(|ctx| ctx.switch(tag))).ok().flatten()
 }
 
-/// The calling thread's on-CPU ns since registration (eBPF backend) or
-/// since it started (thread-clock backend); `None` if not registered.
+/// The calling thread's CPU time as the kernel counts it (the value of
+/// `CLOCK_THREAD_CPUTIME_ID`), read without a syscall on the eBPF backend;
+/// `None` if the thread is not registered.
 pub fn thread_cpu_ns() -> Option<u64> {
     CURRENT.with(|c| c.borrow().as_ref().map(|ctx| ctx.clock()))
 }
@@ -131,3 +131,4 @@ pub fn unregister_current_thread() {
         drop(ctx);
     }
 }
+

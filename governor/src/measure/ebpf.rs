@@ -1,18 +1,19 @@
-//! The eBPF backend: loads governor-ebpf, sizes and mmaps its array maps,
-//! attaches `tp_btf/sched_switch`, `tp_btf/sched_process_exit` and one
-//! software CPU-clock perf event per online CPU.
+//! The eBPF backend: resolves the task fields the programs read from the
+//! kernel's BTF, loads governor-ebpf with them, sizes and mmaps its array
+//! maps, and attaches `tp_btf/sched_switch` and one software CPU-clock perf
+//! event per online CPU.
 
 use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::{BackendKind, ProgramStats};
 use crate::region::{RegionSizes, Regions, Table};
 use crate::sys;
-use aya::maps::{Array, Map, MapData};
+use aya::maps::{Map, MapData};
 use aya::programs::perf_event::{perf_sw_ids, PerfEventScope, PerfTypeId, SamplePolicy};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 use governor_common::{
-    MAP_CPUS, MAP_FLAGS, MAP_KEYSPACES, MAP_SLOTS, MAP_TGID_RULES, MAP_TID_SLOT, PROG_EXIT, PROG_SCHED_SWITCH,
-    PROG_TIMER,
+    GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, MAP_CPUS, MAP_KEYSPACES, MAP_SLOTS, MAP_TID_SLOT,
+    PROG_SCHED_SWITCH, PROG_TIMER,
 };
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -25,7 +26,6 @@ pub struct EbpfSide {
     tid_slot: Table<AtomicU32>,
     // Keep the maps alive: their fds back the mappings.
     _maps: Vec<MapData>,
-    _flags: Array<MapData, u64>,
 }
 
 fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> Box<dyn std::error::Error + Send + Sync> {
@@ -53,7 +53,15 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     let ncpus = sys::possible_cpus().map_err(|source| MeasureError::Region { what: "cpu", source })?;
     let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces };
     let max_tids = pid_max();
+    let offsets = super::btf::Btf::from_sys_fs()
+        .and_then(|b| b.task_offsets())
+        .map_err(|e| MeasureError::KernelUnsupported(Box::new(e)))?;
+    log::debug!("task_struct offsets from the kernel's BTF: {offsets:?}");
     let mut ebpf = EbpfLoader::new()
+        .set_global(GLOBAL_OFF_PID, &offsets.pid, true)
+        .set_global(GLOBAL_OFF_STATE, &offsets.state, true)
+        .set_global(GLOBAL_OFF_RUNTIME, &offsets.sum_exec_runtime, true)
+        .set_global(GLOBAL_OFF_EXEC_START, &offsets.exec_start, true)
         .set_max_entries(MAP_CPUS, sizes.cpus)
         .set_max_entries(MAP_SLOTS, sizes.slots)
         .set_max_entries(MAP_TID_SLOT, max_tids.div_ceil(2))
@@ -65,15 +73,14 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     }
     let btf = Btf::from_sys_fs().map_err(|e| MeasureError::Load(boxed(e)))?;
 
-    for (name, event) in [(PROG_SCHED_SWITCH, "sched_switch"), (PROG_EXIT, "sched_process_exit")] {
-        let prog: &mut BtfTracePoint = ebpf
-            .program_mut(name)
-            .ok_or_else(|| MeasureError::Attach { program: name, source: "not in the object".into() })?
-            .try_into()
-            .map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
-        prog.load(event, &btf).map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
-        prog.attach().map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
-    }
+    let name = PROG_SCHED_SWITCH;
+    let prog: &mut BtfTracePoint = ebpf
+        .program_mut(name)
+        .ok_or_else(|| MeasureError::Attach { program: name, source: "not in the object".into() })?
+        .try_into()
+        .map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
+    prog.load("sched_switch", &btf).map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
+    prog.attach().map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
     let timer: &mut PerfEvent = ebpf
         .program_mut(PROG_TIMER)
         .ok_or_else(|| MeasureError::Attach { program: PROG_TIMER, source: "not in the object".into() })?
@@ -115,23 +122,21 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     // Two u32 per 8-byte array value: one dense u32 per tid.
     let tid_slot = Table::map("tid", tid_map.fd().as_fd().as_raw_fd(), max_tids.div_ceil(2) * 2)?;
     arrays.push(tid_map);
-    let flags = ebpf
-        .take_map(MAP_FLAGS)
-        .ok_or_else(|| MeasureError::Load("flags map missing".into()))
-        .and_then(|m| Array::try_from(m).map_err(|e| MeasureError::Load(boxed(e))))?;
-    // The rules map stays empty (and FLAG_RULES zero) until rules are configured.
-    let _ = MAP_TGID_RULES;
 
     fds.push(super::header_region()?);
     let fds: [OwnedFd; 4] = fds.try_into().map_err(|_| MeasureError::Load("four region fds".into()))?;
     let regions =
         Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
+    // Every CPU measures its clock offset at its first registered switch-in.
+    for (_, cell) in regions.cpus.iter() {
+        cell.resample.store(1, Ordering::Release);
+    }
     Ok(Measurement {
         kind: BackendKind::Ebpf,
         regions,
         sizes,
         fds,
-        inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, _maps: arrays, _flags: flags })),
+        inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, _maps: arrays })),
     })
 }
 
@@ -154,14 +159,14 @@ impl EbpfSide {
     }
 
     pub(super) fn remove_tid(&mut self, tid: u32) {
-        // Already 0 when the exit hook cleared it first.
+        // Already 0 when the thread's final switch cleared it first.
         if let Some(entry) = self.tid_slot.get(tid) {
             entry.store(0, Ordering::Release);
         }
     }
 
     pub(super) fn program_stats(&self) -> Vec<ProgramStats> {
-        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_EXIT]
+        [PROG_SCHED_SWITCH, PROG_TIMER]
             .into_iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;

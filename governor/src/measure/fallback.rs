@@ -3,7 +3,7 @@
 //! part by sampling /proc schedstat of each registered thread and charging
 //! the unclaimed interval with the same CAS on `charged_ns` the thread uses.
 
-use super::{Inner, MeasureError, Measurement, Sizing};
+use super::{schedstat_ns, Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
 use crate::region::{RegionSizes, Regions, SlotView};
 use crate::sys;
@@ -27,13 +27,6 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     let regions =
         Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
     Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
-}
-
-/// On-CPU ns of `tid` of `tgid` as the scheduler counts it (the same
-/// counter CLOCK_THREAD_CPUTIME_ID reads), or `None` once it is gone.
-pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{tgid}/task/{tid}/schedstat")).ok()?;
-    text.split_whitespace().next()?.parse().ok()
 }
 
 /// Charges `slot` up to `now_ns` of its thread clock, unless the thread

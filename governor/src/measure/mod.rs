@@ -2,9 +2,12 @@
 //! kernel's side of the charging protocol.
 //!
 //! - [`ebpf`]: BPF array maps (mmapable) and the programs of governor-ebpf.
+//! - [`btf`]: the `task_struct` field offsets those programs read, from
+//!   the running kernel's BTF.
 //! - [`fallback`]: memfd regions; the agent samples schedstat of registered
 //!   threads and charges with the same CAS the threads use.
 
+pub mod btf;
 pub mod ebpf;
 pub mod fallback;
 
@@ -18,6 +21,8 @@ pub use crate::config::MeasureMode;
 pub enum MeasureError {
     #[error("eBPF measurement needs {missing}, which this process lacks: run the agent as root or grant CAP_BPF and CAP_PERFMON (or use --measure=auto to fall back)")]
     MissingCapability { missing: String },
+    #[error("this kernel cannot run the eBPF backend")]
+    KernelUnsupported(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("loading the eBPF programs failed")]
     Load(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("attaching {program} failed")]
@@ -51,6 +56,13 @@ pub struct Measurement {
 enum Inner {
     Ebpf(Box<ebpf::EbpfSide>),
     Fallback,
+}
+
+/// On-CPU ns of `tid` of `tgid` as the scheduler counts it (the same
+/// counter CLOCK_THREAD_CPUTIME_ID reads), or `None` once it is gone.
+pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{tgid}/task/{tid}/schedstat")).ok()?;
+    text.split_whitespace().next()?.parse().ok()
 }
 
 /// The agent's header region: a one-cell memfd in every backend.

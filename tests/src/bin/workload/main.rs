@@ -1,6 +1,8 @@
 //! A tagged multi-threaded workload: a storage server's worker threads in
 //! miniature. It measures itself with CLOCK_THREAD_CPUTIME_ID so its own
 //! numbers can be set against what the agent charged. Prints one JSON line.
+mod kinds;
+
 use anyhow::{bail, Context, Result};
 use governor::client::{self, Client};
 use governor::sys;
@@ -214,12 +216,18 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|churn [--socket PATH] ...") };
+    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|churn|threads|pingpong [--socket PATH] ...") };
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),
         "untagged" => untagged(&args),
         "churn" => churn(&args),
+        "threads" => kinds::threads(&args),
+        "pingpong" => kinds::pingpong(&args),
+        "pingpong-peer" => {
+            kinds::pingpong_peer(&args)?;
+            return Ok(());
+        }
         other => bail!("unknown workload {other:?}"),
     }
     .with_context(|| format!("workload {verb}"))?;

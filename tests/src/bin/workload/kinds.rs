@@ -1,0 +1,266 @@
+//! `workload threads`: registered threads that work the way a storage
+//! server's threads do (sleep between requests, block in syscalls, get
+//! preempted by wakeups, spin), each under its keyspace, so the test can
+//! set the agent's charges against the kernel's own per-thread counters.
+//!
+//! Protocol on stdin/stdout, so the test can read each thread's schedstat
+//! from outside at the edges of the tagged work:
+//! 1. prints `{"ready": [{"tid", "keyspace", "kind"}, ...]}` once every
+//!    thread is registered and waiting;
+//! 2. waits for a line on stdin, then every thread tags itself, works for
+//!    `--seconds`, clears its tag and waits;
+//! 3. prints `{"done": [{"tid", "keyspace", "kind", "thread_cpu_ns",
+//!    "thread_clock_ns"}, ...]}` (CPU time of the tagged period by
+//!    `CLOCK_THREAD_CPUTIME_ID` and by the client's thread clock);
+//! 4. waits for another line, then unregisters and exits.
+
+use super::{arg, burn, socket};
+use anyhow::{bail, Context, Result};
+use governor::client::{self, Client};
+use governor::sys;
+use serde_json::json;
+use std::io::{BufRead, Read, Write};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// Busy work for about `us` microseconds of CPU (calibrated by the
+/// thread's own CPU clock, so preemption stretches wall time, not work).
+fn work_us(us: u64) {
+    let end = sys::thread_cputime_ns() + us * 1000;
+    while sys::thread_cputime_ns() < end {
+        burn(5);
+    }
+}
+
+fn pin(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is valid; sched_setaffinity only reads it.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// 150 µs of work, then a 200 µs sleep: a request loop that waits on I/O.
+    Sleepy,
+    /// Work, then block reading a pipe another (unregistered) thread feeds
+    /// every 100 µs; every tenth round a 4 KiB write and fsync.
+    Blocking,
+    /// CPU-bound, pinned to CPU 0.
+    Spinner,
+    /// Pinned to CPU 0 beside a spinner: wakes every 50 µs, works 10 µs,
+    /// preempting the spinner each time.
+    Waker,
+}
+
+impl Kind {
+    fn parse(s: &str) -> Result<Kind> {
+        Ok(match s {
+            "sleepy" => Kind::Sleepy,
+            "blocking" => Kind::Blocking,
+            "spinner" => Kind::Spinner,
+            "waker" => Kind::Waker,
+            other => bail!("unknown thread kind {other:?}"),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Sleepy => "sleepy",
+            Kind::Blocking => "blocking",
+            Kind::Spinner => "spinner",
+            Kind::Waker => "waker",
+        }
+    }
+
+    fn run(self, until: Instant, scratch: &std::path::Path) -> Result<()> {
+        match self {
+            Kind::Sleepy => {
+                while Instant::now() < until {
+                    work_us(150);
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            Kind::Blocking => {
+                let (mut rx, mut tx) = std::io::pipe()?;
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let feeder_stop = stop.clone();
+                let feeder = std::thread::spawn(move || {
+                    while !feeder_stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_micros(100));
+                        if tx.write_all(&[1]).is_err() {
+                            break;
+                        }
+                    }
+                });
+                let mut file = std::fs::File::create(scratch.join(format!("fsync-{}", sys::gettid())))?;
+                let mut round = 0u64;
+                let mut b = [0u8; 1];
+                while Instant::now() < until {
+                    work_us(40);
+                    rx.read_exact(&mut b)?;
+                    round += 1;
+                    if round % 10 == 0 {
+                        file.write_all(&[7u8; 4096])?;
+                        file.sync_all()?;
+                    }
+                }
+                drop(file);
+                let _ = std::fs::remove_file(scratch.join(format!("fsync-{}", sys::gettid())));
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                drop(rx);
+                feeder.join().map_err(|_| anyhow::anyhow!("feeder panicked"))?;
+            }
+            Kind::Spinner => {
+                pin(0);
+                while Instant::now() < until {
+                    burn(50);
+                }
+            }
+            Kind::Waker => {
+                pin(0);
+                while Instant::now() < until {
+                    std::thread::sleep(Duration::from_micros(50));
+                    work_us(10);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub fn threads(args: &[String]) -> Result<serde_json::Value> {
+    let kinds: Vec<Kind> = arg(args, "--kinds", "sleepy".to_string()).split(',').map(Kind::parse).collect::<Result<_>>()?;
+    let base: u32 = arg(args, "--keyspace-base", 100);
+    let keyspaces: u32 = arg(args, "--keyspaces", kinds.len() as u32).max(1);
+    let seconds: f64 = arg(args, "--seconds", 1.0);
+    let scratch = std::env::temp_dir();
+    let client = Client::connect(socket(args))?;
+    let n = kinds.len();
+    let go = Arc::new(Barrier::new(n + 1));
+    let exit = Arc::new(Barrier::new(n + 1));
+    let until = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let (tx, rx) = std::sync::mpsc::channel::<Result<serde_json::Value>>();
+    let handles: Vec<_> = kinds
+        .iter()
+        .enumerate()
+        .map(|(i, &kind)| {
+            let (client, go, exit, until, scratch, tx) =
+                (client.clone(), go.clone(), exit.clone(), until.clone(), scratch.clone(), tx.clone());
+            let keyspace = base + i as u32 % keyspaces;
+            std::thread::spawn(move || {
+                let report = |v: Result<serde_json::Value>| tx.send(v).map_err(|_| anyhow::anyhow!("main gone"));
+                let tid = sys::gettid();
+                if let Err(e) = client.register_current_thread() {
+                    return report(Err(e.into()));
+                }
+                report(Ok(json!({"tid": tid, "keyspace": keyspace, "kind": kind.name()})))?;
+                go.wait();
+                let result = (|| -> Result<serde_json::Value> {
+                    let until = *until.get().context("start time")?;
+                    let clock0 = client::thread_cpu_ns().context("registered")?;
+                    let cpu0 = sys::thread_cputime_ns();
+                    client::set_tag(keyspace)?;
+                    let r = kind.run(until, &scratch);
+                    client::clear_tag();
+                    let cpu1 = sys::thread_cputime_ns();
+                    let clock1 = client::thread_cpu_ns().context("registered")?;
+                    r?;
+                    Ok(json!({
+                        "tid": tid, "keyspace": keyspace, "kind": kind.name(),
+                        "thread_cpu_ns": cpu1 - cpu0, "thread_clock_ns": clock1 - clock0,
+                    }))
+                })();
+                report(result)?;
+                exit.wait();
+                Ok(())
+            })
+        })
+        .collect();
+    let collect = || (0..n).map(|_| rx.recv()?).collect::<Result<Vec<_>>>();
+    let ready = collect()?;
+    println!("{}", json!({ "ready": ready }));
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    until.set(Instant::now() + Duration::from_secs_f64(seconds)).map_err(|_| anyhow::anyhow!("start set twice"))?;
+    go.wait();
+    let worked = collect()?;
+    // Every thread is now parked on the exit barrier: its counters hold still.
+    println!("{}", json!({ "worked": worked }));
+    std::io::stdout().flush()?;
+    line.clear();
+    std::io::stdin().lock().read_line(&mut line)?;
+    exit.wait();
+    for h in handles {
+        h.join().map_err(|_| anyhow::anyhow!("thread panicked"))??;
+    }
+    Ok(json!({ "done": n, "backend": client.backend().as_str() }))
+}
+
+/// `workload pingpong --rounds N --cpu C [--register]`: a same-CPU pipe
+/// ping-pong between this process and a child (`pingpong-peer`), both
+/// pinned to CPU `C`: two context switches a round trip. With
+/// `--register` both register their thread with the agent and tag it
+/// (keyspaces 1 and 2). Prints the mean ns per round trip.
+pub fn pingpong(args: &[String]) -> Result<serde_json::Value> {
+    let rounds: u64 = arg(args, "--rounds", 20_000);
+    let cpu: usize = arg(args, "--cpu", 0);
+    let register = args.iter().any(|a| a == "--register");
+    let mut peer = std::process::Command::new(std::env::current_exe()?);
+    peer.args(["pingpong-peer", "--rounds", &rounds.to_string(), "--cpu", &cpu.to_string()]);
+    if register {
+        peer.args(["--register", "--socket", &socket(args)]);
+    }
+    let mut child = peer.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).spawn()?;
+    let mut to = child.stdin.take().context("peer stdin")?;
+    let mut from = child.stdout.take().context("peer stdout")?;
+    pin(cpu);
+    let _keep = if register {
+        let c = Client::connect(socket(args))?;
+        c.register_current_thread()?;
+        Some((client::tag(1)?, c))
+    } else {
+        None
+    };
+    let mut b = [0u8; 1];
+    // The peer says it is ready with one byte.
+    from.read_exact(&mut b)?;
+    let t = Instant::now();
+    for _ in 0..rounds {
+        to.write_all(&b)?;
+        from.read_exact(&mut b)?;
+    }
+    let ns = t.elapsed().as_nanos() as f64 / rounds as f64;
+    drop(to);
+    if !child.wait()?.success() {
+        bail!("pingpong peer failed");
+    }
+    Ok(json!({ "round_trip_ns": ns, "rounds": rounds, "registered": register }))
+}
+
+pub fn pingpong_peer(args: &[String]) -> Result<serde_json::Value> {
+    let rounds: u64 = arg(args, "--rounds", 20_000);
+    pin(arg(args, "--cpu", 0));
+    let _keep = if args.iter().any(|a| a == "--register") {
+        let c = Client::connect(socket(args))?;
+        c.register_current_thread()?;
+        Some((client::tag(2)?, c))
+    } else {
+        None
+    };
+    let (mut stdin, mut stdout) = (std::io::stdin().lock(), std::io::stdout().lock());
+    let mut b = [1u8; 1];
+    stdout.write_all(&b)?;
+    stdout.flush()?;
+    for _ in 0..rounds {
+        stdin.read_exact(&mut b)?;
+        stdout.write_all(&b)?;
+        stdout.flush()?;
+    }
+    Ok(json!({}))
+}
+
