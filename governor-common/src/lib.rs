@@ -11,12 +11,16 @@
 //! - [`ThreadSlot`]: one per registered thread; the kernel accumulates the
 //!   thread's on-CPU time here, and the thread and the kernel agree through
 //!   `charged_ns` who charges which interval.
-//! - [`KeyspaceCell`]: one per keyspace; `cpu_ns` is the charged total.
+//! - [`KeyspaceCell`]: one per keyspace cell; `cpu_ns` is the charged total.
+//! - [`admission`]: the admission regions (header, parameters and
+//!   directory, token buckets, ticket ledgers).
 //!
 //! Every layout is `#[repr(C)]`, one cache line, with explicit padding and
 //! `u32`/`u64` flags instead of `bool`, so the eBPF object and userspace on
 //! x86_64 and aarch64 read the same bytes.
 #![cfg_attr(not(test), no_std)]
+
+pub mod admission;
 
 use core::mem::{align_of, size_of};
 
@@ -68,11 +72,6 @@ pub const SLOT_LIVE: u32 = 1;
 /// The thread exited: the kernel charged its final slice and cleared its
 /// tid entry; the agent may reuse the slot.
 pub const SLOT_DEAD: u32 = 2;
-
-/// Keyspace cell states (`KeyspaceCell::state`). A cell goes from empty to
-/// live in one 64-bit CAS over `keyspace_id` and `state` together.
-pub const KS_EMPTY: u32 = 0;
-pub const KS_LIVE: u32 = 2;
 
 /// Per-CPU switch record: the anchor of the registered thread running on
 /// this CPU, written by the kernel when it switches a registered thread in.
@@ -154,23 +153,21 @@ pub struct ThreadSlot {
     pub _pad: [u64; 1],
 }
 
-/// Per-keyspace cell.
-///
-/// Found through open addressing on `keyspace_id` (see [`probe_start`]); a
-/// client inserts a keyspace it has not seen by CAS on `state`.
+/// Per-keyspace CPU cell: `cpu_ns` is the total charged to the keyspace
+/// that holds cell index `i` (its tag is `i + 1`). Which keyspace that is,
+/// the agent's directory says ([`admission::ParamsCell`]); a cell given to a
+/// new keyspace keeps counting, and the agent remembers where it started.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KeyspaceCell {
     /// Total charged on-CPU ns (monotonic).
     pub cpu_ns: u64,
-    pub keyspace_id: u32,
-    pub state: u32,
-    pub _pad: [u64; 6],
+    pub _pad: [u64; 7],
 }
 
-/// The agent's header region (a memfd in every backend): what the agent
-/// publishes for all clients. Today: the TSC → CLOCK_MONOTONIC mapping that
-/// lets a thread read the kernel's clock without the vDSO call.
+/// The clock part of the agent's header ([`admission::HeaderPage`]): the
+/// TSC → CLOCK_MONOTONIC mapping that lets a thread read the kernel's clock
+/// without the vDSO call.
 ///
 /// `ns = ns_base + ((tsc − tsc_base) × mult) >> 32`, valid while
 /// `clock_valid != 0`; `clock_seq` is odd while the agent rewrites it.
@@ -281,6 +278,5 @@ mod tests {
         assert_eq!(core::mem::offset_of!(ThreadSlot, tid), 32);
         assert_eq!(core::mem::offset_of!(ThreadSlot, state), 36);
         assert_eq!(core::mem::offset_of!(KeyspaceCell, cpu_ns), 0);
-        assert_eq!(core::mem::offset_of!(KeyspaceCell, state), 12);
     }
 }

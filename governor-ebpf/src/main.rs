@@ -167,7 +167,8 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
     unsafe {
         let prev: *const u8 = ctx.arg(1);
         let next: *const u8 = ctx.arg(2);
-        if let Some((slot, _, entry)) = registered(task_field::<u32>(prev, &GOV_OFF_PID)) {
+        let prev_tid = task_field::<u32>(prev, &GOV_OFF_PID);
+        if let Some((slot, _, entry)) = registered(prev_tid) {
             // The kernel brought prev's runtime up to date before the switch.
             let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
             charge_up_to(slot, runtime);
@@ -183,7 +184,11 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
             if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
                 let (start, runtime) =
                     (task_field::<u64>(next, &GOV_OFF_EXEC_START), task_field::<u64>(next, &GOV_OFF_RUNTIME));
-                anchor(cell, start, runtime, index, slot);
+                // The run queue's clock was brought up to date for this
+                // switch only if a task (not the idle loop) blocked: a wakeup
+                // skips the update, and the slice then starts back at it.
+                let fresh = prev_tid != 0 && task_field::<u32>(prev, &GOV_OFF_STATE) != 0;
+                anchor(cell, start, runtime, index, slot, fresh);
             }
         }
     }
@@ -193,18 +198,26 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
 /// Anchors the clock of the registered thread being switched in: its slice
 /// starts at `exec_start` on the run queue's task clock, moved onto
 /// CLOCK_MONOTONIC by this CPU's offset between the two. The offset is
-/// measured (the only clock read) after each timer tick; until the first
-/// measurement the anchor reads as absent.
+/// measured (the only clock read) at the first voluntary switch after each
+/// timer tick; until the first measurement the anchor reads as absent.
 ///
 /// # Safety
 /// `cell` and `slot` are map value pointers; this CPU is the only writer of
 /// its cell and runs with interrupts off here.
 #[inline(always)]
-unsafe fn anchor(cell: *mut CpuCell, exec_start: u64, runtime: u64, index: u32, slot: *mut ThreadSlot) {
+unsafe fn anchor(cell: *mut CpuCell, exec_start: u64, runtime: u64, index: u32, slot: *mut ThreadSlot, fresh: bool) {
     // SAFETY: as the caller promises.
     unsafe {
-        if read_volatile(addr_of_mut!((*cell).resample)) != 0 {
-            let offset = bpf_ktime_get_ns().wrapping_sub(exec_start);
+        let valid = read_volatile(addr_of_mut!((*cell).offset_valid)) != 0;
+        if read_volatile(addr_of_mut!((*cell).resample)) != 0 && (fresh || !valid) {
+            // A sample is never below the true offset (the clock update can
+            // only lag the switch), and the true offset only grows (as the
+            // hypervisor steals time): a lower sample replaces the estimate,
+            // a higher one moves it an eighth of the way.
+            let sample = bpf_ktime_get_ns().wrapping_sub(exec_start);
+            let old = read_volatile(addr_of_mut!((*cell).mono_offset_ns));
+            let rise = sample.wrapping_sub(old) as i64;
+            let offset = if !valid || rise < 0 { sample } else { old.wrapping_add((rise / 8) as u64) };
             write_volatile(addr_of_mut!((*cell).mono_offset_ns), offset);
             write_volatile(addr_of_mut!((*cell).offset_valid), 1);
             write_volatile(addr_of_mut!((*cell).resample), 0);

@@ -1,6 +1,7 @@
 //! The control-socket protocol: one JSON object per line, each way. The
-//! reply to `hello` carries the three region fds (SCM_RIGHTS) in the same
-//! message as its line.
+//! reply to `hello` carries the region descriptors (SCM_RIGHTS, in
+//! `region::fd` order) in the same message as its line. A connection that
+//! never says `hello` may only ask for `status`.
 
 use crate::region::RegionSizes;
 use serde::{Deserialize, Serialize};
@@ -29,12 +30,17 @@ impl BackendKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum Request {
-    /// First message of a client: asks for the regions.
+    /// First message of a client: asks for the regions and a ledger.
     Hello,
     /// Registers thread `tid` of the caller's process.
     RegisterThread { tid: u32 },
     /// Gives a slot back before the thread exits.
     UnregisterThread { slot: u32, generation: u64 },
+    /// The cell of keyspace `id`, given one if it has none.
+    Keyspace { id: u32 },
+    /// Sent on a second connection that the client only reads: it ends when
+    /// the agent does, which is how a client notices.
+    Watch { instance: u64 },
     /// Measurement status for operators.
     Status,
 }
@@ -42,8 +48,9 @@ pub enum Request {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "kebab-case")]
 pub enum Reply {
-    Hello { backend: BackendKind, sizes: RegionSizes },
+    Hello { backend: BackendKind, sizes: RegionSizes, instance: u64 },
     Registered { slot: u32, generation: u64 },
+    Keyspace { cell: u32, generation: u64 },
     Unregistered,
     Status(Box<StatusReport>),
     Error { message: String },
@@ -61,6 +68,7 @@ pub struct StatusReport {
     /// The monitor window the ratios are computed over.
     pub window_seconds: f64,
     pub threads: ThreadStats,
+    pub admission: AdmissionStatus,
     pub keyspaces: Vec<KeyspaceStatus>,
     /// Kernel run-time statistics of the eBPF programs (bpf_stats_enabled).
     pub programs: Vec<ProgramStats>,
@@ -76,6 +84,49 @@ pub struct ThreadStats {
     pub exhausted: u64,
 }
 
+/// The admission side of the node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdmissionStatus {
+    /// `resource-control.enabled`.
+    pub enabled: bool,
+    /// `cpu-throttle.enabled`: CPU token buckets act.
+    pub throttle: bool,
+    /// `tenant-max-cpu-ratio` (0: no uniform cap).
+    pub tenant_max_cpu_ratio: f64,
+    /// `disabled`, `monitor` or `enforced`.
+    pub admission_mode: String,
+    pub global: BucketStatus,
+    /// Global ratio of the monitor window (CPU / (cores × max-read-cpu-ratio × window)).
+    pub global_ratio: f64,
+    pub global_pending_write_bytes: u64,
+    /// Keyspace cells in use / available.
+    pub cells_in_use: u32,
+    pub cells: u32,
+    pub granted: u64,
+    pub refused: u64,
+    pub waited: u64,
+    pub fail_open: u64,
+    pub reclaimed: u64,
+    /// Admission control in monitor mode: requests over the limit, admitted.
+    pub monitor_breaches: u64,
+    /// Best-effort global bucket (`enforce-global-limit = false`): grants
+    /// that overdrew it instead of being refused.
+    pub global_overdrafts: u64,
+}
+
+/// One token bucket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BucketStatus {
+    /// `config`, `pd`, `tenant_cap`, or `global`.
+    pub source: String,
+    pub available_us: i64,
+    pub capacity_us: u64,
+    /// Refill per refill interval now.
+    pub refill_us: u64,
+    pub inflight_us: u64,
+    pub debt_us: u64,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KeyspaceStatus {
     pub keyspace_id: u32,
@@ -83,6 +134,14 @@ pub struct KeyspaceStatus {
     pub cpu_seconds: f64,
     /// On-CPU time over the monitor window / (cores × window).
     pub window_ratio: f64,
+    /// Its token bucket, when it has one.
+    pub bucket: Option<BucketStatus>,
+    pub estimate_us: u64,
+    pub granted: u64,
+    pub refused: u64,
+    pub waited: u64,
+    pub inflight_requests: u64,
+    pub pending_write_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -155,20 +155,20 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes (rounded up to a page) of `fd`, read-write, shared.
     pub fn map(fd: RawFd, len: usize) -> io::Result<Mapping> {
+        Self::map_prot(fd, len, libc::PROT_READ | libc::PROT_WRITE)
+    }
+
+    /// Maps `len` bytes (rounded up to a page) of `fd`, read-only, shared.
+    pub fn map_readonly(fd: RawFd, len: usize) -> io::Result<Mapping> {
+        Self::map_prot(fd, len, libc::PROT_READ)
+    }
+
+    fn map_prot(fd: RawFd, len: usize, prot: libc::c_int) -> io::Result<Mapping> {
         let page = page_size();
         let len = len.div_ceil(page) * page;
         // SAFETY: a fresh shared mapping of a file descriptor we were given;
         // the kernel validates fd, length and protection.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
@@ -201,11 +201,12 @@ pub fn page_size() -> usize {
     if p > 0 { p as usize } else { 4096 }
 }
 
-/// An anonymous memory file of `len` bytes, zero-filled (fallback regions).
+/// An anonymous memory file of `len` bytes, zero-filled, that can be
+/// sealed ([`seal`]).
 pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
     let cname = CString::new(name).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // SAFETY: cname is a valid C string; flags are constants.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -216,6 +217,136 @@ pub fn memfd(name: &str, len: usize) -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     Ok(fd)
+}
+
+/// `F_SEAL_FUTURE_WRITE` (Linux 5.1): no new writable mapping or write.
+const F_SEAL_FUTURE_WRITE: libc::c_int = 0x0010;
+
+/// Seals a memfd so that nobody it is handed to can resize it; with
+/// `read_only`, nobody can map it writable or write it any more either
+/// (mappings made before the seal, the agent's own, stay writable). The
+/// seals themselves are sealed.
+pub fn seal(fd: RawFd, read_only: bool) -> io::Result<()> {
+    let mut seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    if read_only {
+        seals |= F_SEAL_FUTURE_WRITE;
+    }
+    // SAFETY: fcntl on a descriptor we own; the kernel validates it.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Length in bytes a region descriptor can back: a memfd's size, or for a
+/// BPF array map its entries × the value size rounded to 8 (the kernel's
+/// layout of a mmapable array). Checked before mapping, so a short or
+/// resized descriptor is refused instead of faulting later.
+pub fn region_len(fd: RawFd) -> io::Result<usize> {
+    // SAFETY: a zeroed stat is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is a descriptor; st is a valid out-pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if st.st_size > 0 {
+        return Ok(st.st_size as usize);
+    }
+    // Not a file with a size: ask for BPF map information.
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut info = [0u8; 96];
+    let mut attr = InfoAttr { bpf_fd: fd as u32, info_len: info.len() as u32, info: info.as_mut_ptr() as u64 };
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    // SAFETY: attr points at a buffer of info_len bytes the kernel fills.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut InfoAttr, std::mem::size_of::<InfoAttr>())
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // struct bpf_map_info: type, id, key_size, value_size, max_entries, ...
+    let word = |at: usize| u32::from_ne_bytes(info[at..at + 4].try_into().expect("4 bytes")) as usize;
+    Ok(word(16) * word(12).div_ceil(8) * 8)
+}
+
+/// Waits while the shared word at `word` still holds `expected`, at most
+/// `timeout`. Returns early when woken, when the value differs already, or
+/// on a signal; the caller re-checks its condition either way.
+pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: word is a valid, aligned u32 (it may be in a shared mapping:
+    // the shared, not private, futex op is used); ts is a valid timeout.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec);
+    }
+}
+
+/// Wakes up to `n` waiters of the shared word at `word`.
+pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
+    // SAFETY: word is a valid, aligned u32; FUTEX_WAKE only reads its address.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n);
+    }
+}
+
+/// Waits until any of `words` (address, expected value) no longer holds
+/// its value, or until CLOCK_MONOTONIC reaches `deadline_ns`
+/// (`futex_waitv`, Linux 5.16). At most 128 words.
+pub fn futex_waitv(words: &[(&std::sync::atomic::AtomicU32, u32)], deadline_ns: u64) -> io::Result<()> {
+    #[repr(C)]
+    struct Waitv {
+        val: u64,
+        uaddr: u64,
+        flags: u32,
+        reserved: u32,
+    }
+    const FUTEX2_SIZE_U32: u32 = 0x02;
+    const SYS_FUTEX_WAITV: libc::c_long = 449;
+    let v: Vec<Waitv> = words
+        .iter()
+        .map(|(w, val)| Waitv { val: *val as u64, uaddr: w.as_ptr() as u64, flags: FUTEX2_SIZE_U32, reserved: 0 })
+        .collect();
+    let ts = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: v holds valid futex_waitv entries for aligned u32 words that
+    // outlive the call; ts is an absolute CLOCK_MONOTONIC deadline.
+    let rc = unsafe {
+        libc::syscall(SYS_FUTEX_WAITV, v.as_ptr(), v.len() as libc::c_uint, 0, &ts as *const libc::timespec, libc::CLOCK_MONOTONIC)
+    };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::ETIMEDOUT) | Some(libc::EINTR) => Ok(()),
+            _ => Err(e),
+        };
+    }
+    Ok(())
+}
+
+/// A descriptor that becomes readable when process `pid` exits.
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just returned by the kernel and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// 8 random bytes from the kernel.
+pub fn random_u64() -> u64 {
+    let mut v = 0u64;
+    // SAFETY: v is a valid 8-byte buffer.
+    unsafe { libc::getrandom((&mut v as *mut u64).cast(), 8, 0) };
+    v
 }
 
 /// Sends `data` on a unix stream socket with `fds` attached (SCM_RIGHTS).
@@ -284,15 +415,20 @@ pub fn recv_with_fds(sock: RawFd, buf: &mut [u8], max_fds: usize) -> io::Result<
     Ok((n as usize, fds))
 }
 
-/// Credentials of the peer of a unix socket.
-pub fn peer_pid(sock: RawFd) -> io::Result<u32> {
+/// Credentials of the peer of a unix socket: (pid, uid, gid).
+pub fn peer_cred(sock: RawFd) -> io::Result<(u32, u32, u32)> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: cred/len are valid out-pointers of the right size.
     let rc = unsafe {
         libc::getsockopt(sock, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
     };
-    if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(cred.pid as u32) }
+    if rc != 0 { Err(io::Error::last_os_error()) } else { Ok((cred.pid as u32, cred.uid, cred.gid)) }
+}
+
+/// Pid of the peer of a unix socket.
+pub fn peer_pid(sock: RawFd) -> io::Result<u32> {
+    peer_cred(sock).map(|c| c.0)
 }
 
 /// Effective capability set of this process, from /proc/self/status.
@@ -321,6 +457,20 @@ pub fn raise_memlock() {
     let rl = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: rl is a valid pointer; failure is harmless on new kernels.
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl) };
+}
+
+/// The CPU's time-stamp counter, where it has one (x86_64).
+#[inline]
+pub fn rdtsc() -> Option<u64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: RDTSC reads a counter; it has no memory effects.
+        Some(unsafe { core::arch::x86_64::_rdtsc() })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -375,19 +525,5 @@ mod tests {
             *a.as_ptr().add(100) = 7;
             assert_eq!(*b.as_ptr().add(100), 7);
         }
-    }
-}
-
-/// The CPU's time-stamp counter, where it has one (x86_64).
-#[inline]
-pub fn rdtsc() -> Option<u64> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: RDTSC reads a counter; it has no memory effects.
-        Some(unsafe { core::arch::x86_64::_rdtsc() })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        None
     }
 }

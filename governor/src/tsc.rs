@@ -16,7 +16,7 @@
 //! TSC (`clocksource` tsc, `constant_tsc` and `nonstop_tsc`); elsewhere the
 //! header says "not valid" and threads use the vDSO.
 
-use crate::region::HeaderView;
+use crate::region::ClockView;
 use crate::sys;
 use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
@@ -43,7 +43,7 @@ pub fn usable() -> bool {
 /// It never waits on the agent: a mapping being rewritten, or one older
 /// than [`MAX_AGE_NS`] (an agent that died or stalls), reads as `None`.
 #[inline]
-pub fn now_ns(h: &HeaderView) -> Option<u64> {
+pub fn now_ns(h: &ClockView) -> Option<u64> {
     let s1 = h.clock_seq.load(Ordering::Acquire);
     if s1 & 1 == 1 || h.clock_valid.load(Ordering::Relaxed) == 0 {
         return None;
@@ -89,15 +89,15 @@ impl Calibrator {
     /// Takes a new anchor and, from the second one on, publishes the
     /// mapping into `h`. Withdraws it if the kernel stopped keeping time on
     /// the TSC (its clocksource watchdog can switch away at run time).
-    pub fn publish(&mut self, h: &HeaderView) {
+    pub fn publish(&mut self, h: &ClockView) {
         if !usable() {
             Self::withdraw(h);
             self.last = None;
             return;
         }
         let Some((tsc, ns)) = Self::anchor() else { return };
-        if let Some((tsc0, ns0)) = self.last {
-            if tsc > tsc0 && ns > ns0 {
+        if let Some((tsc0, ns0)) = self.last
+            && tsc > tsc0 && ns > ns0 {
                 let mult = (((ns - ns0) as u128) << 32) / (tsc - tsc0) as u128;
                 let seq = h.clock_seq.load(Ordering::Relaxed);
                 h.clock_seq.store(seq + 1, Ordering::Relaxed);
@@ -108,12 +108,11 @@ impl Calibrator {
                 h.clock_valid.store(1, Ordering::Relaxed);
                 h.clock_seq.store(seq + 2, Ordering::Release);
             }
-        }
         self.last = Some((tsc, ns));
     }
 
     /// Withdraws the mapping (threads fall back to the vDSO).
-    pub fn withdraw(h: &HeaderView) {
+    pub fn withdraw(h: &ClockView) {
         h.clock_valid.store(0, Ordering::Release);
     }
 }
@@ -130,9 +129,9 @@ mod tests {
             eprintln!("no stable TSC clocksource here; nothing to check");
             return;
         }
-        let fd = sys::memfd("h", 64).unwrap();
-        let t: Table<HeaderView> = Table::map("header", fd.as_raw_fd(), 1).unwrap();
-        let h = t.get(0).unwrap();
+        let fd = sys::memfd("h", 4096).unwrap();
+        let t: Table<crate::region::HeaderView> = Table::map("header", fd.as_raw_fd(), 1).unwrap();
+        let h = &t.get(0).unwrap().clock;
         let mut c = Calibrator::default();
         assert_eq!(now_ns(h), None, "no mapping before two anchors");
         c.publish(h);

@@ -4,12 +4,13 @@
 
 use governor::config::{ConfigError, ValidatedConfig};
 
-const THROTTLE_FULL: &str = include_str!("fixtures/seed_throttle_full.toml");
+mod common;
+
 const CT: &str = "resource-control.cpu-throttle";
 
 fn running() -> ValidatedConfig {
     // cpu-throttle enabled, so max-read-cpu-ratio is restart-only.
-    ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap()
+    ValidatedConfig::from_toml_str(&common::throttle_full_supported()).unwrap()
 }
 
 /// (dotted key, value) pairs a `config set` must refuse, naming that key.
@@ -63,7 +64,7 @@ fn every_bad_set_is_rejected_naming_the_key() {
 #[test]
 fn restart_only_changes_in_a_reloaded_file_are_all_listed_with_lines() {
     let running = running();
-    let source = THROTTLE_FULL
+    let source = common::throttle_full_supported()
         .replace("refill-interval = \"10ms\"", "refill-interval = \"50ms\"")
         .replace("burst-window = \"100ms\"", "burst-window = \"500ms\"")
         .replace("max-read-cpu-ratio = 0.6", "max-read-cpu-ratio = 0.8")
@@ -133,7 +134,7 @@ fn max_read_cpu_ratio_is_hot_while_cpu_throttle_is_disabled() {
 #[test]
 fn accepted_update_reports_changed_keys_and_hot_flags() {
     let running = running();
-    let source = THROTTLE_FULL.to_string()
+    let source = common::throttle_full_supported()
         + "[admission-control]\nmode = \"monitor\"\nmax-concurrent-per-tenant = 32\n"
         + "[write-quota]\npending-write-threshold = \"256MiB\"\n";
     let updated = running.apply_update(&source).unwrap();
@@ -158,7 +159,7 @@ fn accepted_update_reports_changed_keys_and_hot_flags() {
     // Unchanged reload: empty diff.
     assert!(
         running
-            .diff(&running.apply_update(THROTTLE_FULL).unwrap())
+            .diff(&running.apply_update(&common::throttle_full_supported()).unwrap())
             .is_empty()
     );
 }

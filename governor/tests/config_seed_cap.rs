@@ -4,7 +4,7 @@
 use governor::config::{ConfigError, ValidatedConfig};
 
 const ESSENTIAL: &str = include_str!("fixtures/seed_cap_essential.toml");
-const THROTTLE_FULL: &str = include_str!("fixtures/seed_throttle_full.toml");
+mod common;
 const CT: &str = "resource-control.cpu-throttle";
 
 /// `source` with the line `key = ...` replaced by `key = value`; returns the
@@ -48,8 +48,20 @@ fn seed_cap_07_conflicting_config_rejected() {
     for (key, value) in CONFLICTS {
         let (source, line) = with(ESSENTIAL, key, value);
         let errors = ValidatedConfig::from_toml_str(&source).expect_err(key);
-        assert_eq!(errors.errors.len(), 1, "{errors}");
-        match &errors.errors[0] {
+        // PD is also refused on its own: this build has no PD client.
+        let unsupported = usize::from(*key == "enable-pd-service-limit");
+        assert_eq!(errors.errors.len(), 1 + unsupported, "{errors}");
+        assert_eq!(
+            errors.to_string().matches("not supported").count(),
+            unsupported,
+            "{errors}"
+        );
+        let conflict = errors
+            .errors
+            .iter()
+            .find(|e| matches!(e, ConfigError::Conflict { .. }))
+            .unwrap_or_else(|| panic!("{key}: no conflict reported: {errors}"));
+        match conflict {
             ConfigError::Conflict {
                 key: k,
                 line: l,
@@ -70,19 +82,23 @@ fn seed_cap_07_conflicting_config_rejected() {
     let errors = ValidatedConfig::from_toml_str(&source).unwrap_err();
     let mut keys = errors.keys();
     keys.sort();
+    keys.dedup();
     let mut want: Vec<String> = CONFLICTS.iter().map(|(k, _)| format!("{CT}.{k}")).collect();
     want.sort();
     assert_eq!(keys, want);
-    assert_eq!(errors.to_string().lines().count(), CONFLICTS.len());
-    // The same settings with the cap off (Premium) are fine.
+    // One line per conflict, plus PD's "not supported".
+    assert_eq!(errors.to_string().lines().count(), CONFLICTS.len() + 1);
+    // The same settings with the cap off (Premium) are fine, PD aside.
     let premium = with(&source, "tenant-max-cpu-ratio", "0.0").0;
+    let premium = with(&premium, "enable-pd-service-limit", "false").0;
     ValidatedConfig::from_toml_str(&premium).unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]
 fn seed_cap_08_hot_update_validation() {
-    // Running: the seed's Premium example (burst, fair, dynamic, PD, quotas on).
-    let running = ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap();
+    // Running: the seed's Premium example (burst, fair, dynamic, quotas on;
+    // PD off, as this build has no PD client).
+    let running = ValidatedConfig::from_toml_str(&common::throttle_full_supported()).unwrap();
     let before = running.clone();
 
     // `config set` enabling the cap is refused as a whole, listing all conflicts.
@@ -95,7 +111,6 @@ fn seed_cap_08_hot_update_validation() {
         "enable-burst",
         "enable-dynamic-adjustment",
         "enable-fair-allocation",
-        "enable-pd-service-limit",
         "enforce-global-limit",
         "keyspace-cpu-quotas",
     ]

@@ -8,6 +8,8 @@ use governor::config::{
 };
 
 const ESSENTIAL: &str = include_str!("fixtures/seed_cap_essential.toml");
+mod common;
+
 const THROTTLE_FULL: &str = include_str!("fixtures/seed_throttle_full.toml");
 
 #[test]
@@ -26,8 +28,23 @@ fn seed_cap_essential_profile_validates() {
 }
 
 #[test]
+fn seed_throttle_full_example_is_refused_only_for_what_governor_does_not_implement() {
+    let errors = ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap_err();
+    assert_eq!(
+        errors.keys(),
+        vec![
+            "resource-control.enable-qps-bytes-limiter",
+            "resource-control.cpu-throttle.enable-pd-service-limit",
+        ]
+    );
+    assert!(errors.to_string().matches("not supported").count() == 2, "{errors}");
+}
+
+#[test]
 fn seed_throttle_full_example_validates_in_premium_mode() {
-    let cfg = ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap_or_else(|e| panic!("{e}"));
+    // The seed's sample with the two keys governor does not implement off.
+    let text = common::throttle_full_supported();
+    let cfg = ValidatedConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}"));
     let t = cfg.cpu_throttle();
     assert!(
         !t.tenant_cap_enabled(),
@@ -71,7 +88,7 @@ fn embedded_default_validates_and_equals_empty_file() {
 fn empty_file_gives_documented_defaults() {
     let cfg = ValidatedConfig::from_toml_str("").unwrap();
     let rc = cfg.resource_control();
-    assert!(rc.enabled && rc.enable_qps_bytes_limiter);
+    assert!(rc.enabled && !rc.enable_qps_bytes_limiter);
     assert_eq!(rc.stats_interval.get(), Duration::from_secs(1));
     assert_eq!(rc.window_size.get(), Duration::from_secs(60));
     assert_eq!(rc.max_read_cpu_ratio, 0.6);
@@ -123,7 +140,7 @@ fn pending_write_threshold_accepts_integer_bytes_and_size_strings() {
 
 #[test]
 fn toml_output_round_trips_with_kebab_case_keys_and_string_durations() {
-    for source in [ESSENTIAL, THROTTLE_FULL, ""] {
+    for source in [ESSENTIAL, &common::throttle_full_supported(), ""] {
         let cfg = ValidatedConfig::from_toml_str(source).unwrap();
         let printed = cfg.to_toml_string();
         assert!(
@@ -143,7 +160,7 @@ fn toml_output_round_trips_with_kebab_case_keys_and_string_durations() {
 
 #[test]
 fn json_output_uses_the_same_keys() {
-    let cfg = ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap();
+    let cfg = ValidatedConfig::from_toml_str(&common::throttle_full_supported()).unwrap();
     let json: serde_json::Value = serde_json::from_str(&cfg.to_json_string()).unwrap();
     let t = &json["resource-control"]["cpu-throttle"];
     assert_eq!(t["keyspace-cpu-quotas"], "1:1000,2:2000");

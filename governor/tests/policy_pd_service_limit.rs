@@ -1,16 +1,17 @@
 //! PD service-limit quotas from fetched values (keyspace-cpu-throttle.md, Key Component 2).
 
+mod common;
+
 use std::collections::BTreeMap;
 
+use common::{SEC, base};
 use governor::policy::{PdAction, PdFetch, PdLimit, Policy, QuotaSource, Settings};
-
-const SEC: u64 = 1_000_000;
 
 fn pd(f: impl FnOnce(&mut Settings)) -> Policy {
     let mut s = Settings {
         enable_pd_service_limit: true,
         pd_service_limit_ttl_us: 600 * SEC,
-        ..Settings::default() // 8 cores × 0.6 → global refill 48_000 µs per 10 ms
+        ..base() // 8 cores × 0.6 → global refill 48_000 µs per 10 ms
     };
     f(&mut s);
     Policy::new(s, 0).unwrap()
@@ -62,7 +63,10 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
     assert!(quota(&p, 1).is_some());
     let a = p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
     assert_eq!(a, vec![PdAction::Remove { keyspace: 1 }]);
-    assert!(p.allocate(1, Some(1), SEC).unwrap().is_skip(), "unlimited");
+    assert!(p.keyspace(1).is_none());
+    let g = p.allocate(1, Some(1), SEC).unwrap();
+    assert!(g.is_skip(), "unlimited");
+    p.release(g, 1);
 
     let p = pd(|s| {
         s.pd_override_config = false;
@@ -136,4 +140,38 @@ fn pd_unreachable_keeps_last_quotas() {
         );
     }
     assert_eq!(quota(&p, 1), Some(48_000));
+}
+
+#[test]
+fn pd_quota_throttles_and_does_not_outlive_pd() {
+    let p = pd(|s| s.keyspace_cpu_quotas_millicores = [(2, 1000)].into());
+    p.apply_pd_service_limits(
+        0,
+        &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]),
+    );
+    assert_eq!((quota(&p, 1), quota(&p, 2)), (Some(24_000), Some(24_000)));
+    // The PD quota is a bucket like any other: capacity = rate × 100 ms burst window.
+    let e = p.keyspace(1).unwrap();
+    assert_eq!(e.bucket().capacity_us(), 240_000);
+    let g = p.allocate(1, Some(240_000), 0).unwrap();
+    assert!(!g.is_skip());
+    assert_eq!(
+        p.allocate(1, Some(1), 0).unwrap_err(),
+        governor::policy::Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
+    );
+    p.release(g, 240_000);
+    // Turning PD off online drops its quotas; a static quota comes back.
+    let mut s = p.settings().clone();
+    s.enable_pd_service_limit = false;
+    p.update_settings(s).unwrap();
+    assert_eq!(quota(&p, 1), None);
+    assert_eq!(quota(&p, 2), Some(10_000));
+    assert_eq!(p.keyspace(2).unwrap().source(), QuotaSource::Config);
+    assert_eq!(p.keyspaces_from(QuotaSource::Pd), Vec::<u32>::new());
+    // And with PD off, answers are ignored.
+    assert!(
+        p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(100.0))]))
+            .is_empty()
+    );
+    assert_eq!(quota(&p, 1), None);
 }

@@ -1,12 +1,12 @@
-//! tenant-cpu-cap.md §7, points 1–7, on a simulated clock (points 8–14, the online updates, are
-//! in `policy_tenant_cap_hot.rs`; the config-level halves of 7 and 8 in `config_seed_cap.rs`).
+//! tenant-cpu-cap.md §7, points 1–6, on a simulated clock (points 8–14, the online updates, are
+//! in `policy_tenant_cap_hot.rs`). Point 7 (conflicting settings rejected) and the
+//! configuration half of point 5 (`enable-burst = true` refused with the cap) are checked where
+//! they are enforced, by the configuration: `config_seed_cap.rs`.
 
 mod common;
 
-use common::{Load, MS, SEC, assert_close, essential, run, steady};
-use governor::policy::{
-    PdFetch, PdLimit, Policy, QuotaSource, Refusal, Settings, SettingsError, UsageSample,
-};
+use common::{CORES, Load, MS, SEC, assert_close, essential, essential_settings, run, steady};
+use governor::policy::{PdFetch, PdLimit, Policy, QuotaSource, Refusal, UsageSample};
 use std::collections::BTreeMap;
 
 #[test]
@@ -123,11 +123,16 @@ fn seed_cap_03_global_bucket_is_the_bottleneck_when_cap_exceeds_read_ratio() {
     ));
     // Rollback: every global refusal gave its tenant tokens back, so the tenant bucket was
     // charged exactly what ran (taken − refunded + overrun debt = consumed), nothing in flight.
-    let b = p.keyspace(9).unwrap().bucket().snapshot();
+    let e = p.keyspace(9).unwrap();
+    let b = e.bucket().snapshot();
+    assert_eq!(e.counters().debt_forgiven_us, 0);
     assert_eq!(
         b.taken_total_us + b.debt_total_us - b.refunded_total_us,
         warm.consumed_us[0] + out.consumed_us[0]
     );
+    assert_eq!(e.counters().consumed_us, warm.consumed_us[0] + out.consumed_us[0]);
+    assert!(e.counters().refused_global > 0, "refused by the global bucket, not the cap");
+    assert_eq!(e.counters().refused_keyspace, 0);
     assert_eq!(b.inflight_us, 0);
     assert_eq!(b.ledger_available_us(), b.available_us);
 }
@@ -148,24 +153,16 @@ fn seed_cap_04_no_keyspace_gets_skip_throttle_in_cap_mode() {
 
 #[test]
 fn seed_cap_05_exhausted_tenant_never_bursts() {
-    // Config validation forbids burst with the cap...
-    let mut s = Settings::essential(8.0, 0.4);
-    s.enable_burst = true;
-    assert!(matches!(
-        s.validate(),
-        Err(SettingsError::CapModeConflict {
-            key: "enable-burst",
-            ..
-        })
-    ));
-    // ...and the policy never bursts a cap bucket, even when every burst condition of the
-    // throttle seed holds: idle node, global tokens left, burst budget covering the request.
-    let s = Settings {
-        enable_runtime_token_management: false,
-        ..Settings::essential(8.0, 0.4)
-    };
+    // The configuration refuses `enable-burst = true` with the cap (config_seed_cap.rs). The
+    // policy never bursts a cap bucket even when handed settings that ask for it, and every
+    // burst condition of the throttle seed holds: idle node, global tokens left, burst budget
+    // covering the request.
+    let mut s = essential_settings(CORES, 0.4);
+    s.enable_runtime_token_management = false;
+    s.enable_burst = true; // forbidden by the configuration; the policy must still not burst
     let p = Policy::new(s, 0).unwrap();
     let cap = p.tenant_cap_refill_us() * 10; // full bucket = burst window
+    assert_eq!(cap, 320_000);
     let g = p.allocate(1, Some(cap), 0).unwrap();
     p.tick(0, Some(&UsageSample::default())); // global ratio 0 published
     assert_eq!(p.global_ratio(), 0.0);
@@ -178,6 +175,7 @@ fn seed_cap_05_exhausted_tenant_never_bursts() {
     );
     let err = p.allocate(1, Some(1000), 0).unwrap_err();
     assert_eq!(err, Refusal::TenantCpuExhausted { keyspace: 1 });
+    assert_eq!(err.reason(), "tenant_cap_exhausted");
     assert_eq!(
         p.global_bucket().available_us(),
         global_before,
@@ -185,7 +183,16 @@ fn seed_cap_05_exhausted_tenant_never_bursts() {
     );
     assert_eq!(p.snapshot().burst_budget_us, 48_000);
     assert_eq!(p.counters().burst_granted, 0);
+    assert_eq!(p.counters().tenant_cap_exhausted, 1);
     assert!(!p.keyspace(1).unwrap().burst_allowed());
+    // Nor does a runtime top-up burst.
+    let mut g = g;
+    assert_eq!(
+        p.allocate_more(&mut g, 1000, 0).unwrap_err(),
+        Refusal::TenantCpuExhausted { keyspace: 1 }
+    );
+    assert!(!g.is_burst());
+    assert_eq!(p.global_bucket().available_us(), global_before);
     p.release(g, cap);
 }
 
@@ -209,44 +216,41 @@ fn seed_cap_06_no_pd_dependency() {
     p.release(b, 100);
 }
 
+/// The tests' Essential helper is the seed's §4.1 profile (the fixture the configuration tests
+/// validate), with the adaptive estimate off so that estimates stay where the tests put them.
 #[test]
-fn seed_cap_07_conflicting_settings_are_rejected_in_cap_mode() {
-    // Config validation proper belongs to the config module; this checks the policy's own
-    // `Settings::validate`, which `Policy::new` and every online update run.
-    let base = Settings::essential(8.0, 0.4);
-    assert!(base.validate().is_ok());
-    type Tweak = fn(&mut Settings);
-    let cases: [(&str, Tweak); 6] = [
-        ("keyspace-cpu-quotas", |s| {
-            s.keyspace_cpu_quotas_millicores.insert(1, 1000);
-        }),
-        ("enable-pd-service-limit", |s| {
-            s.enable_pd_service_limit = true
-        }),
-        ("enable-fair-allocation", |s| {
-            s.enable_fair_allocation = true
-        }),
-        ("enable-dynamic-adjustment", |s| {
-            s.enable_dynamic_adjustment = true
-        }),
-        ("enable-burst", |s| s.enable_burst = true),
-        ("enforce-global-limit", |s| s.enforce_global_limit = false),
-    ];
-    for (key, f) in cases {
-        let mut s = base.clone();
-        f(&mut s);
-        match Policy::new(s, 0) {
-            Err(SettingsError::CapModeConflict { key: k, .. }) => assert_eq!(k, key),
-            other => panic!("{key}: expected a cap-mode conflict, got {other:?}"),
-        }
-    }
-    let mut s = base.clone();
-    s.tenant_max_cpu_ratio = 1.5;
-    assert!(matches!(
-        s.validate(),
-        Err(SettingsError::InvalidValue {
-            key: "tenant-max-cpu-ratio",
-            ..
-        })
-    ));
+fn essential_helper_is_the_seed_profile() {
+    let fixture = include_str!("fixtures/seed_cap_essential.toml");
+    let mut from_fixture = governor::policy::Settings::from_toml(fixture, CORES).unwrap();
+    assert!(from_fixture.enable_adaptive_estimate, "the profile leaves the default on");
+    from_fixture.enable_adaptive_estimate = false;
+    assert_eq!(essential_settings(CORES, 0.4), from_fixture);
+    let s = essential_settings(CORES, 0.4);
+    assert!(s.cap_mode() && s.throttle_enabled && s.enforce_global_limit);
+    assert!(s.enable_runtime_token_management);
+    assert_eq!(s.tenant_cap_refill_us(s.tenant_max_cpu_ratio), Some(32_000));
+}
+
+/// §7 point 3's premise, enforced by the policy itself: in cap mode the global bucket is a hard
+/// node cap even if handed `enforce-global-limit = false` (which the configuration refuses).
+#[test]
+fn cap_mode_always_enforces_the_global_bucket() {
+    let mut s = essential_settings(CORES, 0.7); // cap 56_000 per 10 ms > global 48_000
+    s.enable_runtime_token_management = false;
+    s.enforce_global_limit = false;
+    let p = Policy::new(s, 0).unwrap();
+    let g = p.allocate(9, Some(480_000), 0).unwrap();
+    assert_eq!(p.global_bucket().available_us(), 0);
+    assert_eq!(
+        p.allocate(9, Some(1), 0).unwrap_err(),
+        Refusal::GlobalCpuExhausted { keyspace: 9 }
+    );
+    assert_eq!(p.global_bucket().available_us(), 0, "no best-effort overdraft");
+    assert_eq!(p.counters().global_best_effort_overdraft, 0);
+    assert_eq!(
+        p.keyspace(9).unwrap().bucket().available_us(),
+        560_000 - 480_000,
+        "tenant tokens rolled back"
+    );
+    p.release(g, 480_000);
 }

@@ -3,12 +3,10 @@
 
 mod common;
 
+use common::{MS, SEC, base};
 use governor::policy::{
-    FairInput, Policy, QuotaSource, Refusal, Settings, UsageSample, fair_allocate,
+    AdmissionMode, FairInput, Policy, QuotaSource, Refusal, Settings, UsageSample, fair_allocate,
 };
-
-const SEC: u64 = 1_000_000;
-const MS: u64 = 1_000;
 
 fn approx(a: f64, b: f64, eps: f64) -> bool {
     (a - b).abs() <= eps
@@ -60,7 +58,7 @@ fn premium(f: impl FnOnce(&mut Settings)) -> Settings {
         max_read_cpu_ratio: 1.0,
         window_size_us: SEC,
         stats_interval_us: SEC,
-        ..Settings::default()
+        ..base()
     };
     f(&mut s);
     s
@@ -150,7 +148,13 @@ fn burst_uses_global_tokens_under_the_seed_conditions_and_is_capped_per_interval
         let used = g.granted_us();
         p.release(g, used);
     }
-    assert_eq!(p.global_bucket().inflight_us(), 0);
+    assert_eq!(p.keyspace(1).unwrap().bucket().inflight_us(), 0);
+    assert_eq!(p.keyspace(2).unwrap().bucket().inflight_us(), 0);
+    let k1 = p.keyspace(1).unwrap();
+    assert_eq!(k1.counters().burst_granted, 3);
+    assert_eq!(k1.counters().burst_tokens_us, 40_000 + 8_000 + 30_000);
+    let g = p.global_bucket();
+    assert_eq!(g.ledger_available_us(), g.available_us());
 }
 
 #[test]
@@ -233,10 +237,11 @@ fn release_refunds_unused_estimate_and_charges_overrun() {
     );
     let ks = p.snapshot().keyspaces[0].clone();
     assert_eq!(
-        (ks.consumed_us, ks.released, ks.inflight_us),
+        (ks.counters.consumed_us, ks.counters.released, ks.inflight_us),
         (11_000, 2, 0)
     );
     assert_eq!(ks.bucket.debt_total_us, 4_000);
+    assert_eq!(p.global_bucket().debt_total_us, 4_000);
 }
 
 #[test]
@@ -320,7 +325,7 @@ fn monitor_window_ratios_are_published_and_exported() {
         max_read_cpu_ratio: 0.5,
         window_size_us: 4 * SEC,
         stats_interval_us: SEC,
-        ..Settings::default()
+        ..base()
     };
     let s = Settings {
         keyspace_cpu_quotas_millicores: [(1, 1000)].into(),
@@ -348,10 +353,15 @@ fn monitor_window_ratios_are_published_and_exported() {
         "ratio",
         "estimate_us",
         "burst_allowed",
-        "granted",
+        "counters",
     ] {
         assert!(json["keyspaces"][0].get(key).is_some(), "missing {key}");
     }
+    assert!(json["keyspaces"][0]["counters"].get("granted").is_some());
+    assert!(json.get("global_ratio").is_some());
+    let (span, cpu) = p.window_cpu();
+    assert_eq!(span, 4 * SEC);
+    assert_eq!(cpu.get(&1), Some(&2_000_000));
     assert!(json["counters"].get("tenant_cap_exhausted").is_some());
     assert!(json["counters"].get("global_exhausted").is_some());
 }
@@ -360,9 +370,10 @@ fn monitor_window_ratios_are_published_and_exported() {
 fn refill_is_per_interval_and_never_exceeds_capacity() {
     let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 500)].into()); // 5_000 / 10 ms
     let p = Policy::new(s, 0).unwrap();
-    let b = p.keyspace(1).unwrap();
+    // Entries are snapshots: read again after every change.
+    let b = || p.keyspace(1).unwrap();
     assert_eq!(
-        b.bucket().capacity_us(),
+        b().bucket().capacity_us(),
         50_000,
         "rate × 100 ms burst window"
     );
@@ -375,10 +386,204 @@ fn refill_is_per_interval_and_never_exceeds_capacity() {
         30 * MS,
         "boundaries stay on the refill grid"
     );
-    assert_eq!(b.bucket().available_us(), 10_000);
+    assert_eq!(b().bucket().available_us(), 10_000);
     assert_eq!(p.tick(29 * MS, None).refill_intervals, 0);
+    assert_eq!(b().bucket().available_us(), 10_000);
     p.tick(10 * SEC, None);
-    assert_eq!(b.bucket().available_us(), 50_000);
-    let snap = b.bucket().snapshot();
+    assert_eq!(b().bucket().available_us(), 50_000);
+    let snap = b().bucket().snapshot();
     assert_eq!(snap.ledger_available_us(), snap.available_us);
+    assert!(snap.discarded_total_us > 0, "refill above capacity is dropped and counted");
+}
+
+/// The tests' baseline, built from the configuration, is the documented Premium default with
+/// the CPU throttle on and every optional mechanism off.
+#[test]
+fn base_settings_are_the_premium_defaults_with_optional_mechanisms_off() {
+    let s = base();
+    assert!(s.enabled && s.throttle_enabled);
+    assert_eq!((s.cpu_cores, s.max_read_cpu_ratio), (8.0, 0.6));
+    assert_eq!(
+        (s.refill_interval_us, s.burst_window_us, s.stats_interval_us, s.window_size_us),
+        (10 * MS, 100 * MS, SEC, 60 * SEC)
+    );
+    assert!(!s.enforce_global_limit && !s.cap_mode());
+    assert!(!s.enable_adaptive_estimate && !s.enable_dynamic_adjustment);
+    assert!(!s.enable_fair_allocation && !s.enable_burst && !s.enable_runtime_token_management);
+    assert!(!s.enable_pd_service_limit && !s.low_priority_dag_global_enabled);
+    assert!(s.keyspace_cpu_quotas_millicores.is_empty());
+    assert_eq!(s.estimated_cpu_per_request_us, 1000);
+    assert_eq!((s.high_watermark, s.low_watermark), (0.8, 0.5));
+    assert_eq!((s.fair_allocation_threshold, s.burst_threshold), (0.7, 0.9));
+    assert_eq!(s.tenant_cap_idle_ttl_us, 600 * SEC);
+    assert_eq!(s.pending_write_threshold_bytes, 100 << 20);
+    assert_eq!((s.admission_mode, s.max_concurrent_per_tenant), (AdmissionMode::Disabled, 0));
+    assert_eq!(s.global_refill_us(), 48_000);
+    let p = Policy::new(s, 0).unwrap();
+    let g = p.global_bucket();
+    assert_eq!((g.refill_us(), g.capacity_us(), g.available_us()), (48_000, 480_000, 480_000));
+}
+
+/// With the CPU throttle off (the configuration's default) quotas are not enforced; with
+/// resource control off nothing is checked at all.
+#[test]
+fn throttle_and_resource_control_switches() {
+    let quota = [(1, 100)].into(); // 1_000 µs per interval, capacity 10_000
+    let p = Policy::new(
+        Settings {
+            throttle_enabled: false,
+            keyspace_cpu_quotas_millicores: quota,
+            ..base()
+        },
+        0,
+    )
+    .unwrap();
+    let g = p.allocate(1, Some(1_000_000), 0).unwrap();
+    assert!(g.is_skip(), "cpu-throttle off: no tokens taken");
+    p.release(g, 1_000_000);
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 10_000);
+    // Switched on online: the quota acts.
+    let mut s = p.settings().clone();
+    s.throttle_enabled = true;
+    p.update_settings(s).unwrap();
+    let g = p.allocate(1, Some(10_000), 0).unwrap();
+    assert!(!g.is_skip());
+    assert!(p.allocate(1, Some(1), 0).is_err());
+    // resource-control.enabled = false admits everything, counting nothing against limits.
+    let mut s = p.settings().clone();
+    s.enabled = false;
+    s.admission_mode = AdmissionMode::Enforced;
+    s.max_concurrent_per_tenant = 1;
+    p.update_settings(s).unwrap();
+    let free: Vec<_> = (0..3).map(|_| p.allocate(1, Some(1), 0).unwrap()).collect();
+    assert!(free.iter().all(|g| g.is_skip() && !g.counted()));
+    assert_eq!(p.inflight_requests(1), 0);
+    for f in free {
+        p.release(f, 1);
+    }
+    p.release(g, 10_000);
+    assert_eq!(p.keyspace(1).unwrap().bucket().inflight_us(), 0);
+}
+
+#[test]
+fn refunds_are_kept_back_while_in_shrink_debt() {
+    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 2000)].into()); // 20_000 / 10 ms
+    let p = Policy::new(s, 0).unwrap();
+    let a = p.allocate(1, Some(12_000), 0).unwrap();
+    let b = p.allocate(1, Some(8_000), 0).unwrap();
+    p.set_keyspace_quota_millicores(1, Some(1000), 0).unwrap(); // 10_000 < 20_000 in flight
+    let k = || p.keyspace(1).unwrap().bucket().snapshot();
+    assert!(k().in_debt);
+    assert_eq!((k().available_us, k().inflight_us), (0, 20_000));
+    // 10_000 unused: in debt nothing comes back (counted as refunded, then discarded).
+    let discarded = k().discarded_total_us;
+    p.release(a, 2_000);
+    assert_eq!((k().available_us, k().inflight_us), (0, 8_000));
+    assert_eq!(k().discarded_total_us - discarded, 10_000);
+    assert_eq!(k().ledger_available_us(), k().available_us);
+    assert!(k().in_debt, "left at the next refill");
+    // In-flight is now within the new quota: the next refill ends debt mode.
+    p.tick(10 * MS, None);
+    assert!(!k().in_debt);
+    assert_eq!(k().available_us, 10_000);
+    // Out of debt, refunds come back again (up to capacity).
+    p.release(b, 3_000);
+    assert_eq!((k().available_us, k().inflight_us), (15_000, 0));
+    assert_eq!(k().ledger_available_us(), k().available_us);
+}
+
+/// A quota removed (the bucket's tokens stay with the cell, for grants still out) and set
+/// again lower starts as a fresh bucket of the new size: never above its new capacity.
+#[test]
+fn a_quota_removed_and_set_again_lower_starts_within_its_new_capacity() {
+    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 4000)].into()); // capacity 400_000
+    let p = Policy::new(s, 0).unwrap();
+    let g = p.allocate(1, Some(10), 0).unwrap();
+    p.release(g, 10);
+    p.set_keyspace_quota_millicores(1, None, 0).unwrap();
+    assert!(p.keyspace(1).is_none());
+    p.set_keyspace_quota_millicores(1, Some(100), 0).unwrap(); // 1_000 per 10 ms, capacity 10_000
+    let b = p.keyspace(1).unwrap().bucket().snapshot();
+    assert_eq!((b.base_refill_us, b.capacity_us), (1_000, 10_000));
+    assert_eq!(b.ledger_available_us(), b.available_us);
+    assert!(
+        b.available_us <= b.capacity_us,
+        "available {} above the new capacity {}",
+        b.available_us,
+        b.capacity_us
+    );
+    assert_eq!(b.available_us, 10_000, "a fresh bucket starts full");
+    // The new quota holds: 30 intervals' worth at once is refused.
+    match p.allocate(1, Some(300_000), 0) {
+        Err(e) => assert_eq!(e, Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }),
+        Ok(g) => {
+            p.release(g, 300_000);
+            panic!("admitted 300_000 µs against a 10_000 µs bucket");
+        }
+    }
+}
+
+/// Best-effort global tracking (enforce-global-limit = false) records every µs a request
+/// holds, including runtime top-ups of requests without a keyspace bucket: an empty global
+/// bucket goes negative (an overdraft), it never hands out µs it did not take.
+#[test]
+fn best_effort_global_tracks_top_ups_of_unthrottled_grants() {
+    let s = Settings {
+        low_priority_dag_global_enabled: true,
+        keyspace_cpu_quotas_millicores: [(2, 80_000)].into(), // large enough to drain the node
+        ..base() // global 48_000 per 10 ms, capacity 480_000, best effort
+    };
+    let p = Policy::new(s, 0).unwrap();
+    let big = p.allocate(2, Some(479_000), 0).unwrap();
+    // Keyspace 7 has no bucket: the low-priority bucket, then the global bucket alone.
+    let mut g = p.allocate_low_priority(7, Some(1_000), 0).unwrap();
+    assert_eq!((g.tenant_us(), g.global_us(), g.low_priority_us()), (0, 1_000, 1_000));
+    assert_eq!(p.global_bucket().available_us(), 0);
+    let overdraft = p.counters().global_best_effort_overdraft;
+    p.allocate_more(&mut g, 5_000, 0).unwrap();
+    assert_eq!(g.global_us(), 6_000);
+    let global = p.global_bucket();
+    assert_eq!(global.available_us(), -5_000, "the top-up is taken, as an overdraft");
+    assert_eq!(p.counters().global_best_effort_overdraft, overdraft + 1);
+    p.release(g, 0);
+    p.release(big, 479_000);
+    // 479_000 consumed, nothing else: 1_000 left of the initial 480_000.
+    let global = p.global_bucket();
+    assert_eq!(global.available_us(), 1_000);
+    assert_eq!(global.taken_total_us, global.refunded_total_us + 479_000);
+    assert_eq!(global.ledger_available_us(), global.available_us());
+}
+
+/// A running request whose keyspace cell was given up while it held no tenant tokens (a
+/// low-priority request of a keyspace without a bucket) and then given to a new holder must
+/// not take the new holder's tokens when it tops up: its release could not give them back.
+#[test]
+fn a_top_up_never_touches_a_cell_given_to_another_holder() {
+    let s = Settings {
+        low_priority_dag_global_enabled: true,
+        tenant_cap_idle_ttl_us: 50 * MS,
+        ..base()
+    };
+    let p = Policy::new(s, 0).unwrap();
+    let mut lp = p.allocate_low_priority(3, Some(1_000), 0).unwrap();
+    assert_eq!(lp.tenant_us(), 0);
+    let old_cell = lp.cell();
+    assert!(old_cell.is_some());
+    // Idle past the TTL: the cell (limits only, nothing in flight) is given up...
+    assert_eq!(p.tick(60 * MS, None).evicted, 1);
+    assert_eq!(p.cells_in_use(), 0);
+    // ...and keyspace 3 gets a quota: a new holder of a cell, with a bucket.
+    p.set_keyspace_quota_millicores(3, Some(1000), 60 * MS).unwrap(); // capacity 100_000
+    let full = p.keyspace(3).unwrap().bucket().snapshot();
+    assert_eq!((full.available_us, full.inflight_us), (100_000, 0));
+    let _ = p.allocate_more(&mut lp, 500, 60 * MS);
+    p.release(lp, 0);
+    let b = p.keyspace(3).unwrap().bucket().snapshot();
+    assert_eq!(
+        (b.available_us, b.inflight_us),
+        (100_000, 0),
+        "the new holder's bucket was charged by a grant of the old one (cell {old_cell:?})"
+    );
+    // Nothing pins the cell, so it could go once idle (a configured quota stays, though).
+    assert_eq!(b.ledger_available_us(), b.available_us);
 }

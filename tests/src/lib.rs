@@ -56,6 +56,8 @@ pub struct Agent {
     child: Child,
     pub socket: PathBuf,
     pub log: PathBuf,
+    measure: String,
+    config: Option<PathBuf>,
     _dir: Scratch,
 }
 
@@ -76,32 +78,63 @@ impl Agent {
         let dir = Scratch::new("agent");
         let socket = dir.0.join("governor.sock");
         let log = dir.0.join("agent.log");
+        let config = match config {
+            Some(text) => {
+                let cfg = dir.0.join("governor.toml");
+                std::fs::write(&cfg, text)?;
+                Some(cfg)
+            }
+            None => None,
+        };
+        let child = Self::launch(measure, &socket, config.as_deref(), &log)?;
+        let mut agent = Agent { child, socket, log, measure: measure.to_string(), config, _dir: dir };
+        agent.wait_ready()?;
+        Ok(agent)
+    }
+
+    fn launch(measure: &str, socket: &Path, config: Option<&Path>, log: &Path) -> Result<Child> {
         let mut cmd = Command::new(governor_bin());
-        cmd.args(["agent", "--measure", measure, "--socket"]).arg(&socket);
-        if let Some(text) = config {
-            let cfg = dir.0.join("governor.toml");
-            std::fs::write(&cfg, text)?;
-            cmd.arg("--config").arg(&cfg);
+        cmd.args(["agent", "--measure", measure, "--socket"]).arg(socket);
+        if let Some(cfg) = config {
+            cmd.arg("--config").arg(cfg);
         }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .with_context(|| format!("spawning {}", governor_bin().display()))?;
-        let mut agent = Agent { child, socket, log, _dir: dir };
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+        cmd.stdout(Stdio::null()).stderr(log).spawn().with_context(|| format!("spawning {}", governor_bin().display()))
+    }
+
+    fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             // Ready once it answers: its programs are attached and its
             // start-up work is over (a bare connect succeeds earlier).
-            if agent.socket.exists() && agent.status().is_ok() {
-                return Ok(agent);
+            if self.socket.exists() && self.status().is_ok() {
+                return Ok(());
             }
-            if let Some(st) = agent.child.try_wait()? {
-                bail!("agent exited with {st}: {}", std::fs::read_to_string(&agent.log).unwrap_or_default());
+            if let Some(st) = self.child.try_wait()? {
+                bail!("agent exited with {st}: {}", std::fs::read_to_string(&self.log).unwrap_or_default());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        bail!("agent did not open {} in 20 s", agent.socket.display())
+        bail!("agent did not open {} in 20 s", self.socket.display())
+    }
+
+    /// Kills the agent with SIGKILL, as a crash would, and reaps it.
+    pub fn kill9(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// Starts the agent again on the same socket and configuration.
+    pub fn restart(&mut self) -> Result<()> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::launch(&self.measure, &self.socket, self.config.as_deref(), &self.log)?;
+        self.wait_ready()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub fn status(&self) -> Result<StatusReport> {
@@ -167,6 +200,59 @@ pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, Bu
         bail!("workload said {line:?} instead of started");
     }
     Ok((child, out))
+}
+
+/// A `workload hold` process: a client that takes tickets on command, one
+/// JSON reply per command line.
+pub struct Holder {
+    child: Child,
+    stdin: std::process::ChildStdin,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Holder {
+    pub fn start(socket: &Path) -> Holder {
+        let mut child = Command::new(workload_bin())
+            .args(["hold", "--socket"])
+            .arg(socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting workload hold");
+        let stdin = child.stdin.take().expect("stdin");
+        let out = BufReader::new(child.stdout.take().expect("stdout"));
+        Holder { child, stdin, out }
+    }
+
+    /// Sends one command and returns its reply.
+    pub fn say(&mut self, cmd: &str) -> serde_json::Value {
+        use std::io::Write;
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{cmd}: {line:?}: {e}"))
+    }
+
+    /// `Ok(())` when admitted, else the refusal's code.
+    pub fn acquire(&mut self, keyspace: u32, write_bytes: u64) -> Result<(), String> {
+        let r = self.say(&format!("acquire {keyspace} {write_bytes}"));
+        if r["ok"] == true { Ok(()) } else { Err(r["refused"].as_str().unwrap_or("?").to_string()) }
+    }
+
+    /// SIGKILL, and reap it.
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        use std::io::Write;
+        let _ = writeln!(self.stdin, "exit");
+        let _ = self.child.wait();
+    }
 }
 
 /// One USER_HZ tick in ns: the resolution of [`steal_ns`], per CPU.

@@ -1,5 +1,6 @@
-//! The agent: owns the measurement backend and the shared regions, serves
-//! the control socket, reclaims slots and keeps the monitor window.
+//! The agent: owns the measurement backend, the policy and the shared
+//! regions, serves the control socket, runs the policy on live measurements
+//! and returns what dead clients held.
 //!
 //! # Layout
 //!
@@ -7,19 +8,27 @@
 //!   resolves (tests pass their own).
 //! - `server`: the control socket, one task per connection.
 //! - `slots`: thread-slot allocation and reuse.
-//! - `window`: per-keyspace ratios over the monitor window.
+//! - `ledgers`: each client's ticket ledger, and what the agent returns from
+//!   it when the client goes.
+//! - `usage`: per-keyspace CPU from the measurement cells, as the policy's
+//!   usage samples.
+//! - `status`: what `governor status` shows.
 
+mod ledgers;
 mod server;
 pub mod slots;
-pub mod window;
+mod status;
+mod usage;
 
 use crate::config::ValidatedConfig;
 use crate::measure::{fallback, MeasureError, MeasureMode, Measurement, Sizing};
-use crate::proto::{KeyspaceStatus, StatusReport};
+use crate::policy::{Policy, Settings};
+use crate::region::RegionError;
 use crate::sys;
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -27,6 +36,8 @@ use std::time::{Duration, Instant};
 pub enum AgentError {
     #[error(transparent)]
     Measure(#[from] MeasureError),
+    #[error("creating the admission regions failed")]
+    Admission(#[from] RegionError),
     #[error("cannot listen on the control socket {path}")]
     Listen { path: PathBuf, #[source] source: std::io::Error },
     #[error("another agent is already serving {path}")]
@@ -41,14 +52,12 @@ pub struct AgentOptions {
     pub socket: PathBuf,
     pub measure: MeasureMode,
     pub sizing: Sizing,
-    pub stats_interval: Duration,
-    pub window: Duration,
+    pub config: ValidatedConfig,
 }
 
 impl AgentOptions {
     pub fn from_config(cfg: &ValidatedConfig) -> AgentOptions {
         let a = cfg.agent();
-        let rc = cfg.resource_control();
         AgentOptions {
             socket: a.control_socket.clone(),
             measure: a.measure,
@@ -57,8 +66,7 @@ impl AgentOptions {
                 max_keyspaces: a.max_keyspaces.next_power_of_two(),
                 timer_period_ns: a.timer_period.get().as_nanos() as u64,
             },
-            stats_interval: rc.stats_interval.get(),
-            window: rc.window_size.get(),
+            config: cfg.clone(),
         }
     }
 }
@@ -66,7 +74,11 @@ impl AgentOptions {
 pub(crate) struct Shared {
     measurement: Mutex<Measurement>,
     slots: Mutex<slots::Slots>,
-    window: Mutex<window::Window>,
+    pub(crate) policy: Policy,
+    ledgers: Mutex<ledgers::Ledgers>,
+    usage: Mutex<usage::Usage>,
+    /// Random, non-zero; published in the header.
+    instance: u64,
     started: Instant,
     cores: u32,
 }
@@ -80,95 +92,94 @@ impl Shared {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn totals(&self) -> HashMap<u32, u64> {
-        let m = self.lock_measurement();
-        m.regions.keyspaces.live().map(|(id, _, ns)| (id, ns)).collect()
+    fn lock_ledgers(&self) -> MutexGuard<'_, ledgers::Ledgers> {
+        self.ledgers.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn status(&self) -> StatusReport {
-        let m = self.lock_measurement();
-        let (span, deltas) = self.window.lock().unwrap_or_else(|p| p.into_inner()).deltas();
-        let mut keyspaces: Vec<KeyspaceStatus> = m
-            .regions
-            .keyspaces
-            .live()
-            .map(|(id, _, ns)| KeyspaceStatus {
-                keyspace_id: id,
-                cpu_seconds: ns as f64 / 1e9,
-                window_ratio: if span == 0 {
-                    0.0
-                } else {
-                    deltas.get(&id).copied().unwrap_or(0) as f64 / (span as f64 * self.cores as f64)
-                },
-            })
-            .collect();
-        keyspaces.sort_by_key(|k| k.keyspace_id);
-        let thread_clock_source = if m.is_fallback() {
-            "thread-cputime"
-        } else if crate::tsc::now_ns(m.regions.header()).is_some() {
-            "tsc"
-        } else {
-            "vdso"
-        };
-        StatusReport {
-            backend: m.kind,
-            thread_clock_source: thread_clock_source.to_string(),
-            logical_cores: self.cores,
-            uptime_seconds: self.started.elapsed().as_secs_f64(),
-            window_seconds: span as f64 / 1e9,
-            threads: self.lock_slots().stats(),
-            keyspaces,
-            programs: m.program_stats(),
-        }
+    fn lock_usage(&self) -> MutexGuard<'_, usage::Usage> {
+        self.usage.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Keyspace cells a registered thread is tagged with now: never evicted.
+    fn pinned_cells(&self) -> HashSet<u32> {
+        let m = self.lock_measurement();
+        let slots = self.lock_slots();
+        slots
+            .held_slots()
+            .filter_map(|s| m.regions.slots.get(s))
+            .filter_map(|v| governor_common::cell_of_tag(v.tag.load(Ordering::Relaxed)))
+            .collect()
+    }
+}
+
+fn now_us() -> u64 {
+    sys::monotonic_ns() / 1000
 }
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
     let listener = server::bind(&opts.socket)?;
+    server::raise_fd_limit();
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
+    let cores = sys::logical_cores();
+    let settings = Settings::from_config(&opts.config, cores as f64);
+    let policy = Policy::with_cells(settings, measurement.sizes.keyspaces, now_us())?;
+    let instance = sys::random_u64() | 1;
+    let header = policy.regions().header();
+    header.agent.heartbeat_ns.store(sys::monotonic_ns(), Ordering::Relaxed);
+    header.agent.instance.store(instance, Ordering::Release);
     log::info!(
-        "measurement backend: {} ({} thread slots, {} keyspace cells); control socket {}",
+        "measurement backend: {} ({} thread slots, {} keyspace cells); CPU throttle {}; control socket {}",
         measurement.kind.as_str(),
         measurement.sizes.slots,
         measurement.sizes.keyspaces,
+        if opts.config.cpu_throttle().enabled { "on" } else { "off (measuring only)" },
         opts.socket.display()
     );
     let shared = Arc::new(Shared {
         slots: Mutex::new(slots::Slots::new(measurement.sizes.slots)),
+        usage: Mutex::new(usage::Usage::new(&opts.config)),
         measurement: Mutex::new(measurement),
-        window: Mutex::new(window::Window::new(opts.window.as_nanos() as u64)),
+        policy,
+        ledgers: Mutex::new(ledgers::Ledgers::default()),
+        instance,
         started: Instant::now(),
-        cores: sys::logical_cores(),
+        cores,
     });
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
     let result = server::serve(listener, shared.clone(), shutdown).await;
     background.abort();
-    // Clients outlive us: stop them extrapolating a clock nobody anchors.
-    crate::tsc::Calibrator::withdraw(shared.lock_measurement().regions.header());
+    let header = shared.policy.regions().header();
+    // Clients notice at once (their watch connection closes too) and admit
+    // without checks until an agent is back; nobody extrapolates a clock
+    // nobody anchors.
+    header.agent.stopping.store(1, Ordering::Release);
+    header.agent.instance.store(0, Ordering::Release);
+    crate::tsc::Calibrator::withdraw(&header.clock);
     let _ = std::fs::remove_file(&opts.socket);
     result
 }
 
-/// Periodic work: fallback sampling every timer period, slot reclaim, and
-/// the monitor window every stats interval.
+/// Periodic work: fallback sampling, the TSC clock, the policy's refills
+/// and its monitor window, idle eviction, the heartbeat, slot reclaim.
 async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
-    let tick = Duration::from_nanos(opts.sizing.timer_period_ns).max(Duration::from_millis(1));
+    let timer = Duration::from_nanos(opts.sizing.timer_period_ns);
+    let refill = opts.config.cpu_throttle().refill_interval.get();
+    let tick = timer.min(refill).max(Duration::from_millis(1));
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut last_reclaim = Instant::now();
-    let mut last_window = None::<Instant>;
+    let mut last_sample = None::<Instant>;
     // The TSC clock only serves the eBPF backend's thread clock.
-    let mut tsc = (!shared.lock_measurement().is_fallback() && crate::tsc::usable())
-        .then(crate::tsc::Calibrator::default);
+    let mut tsc = (!shared.lock_measurement().is_fallback() && crate::tsc::usable()).then(crate::tsc::Calibrator::default);
     let mut last_calibration = None::<Instant>;
     loop {
-        if let Some(cal) = tsc.as_mut() {
-            if last_calibration.is_none_or(|t| t.elapsed() >= crate::tsc::CALIBRATION_PERIOD) {
-                cal.publish(shared.lock_measurement().regions.header());
+        let header = shared.policy.regions().header();
+        if let Some(cal) = tsc.as_mut()
+            && last_calibration.is_none_or(|t| t.elapsed() >= crate::tsc::CALIBRATION_PERIOD) {
+                cal.publish(&header.clock);
                 last_calibration = Some(Instant::now());
             }
-        }
         interval.tick().await;
         {
             let m = shared.lock_measurement();
@@ -181,10 +192,16 @@ async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
             shared.lock_slots().reclaim(&mut m);
             last_reclaim = Instant::now();
         }
-        if last_window.is_none_or(|t| t.elapsed() >= opts.stats_interval) {
-            let totals = shared.totals();
-            shared.window.lock().unwrap_or_else(|p| p.into_inner()).push(sys::monotonic_ns(), totals);
-            last_window = Some(Instant::now());
-        }
+        let stats = shared.policy.settings().stats_interval_us;
+        let sample = if last_sample.is_none_or(|t| t.elapsed() >= Duration::from_micros(stats)) {
+            last_sample = Some(Instant::now());
+            let m = shared.lock_measurement();
+            Some(shared.lock_usage().sample(&m, &shared.policy))
+        } else {
+            None
+        };
+        let pinned = shared.pinned_cells();
+        shared.policy.tick_with(now_us(), sample.as_ref(), &pinned);
+        header.agent.heartbeat_ns.store(sys::monotonic_ns(), Ordering::Release);
     }
 }

@@ -1,16 +1,30 @@
 //! The control socket: newline-delimited JSON requests, one task per
-//! connection. `hello` is answered with the region fds attached.
+//! connection. `hello` is answered with the region descriptors attached and
+//! opens the connection's ticket ledger; when the connection closes, the
+//! client's thread slots and tickets come back.
+//!
+//! It holds under abuse: a line longer than [`MAX_LINE`] closes the
+//! connection, at most [`MAX_CONNECTIONS`] are served at once (the rest wait
+//! in the kernel's backlog), an accept error backs off instead of spinning,
+//! and registration's `/proc` reads run off the runtime's thread.
 
 use super::{AgentError, Shared};
 use crate::proto::{Reply, Request};
+use crate::region::fd;
 use crate::sys;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::{UnixListener, UnixStream};
+
+/// Longest request line, bytes.
+pub const MAX_LINE: usize = 64 * 1024;
+/// Connections served at once.
+pub const MAX_CONNECTIONS: usize = 4096;
 
 pub(super) fn bind(path: &Path) -> Result<UnixListener, AgentError> {
     let listen_err = |source| AgentError::Listen { path: path.to_path_buf(), source };
@@ -30,22 +44,49 @@ pub(super) fn bind(path: &Path) -> Result<UnixListener, AgentError> {
     Ok(listener)
 }
 
+/// Raises the descriptor limit to its hard maximum: every client holds two
+/// connections and a ledger.
+pub(super) fn raise_fd_limit() {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    #[allow(unsafe_code)]
+    // SAFETY: rl is a valid out-pointer; setrlimit only reads it.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) == 0 && rl.rlim_cur < rl.rlim_max {
+            rl.rlim_cur = rl.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &rl);
+        }
+    }
+}
+
 pub(super) async fn serve(
     listener: UnixListener,
     shared: Arc<Shared>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
     static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
     loop {
+        let permit = tokio::select! {
+            _ = &mut shutdown => return Ok(()),
+            p = permits.clone().acquire_owned() => p.expect("never closed"),
+        };
         tokio::select! {
             _ = &mut shutdown => return Ok(()),
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(connection(stream, id, shared.clone()));
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        connection(stream, id, shared).await;
+                        drop(permit);
+                    });
                 }
-                Err(e) => log::warn!("accept on the control socket: {e}"),
+                Err(e) => {
+                    log::warn!("accept on the control socket: {e}");
+                    // Out of descriptors, most likely: let connections close.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
             },
         }
     }
@@ -55,10 +96,16 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
     let peer = sys::peer_pid(stream.as_raw_fd()).unwrap_or(0);
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
+    let mut said_hello = false;
     loop {
         line.clear();
-        match reader.read_line(&mut line).await {
+        match (&mut reader).take(MAX_LINE as u64 + 1).read_line(&mut line).await {
             Ok(0) => break,
+            Ok(_) if line.len() > MAX_LINE => {
+                log::warn!("connection {conn} (pid {peer}): request line over {MAX_LINE} bytes; closed");
+                let _ = send(reader.get_mut(), &Reply::Error { message: format!("request line over {MAX_LINE} bytes") }, None).await;
+                break;
+            }
             Ok(_) => {}
             Err(e) => {
                 log::debug!("connection {conn}: {e}");
@@ -75,41 +122,94 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let (reply, fds) = handle(&shared, conn, peer, request);
+        let (reply, fds) = match request {
+            // The client only reads this connection: it ends when we do.
+            Request::Watch { .. } => continue,
+            Request::Hello => {
+                said_hello = true;
+                hello(&shared, conn)
+            }
+            Request::Status => (Reply::Status(Box::new(shared.status())), None),
+            _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
+            Request::RegisterThread { tid } => {
+                let s = shared.clone();
+                // Reads /proc: off the runtime's thread.
+                let r = tokio::task::spawn_blocking(move || {
+                    let mut m = s.lock_measurement();
+                    s.lock_slots().register(&mut m, conn, peer, tid)
+                })
+                .await;
+                match r {
+                    Ok(Ok((slot, generation))) => (Reply::Registered { slot, generation }, None),
+                    Ok(Err(e)) => (Reply::Error { message: e.to_string() }, None),
+                    Err(e) => (Reply::Error { message: format!("registration failed: {e}") }, None),
+                }
+            }
+            Request::UnregisterThread { slot, generation } => {
+                let mut m = shared.lock_measurement();
+                match shared.lock_slots().unregister(&mut m, conn, slot, generation) {
+                    Ok(()) => (Reply::Unregistered, None),
+                    Err(e) => (Reply::Error { message: e.to_string() }, None),
+                }
+            }
+            Request::Keyspace { id } => keyspace(&shared, id),
+        };
         if let Err(e) = send(reader.get_mut(), &reply, fds).await {
             log::debug!("connection {conn}: {e}");
             break;
         }
     }
-    let mut m = shared.lock_measurement();
-    shared.lock_slots().drop_connection(&mut m, conn);
-}
-
-fn handle(shared: &Shared, conn: u64, peer: u32, request: Request) -> (Reply, Option<[i32; 4]>) {
-    match request {
-        Request::Hello => {
-            let m = shared.lock_measurement();
-            (Reply::Hello { backend: m.kind, sizes: m.sizes }, Some(m.raw_fds()))
-        }
-        Request::RegisterThread { tid } => {
-            let mut m = shared.lock_measurement();
-            match shared.lock_slots().register(&mut m, conn, peer, tid) {
-                Ok((slot, generation)) => (Reply::Registered { slot, generation }, None),
-                Err(e) => (Reply::Error { message: e.to_string() }, None),
-            }
-        }
-        Request::UnregisterThread { slot, generation } => {
-            let mut m = shared.lock_measurement();
-            match shared.lock_slots().unregister(&mut m, conn, slot, generation) {
-                Ok(()) => (Reply::Unregistered, None),
-                Err(e) => (Reply::Error { message: e.to_string() }, None),
-            }
-        }
-        Request::Status => (Reply::Status(Box::new(shared.status())), None),
+    {
+        let mut m = shared.lock_measurement();
+        shared.lock_slots().drop_connection(&mut m, conn);
+    }
+    let back = shared.lock_ledgers().reclaim(conn, &shared.policy);
+    if back.tickets > 0 {
+        log::info!(
+            "client pid {peer} went holding {} tickets ({} write bytes, {} requests in flight); all returned",
+            back.tickets,
+            back.write_bytes,
+            back.requests
+        );
     }
 }
 
-async fn send(stream: &mut UnixStream, reply: &Reply, fds: Option<[i32; 4]>) -> std::io::Result<()> {
+fn hello(shared: &Shared, conn: u64) -> (Reply, Option<Vec<RawFd>>) {
+    let ledger = match shared.lock_ledgers().open(conn) {
+        Ok(fd) => fd,
+        Err(e) => return (Reply::Error { message: format!("cannot open a ticket ledger: {e}") }, None),
+    };
+    let m = shared.lock_measurement();
+    let mut fds = vec![0; fd::COUNT];
+    let [cpus, slots, keyspaces] = m.raw_fds();
+    fds[fd::CPUS] = cpus;
+    fds[fd::SLOTS] = slots;
+    fds[fd::KEYSPACES] = keyspaces;
+    let [header, buckets, params] = shared.policy.memory().raw_fds();
+    fds[fd::HEADER] = header;
+    fds[fd::BUCKETS] = buckets;
+    fds[fd::PARAMS] = params;
+    fds[fd::LEDGER] = ledger;
+    let mut sizes = m.sizes;
+    sizes.ledger = governor_common::admission::LEDGER_LEN;
+    (Reply::Hello { backend: m.kind, sizes, instance: shared.instance }, Some(fds))
+}
+
+fn keyspace(shared: &Shared, id: u32) -> (Reply, Option<Vec<RawFd>>) {
+    let before = shared.policy.regions().directory().find(id);
+    match shared.policy.ensure_keyspace(id, super::now_us()) {
+        Ok((cell, generation)) => {
+            if before.is_none() {
+                let m = shared.lock_measurement();
+                shared.lock_usage().note(&m, cell, id, generation);
+            }
+            (Reply::Keyspace { cell, generation }, None)
+        }
+        Err(e) => (Reply::Error { message: e.to_string() }, None),
+    }
+}
+
+async fn send(stream: &mut UnixStream, reply: &Reply, fds: Option<Vec<RawFd>>) -> std::io::Result<()> {
     let mut bytes = serde_json::to_vec(reply).expect("replies serialize");
     bytes.push(b'\n');
     match fds {

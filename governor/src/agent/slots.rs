@@ -156,6 +156,11 @@ impl Slots {
         dead.len()
     }
 
+    /// Slots handed out now.
+    pub fn held_slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.held.keys().copied()
+    }
+
     pub fn stats(&self) -> ThreadStats {
         ThreadStats {
             registered: self.held.len() as u32,

@@ -1,14 +1,13 @@
 //! `governor status`: the measurement backend and per-keyspace CPU.
 
 use super::CliError;
-use crate::client::Client;
+use crate::client;
 use crate::proto::{Reply, Request, StatusReport};
 use std::fmt::Write as _;
 use std::path::Path;
 
 pub fn run(socket: &Path) -> Result<StatusReport, CliError> {
-    let client = Client::connect(socket)?;
-    match client.call(&Request::Status)? {
+    match client::request(socket, &Request::Status)? {
         Reply::Status(s) => Ok(*s),
         other => Err(CliError::Reply { detail: format!("{other:?}") }),
     }

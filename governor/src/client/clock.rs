@@ -2,7 +2,7 @@
 //! protocol (docs/design.md §3).
 
 use crate::proto::BackendKind;
-use crate::region::{Regions, SlotView};
+use crate::region::{ClockView, MeasureRegions, SlotView};
 use crate::sys;
 use std::sync::atomic::Ordering;
 
@@ -17,7 +17,9 @@ const ATTEMPTS: u32 = 16;
 #[derive(Clone, Copy)]
 pub(crate) struct ThreadRef<'a> {
     pub backend: BackendKind,
-    pub regions: &'a Regions,
+    pub measure: &'a MeasureRegions,
+    /// The agent's TSC mapping.
+    pub clock: &'a ClockView,
     pub slot: &'a SlotView,
     /// `cpu_owner(slot, generation)`: how the kernel marks this thread's
     /// anchor in a CPU's record.
@@ -42,13 +44,13 @@ impl ThreadRef<'_> {
         for _ in 0..ATTEMPTS {
             let cpu1 = sys::current_cpu();
             // A CPU beyond the table (hot-added after the agent started).
-            let Some(cell) = self.regions.cpus.get(cpu1) else { break };
+            let Some(cell) = self.measure.cpus.get(cpu1) else { break };
             let s1 = cell.seq.load(Ordering::Acquire);
             let last = cell.last_switch_ns.load(Ordering::Acquire);
             let owner = cell.owner.load(Ordering::Acquire);
             let base = cell.base_ns.load(Ordering::Acquire);
             let on = self.slot.oncpu_ns.load(Ordering::Acquire);
-            let now = match crate::tsc::now_ns(self.regions.header()) {
+            let now = match crate::tsc::now_ns(self.clock) {
                 Some(t) if t >= last => t,
                 // No mapping, or one that reads before the kernel's own switch
                 // time: the vDSO is the kernel's clock.
@@ -83,7 +85,7 @@ impl ThreadRef<'_> {
             if t <= x {
                 return t;
             }
-            if let Some(charged_keyspace) = self.regions.try_charge(self.slot, x, t) {
+            if let Some(charged_keyspace) = self.measure.try_charge(self.slot, x, t) {
                 if charged_keyspace {
                     // Only this thread writes it (the agent resets it while the
                     // thread waits for its registration): no locked add needed.
@@ -97,15 +99,16 @@ impl ThreadRef<'_> {
     }
 
     /// Closes the interval of the old tag and switches to `new_tag`; returns
-    /// the old tag.
+    /// the old tag and the thread clock at the switch (0 when the tag did not
+    /// change: nothing was read).
     #[inline]
-    pub fn switch_tag(&self, new_tag: u64) -> u64 {
+    pub fn switch_tag(&self, new_tag: u64) -> (u64, u64) {
         let old = self.slot.tag.load(Ordering::Relaxed);
         if old == new_tag {
-            return old;
+            return (old, 0);
         }
-        self.charge_now();
+        let t = self.charge_now();
         self.slot.tag.store(new_tag, Ordering::Release);
-        old
+        (old, t)
     }
 }

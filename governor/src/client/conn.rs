@@ -1,18 +1,25 @@
-//! The connection to the agent and the per-thread registration.
+//! The connection to the agent: one *attachment* per agent the client has
+//! talked to (its regions, its ledger, its control connection), and the
+//! watch that notices when the agent goes away and attaches to the next one.
 
 use super::clock::ThreadRef;
 use crate::proto::{BackendKind, Reply, Request};
-use crate::region::{RegionError, RegionSizes, Regions};
+use crate::region::{fd, AdmissionRegions, MeasureRegions, RegionError, RegionSizes, Table, TicketView};
 use crate::sys;
 use governor_common::{cpu_owner, TAG_NONE};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 /// How long a call to the agent may take.
-pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Longest pause between two attempts to attach to a new agent.
+const REATTACH_MAX_BACKOFF: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -30,6 +37,8 @@ pub enum ClientError {
     AlreadyRegistered,
     #[error("this client was connected by process {parent}; a forked child must connect its own")]
     Forked { parent: u32 },
+    #[error("the governor agent is gone; this client re-attaches when one is back")]
+    AgentGone,
 }
 
 struct Conn {
@@ -58,29 +67,37 @@ fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
     Ok(reply)
 }
 
-pub(crate) struct Inner {
-    conn: Mutex<Conn>,
-    /// The process that connected: a forked child shares the socket and
-    /// must not talk on it.
-    pid: u32,
+/// One request on a fresh connection, without `hello` (operator verbs).
+pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
+    let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+    stream.set_read_timeout(Some(CALL_TIMEOUT))?;
+    stream.set_write_timeout(Some(CALL_TIMEOUT))?;
+    Conn { reader: BufReader::new(stream) }.call(req)
+}
+
+/// Everything a client holds of one agent.
+pub(crate) struct Attachment {
     pub(crate) backend: BackendKind,
-    pub(crate) regions: Regions,
     pub(crate) sizes: RegionSizes,
+    pub(crate) measure: MeasureRegions,
+    pub(crate) admission: AdmissionRegions,
+    /// This client's own ticket ledger.
+    pub(crate) ledger: Table<TicketView>,
+    /// Where the next free-record search starts.
+    pub(crate) ledger_hint: AtomicU32,
+    /// The agent's instance at `hello`.
+    pub(crate) instance: u64,
+    /// This client's count of attachments so far (1 for the first).
+    pub(crate) epoch: u64,
+    /// Set when the agent behind it went away.
+    pub(crate) detached: AtomicBool,
+    conn: Mutex<Conn>,
 }
 
-/// A connection to the agent, with the shared regions mapped. Cheap to
-/// clone; every clone shares one connection.
-#[derive(Clone)]
-pub struct Client {
-    inner: Arc<Inner>,
-}
-
-impl Client {
-    /// Connects to the agent's control socket and maps its regions.
-    pub fn connect(path: impl AsRef<Path>) -> Result<Client, ClientError> {
-        let path = path.as_ref();
-        let stream = UnixStream::connect(path)
-            .map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+impl Attachment {
+    /// Connects, says `hello` and maps what the agent hands over.
+    fn open(path: &Path, epoch: u64) -> Result<Attachment, ClientError> {
+        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
         // A hung agent must not hang the server's threads (registration,
         // thread exit): calls fail after this long instead.
         stream.set_read_timeout(Some(CALL_TIMEOUT))?;
@@ -91,7 +108,7 @@ impl Client {
         // The reply line arrives with the fds; read it byte-exactly so no
         // later bytes are consumed outside the buffered reader.
         let mut buf = vec![0u8; 4096];
-        let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, 4)?;
+        let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, fd::COUNT)?;
         let mut line = buf[..n].to_vec();
         let mut reader = BufReader::new(stream);
         if !line.ends_with(b"\n") {
@@ -99,29 +116,141 @@ impl Client {
         }
         let reply: Reply = serde_json::from_slice(&line)
             .map_err(|e| ClientError::Protocol { detail: format!("hello reply: {e}") })?;
-        let (backend, sizes) = match reply {
-            Reply::Hello { backend, sizes } => (backend, sizes),
+        let (backend, sizes, instance) = match reply {
+            Reply::Hello { backend, sizes, instance } => (backend, sizes, instance),
             Reply::Error { message } => return Err(ClientError::Refused { message }),
             other => return Err(ClientError::Protocol { detail: format!("expected hello, got {other:?}") }),
         };
-        if fds.len() != 4 {
-            return Err(ClientError::Protocol { detail: format!("expected 4 region fds, got {}", fds.len()) });
+        if fds.len() != fd::COUNT {
+            return Err(ClientError::Protocol { detail: format!("expected {} region fds, got {}", fd::COUNT, fds.len()) });
         }
-        let regions =
-            Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
+        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let measure = MeasureRegions::map(&raw, sizes, crate::region::Access::ReadOnly)?;
+        let admission = AdmissionRegions::map(&raw, sizes.keyspaces, false)?;
+        let ledger = Table::map("ledger", raw[fd::LEDGER], sizes.ledger)?;
+        Ok(Attachment {
+            backend,
+            sizes,
+            measure,
+            admission,
+            ledger,
+            ledger_hint: AtomicU32::new(0),
+            instance,
+            epoch,
+            detached: AtomicBool::new(false),
+            conn: Mutex::new(Conn { reader }),
+        })
+    }
+
+    pub(crate) fn call(&self, req: &Request) -> Result<Reply, ClientError> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).call(req)
+    }
+
+    /// Whether the agent behind it is still the one that answered `hello`.
+    #[inline]
+    pub(crate) fn alive(&self) -> bool {
+        !self.detached.load(Ordering::Relaxed)
+            && self.admission.header().agent.instance.load(Ordering::Relaxed) == self.instance
+    }
+
+    /// The cell of `keyspace_id`: looked up in the shared directory, or
+    /// given by the agent (one round trip, the first time this agent sees
+    /// the keyspace).
+    pub(crate) fn cell_of(&self, keyspace_id: u32) -> Result<(u32, u64), ClientError> {
+        if let Some(found) = self.admission.directory().find(keyspace_id) {
+            return Ok(found);
+        }
+        match self.call(&Request::Keyspace { id: keyspace_id })? {
+            Reply::Keyspace { cell, generation } if cell < self.sizes.keyspaces => Ok((cell, generation)),
+            other => Err(ClientError::Protocol { detail: format!("expected a keyspace cell, got {other:?}") }),
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    path: PathBuf,
+    /// The process that connected: a forked child shares the sockets and
+    /// must not talk on them.
+    pid: u32,
+    /// Unique per client in this process (the per-thread caches key on it).
+    pub(crate) id: u64,
+    current: Mutex<Arc<Attachment>>,
+    /// Bumped when `current` changes; threads compare it with what they cached.
+    pub(crate) epoch: AtomicU64,
+    /// Tickets admitted without a check because no agent answered.
+    pub(crate) fail_open: AtomicU64,
+    watch: Mutex<Option<UnixStream>>,
+}
+
+/// A connection to the agent, with the shared regions mapped. Cheap to
+/// clone; every clone shares one connection. If the agent goes away, the
+/// client notices (its watch connection closes), admits every ticket
+/// without a check meanwhile, and attaches to the next agent by itself.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl Client {
+    /// Connects to the agent's control socket and maps its regions.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Client, ClientError> {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let path = path.as_ref().to_path_buf();
+        let attachment = Arc::new(Attachment::open(&path, 1)?);
+        let watch = watch_connection(&path, attachment.instance)?;
         super::install_fork_handler();
-        let pid = std::process::id();
-        Ok(Client { inner: Arc::new(Inner { conn: Mutex::new(Conn { reader }), pid, backend, regions, sizes }) })
+        let inner = Arc::new(Inner {
+            path,
+            pid: std::process::id(),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            current: Mutex::new(attachment),
+            epoch: AtomicU64::new(1),
+            fail_open: AtomicU64::new(0),
+            watch: Mutex::new(Some(watch.try_clone()?)),
+        });
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("governor-watch".into())
+            .spawn(move || watch_loop(weak, watch))
+            .map_err(ClientError::Io)?;
+        Ok(Client { inner })
+    }
+
+    /// The attachment now in force.
+    pub(crate) fn attachment(&self) -> Arc<Attachment> {
+        super::cache::attachment(self)
+    }
+
+    pub(crate) fn current_slow(&self) -> (u64, Arc<Attachment>) {
+        let guard = self.inner.current.lock().unwrap_or_else(|p| p.into_inner());
+        (self.inner.epoch.load(Ordering::Acquire), guard.clone())
     }
 
     /// Which backend measures this client.
     pub fn backend(&self) -> BackendKind {
-        self.inner.backend
+        self.attachment().backend
     }
 
     /// Sizes of the shared regions.
     pub fn sizes(&self) -> RegionSizes {
-        self.inner.sizes
+        self.attachment().sizes
+    }
+
+    /// Whether an agent answers now (false between an agent's death and the
+    /// next one's arrival).
+    pub fn attached(&self) -> bool {
+        self.attachment().alive()
+    }
+
+    /// How many agents this client has attached to (1 until the first
+    /// restart).
+    pub fn attachments(&self) -> u64 {
+        self.inner.epoch.load(Ordering::Acquire)
+    }
+
+    /// Tickets admitted without a check because no agent answered.
+    pub fn fail_open_count(&self) -> u64 {
+        self.inner.fail_open.load(Ordering::Relaxed)
     }
 
     /// Registers the calling thread; until it exits (or
@@ -131,66 +260,134 @@ impl Client {
         if super::is_registered() {
             return Err(ClientError::AlreadyRegistered);
         }
-        let tid = sys::gettid();
-        let (slot, generation) = match self.call(&Request::RegisterThread { tid })? {
-            Reply::Registered { slot, generation } => (slot, generation),
-            other => return Err(ClientError::Protocol { detail: format!("expected registered, got {other:?}") }),
-        };
-        if self.inner.regions.slots.get(slot).is_none() {
-            return Err(ClientError::Protocol { detail: format!("slot {slot} out of range") });
-        }
-        let ctx = ThreadCtx { client: self.clone(), slot, generation };
+        let ctx = self.register_on(self.attachment())?;
         super::CURRENT.with(|c| *c.borrow_mut() = Some(ctx));
         Ok(())
     }
 
-    /// Sends one request and waits for its reply.
-    pub fn call(&self, req: &Request) -> Result<Reply, ClientError> {
+    pub(crate) fn register_on(&self, att: Arc<Attachment>) -> Result<ThreadCtx, ClientError> {
+        self.check_fork()?;
+        let tid = sys::gettid();
+        let (slot, generation) = match att.call(&Request::RegisterThread { tid })? {
+            Reply::Registered { slot, generation } => (slot, generation),
+            other => return Err(ClientError::Protocol { detail: format!("expected registered, got {other:?}") }),
+        };
+        if att.measure.slots.get(slot).is_none() {
+            return Err(ClientError::Protocol { detail: format!("slot {slot} out of range") });
+        }
+        Ok(ThreadCtx { client: self.clone(), att, slot, generation })
+    }
+
+    fn check_fork(&self) -> Result<(), ClientError> {
         if std::process::id() != self.inner.pid {
             return Err(ClientError::Forked { parent: self.inner.pid });
         }
-        self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()).call(req)
+        Ok(())
     }
 
-    /// Keyspace cell of `keyspace_id`, inserting it when new.
-    pub(crate) fn cell_of(&self, keyspace_id: u32) -> Result<u32, ClientError> {
-        let ks = &self.inner.regions.keyspaces;
-        match ks.find(keyspace_id) {
-            Some(c) => Ok(c),
-            None => Ok(ks.find_or_insert(keyspace_id)?),
-        }
+    /// Sends one request on the current attachment and waits for its reply.
+    pub fn call(&self, req: &Request) -> Result<Reply, ClientError> {
+        self.check_fork()?;
+        self.attachment().call(req)
     }
 
     /// Charged on-CPU ns of `keyspace_id` so far, as the shared table says.
     pub fn keyspace_cpu_ns(&self, keyspace_id: u32) -> Option<u64> {
-        let ks = &self.inner.regions.keyspaces;
-        let cell = ks.cells.get(ks.find(keyspace_id)?)?;
-        Some(cell.cpu_ns.load(std::sync::atomic::Ordering::Relaxed))
+        let att = self.attachment();
+        let (cell, _) = att.admission.directory().find(keyspace_id)?;
+        Some(att.measure.keyspaces.get(cell)?.cpu_ns.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Ends the watch thread's blocking read.
+        if let Some(w) = self.watch.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A second connection that says `watch` and then only waits: it ends when
+/// the agent does.
+fn watch_connection(path: &Path, instance: u64) -> Result<UnixStream, ClientError> {
+    let s = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+    let mut line = serde_json::to_string(&Request::Watch { instance }).expect("serializes");
+    line.push('\n');
+    (&s).write_all(line.as_bytes())?;
+    Ok(s)
+}
+
+/// Waits for the agent to go, marks its attachment detached, then attaches
+/// to the next agent (retrying with backoff) and watches that one. Ends
+/// when the client is dropped.
+fn watch_loop(client: Weak<Inner>, mut watch: UnixStream) {
+    loop {
+        let mut b = [0u8; 64];
+        // Returns on the agent's exit (EOF or reset), or when the client
+        // shuts the socket down on drop.
+        while matches!(watch.read(&mut b), Ok(n) if n > 0) {}
+        let Some(inner) = client.upgrade() else { return };
+        if std::process::id() != inner.pid {
+            return;
+        }
+        let old = inner.current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        old.detached.store(true, Ordering::Release);
+        log::warn!("governor agent at {} went away; admitting without checks until one is back", inner.path.display());
+        let path = inner.path.clone();
+        drop(inner);
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            std::thread::sleep(backoff);
+            let Some(inner) = client.upgrade() else { return };
+            let epoch = inner.epoch.load(Ordering::Acquire) + 1;
+            match Attachment::open(&path, epoch).and_then(|a| Ok((watch_connection(&path, a.instance)?, a))) {
+                Ok((w, a)) => {
+                    *inner.current.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(a);
+                    inner.epoch.store(epoch, Ordering::Release);
+                    if let Ok(clone) = w.try_clone() {
+                        *inner.watch.lock().unwrap_or_else(|p| p.into_inner()) = Some(clone);
+                    }
+                    watch = w;
+                    log::info!("attached to the governor agent at {} again", path.display());
+                    break;
+                }
+                Err(_) => backoff = (backoff * 2).min(REATTACH_MAX_BACKOFF),
+            }
+        }
     }
 }
 
 /// A registered thread's context, kept in a thread-local.
 pub(crate) struct ThreadCtx {
     pub(crate) client: Client,
+    pub(crate) att: Arc<Attachment>,
     slot: u32,
     generation: u64,
 }
 
 impl ThreadCtx {
     #[inline]
-    fn thread(&self) -> ThreadRef<'_> {
-        let i = &self.client.inner;
+    pub(crate) fn thread(&self) -> ThreadRef<'_> {
+        let a = &self.att;
         ThreadRef {
-            backend: i.backend,
-            regions: &i.regions,
-            slot: i.regions.slots.get(self.slot).expect("slot checked at registration"),
+            backend: a.backend,
+            measure: &a.measure,
+            clock: &a.admission.header().clock,
+            slot: a.measure.slots.get(self.slot).expect("slot checked at registration"),
             owner: cpu_owner(self.slot, self.generation),
         }
     }
 
+    /// Whether this registration belongs to the client's current agent.
+    #[inline]
+    pub(crate) fn current(&self) -> bool {
+        self.att.epoch == self.client.inner.epoch.load(Ordering::Relaxed)
+    }
+
     #[inline]
     pub(crate) fn switch(&self, tag: u64) -> u64 {
-        self.thread().switch_tag(tag)
+        self.thread().switch_tag(tag).0
     }
 
     #[inline]
@@ -201,10 +398,13 @@ impl ThreadCtx {
 
 impl Drop for ThreadCtx {
     fn drop(&mut self) {
+        if !self.att.alive() {
+            return;
+        }
         // Close the last interval, then give the slot back.
         self.switch(TAG_NONE);
         let req = Request::UnregisterThread { slot: self.slot, generation: self.generation };
-        if let Err(e) = self.client.call(&req) {
+        if let Err(e) = self.att.call(&req) {
             log::debug!("unregistering slot {}: {e}", self.slot);
         }
     }

@@ -1,6 +1,6 @@
 //! A future that charges every poll to its keyspace.
 
-use super::{set_raw_tag, ClientError};
+use super::set_raw_tag;
 use governor_common::tag_for_cell;
 use std::future::Future;
 use std::pin::Pin;
@@ -15,15 +15,12 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: F,
         keyspace_id: u32,
-        // Cell index, resolved on the first poll (the table is shared by the
-        // whole process, so it is the same on every thread).
-        cell: Option<u32>,
     }
 }
 
 impl<F> Tagged<F> {
     pub fn new(keyspace_id: u32, inner: F) -> Self {
-        Tagged { inner, keyspace_id, cell: None }
+        Tagged { inner, keyspace_id }
     }
 
     pub fn keyspace_id(&self) -> u32 {
@@ -36,20 +33,14 @@ impl<F: Future> Future for Tagged<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
-        if this.cell.is_none() {
-            *this.cell = resolve(*this.keyspace_id).ok().flatten();
-        }
+        // Looked up at every poll (a shared-memory probe; the agent may give
+        // an idle keyspace's cell to another between polls). A poll on an
+        // unregistered worker, or while no agent answers, runs untagged.
+        let cell = super::with_ctx(|ctx| ctx.att.cell_of(*this.keyspace_id).ok()).ok().flatten().flatten();
         // The guard restores the worker's tag even if the poll panics.
-        let _restore = super::TagGuard::new(this.cell.and_then(|c| set_raw_tag(tag_for_cell(c))));
+        let _restore = super::TagGuard::new(cell.and_then(|(c, _)| set_raw_tag(tag_for_cell(c))));
         this.inner.poll(cx)
     }
-}
-
-fn resolve(keyspace_id: u32) -> Result<Option<u32>, ClientError> {
-    super::CURRENT.with(|c| match c.borrow().as_ref() {
-        Some(ctx) => ctx.client.cell_of(keyspace_id).map(Some),
-        None => Ok(None),
-    })
 }
 
 /// `.tagged(keyspace)` on any future.

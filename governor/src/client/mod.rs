@@ -10,6 +10,10 @@
 //! - [`Tagged`] / [`TaggedExt::tagged`]: a future wrapper that tags every
 //!   poll with its keyspace, wherever the executor runs it.
 //! - [`thread_cpu_ns`]: the thread's own on-CPU ns without a syscall.
+//! - [`Client::acquire`] / [`Client::acquire_async`]: a [`Ticket`] that
+//!   admits one request (CPU tokens, pending write bytes, a place among the
+//!   tenant's in-flight requests), tags its work, and gives back what it did
+//!   not use when dropped.
 //!
 //! ```no_run
 //! use governor::client::{self, Client};
@@ -22,12 +26,17 @@
 //! # Ok::<(), governor::client::ClientError>(())
 //! ```
 
+mod cache;
 mod clock;
 mod conn;
 mod future;
+mod ticket;
+mod wait;
 
-pub use conn::{Client, ClientError};
+pub use conn::{request, Client, ClientError, CALL_TIMEOUT};
 pub use future::{Tagged, TaggedExt};
+pub use ticket::{Demand, Refused, Ticket, TicketGuard};
+pub use wait::{AcquireFuture, TicketFuture};
 
 use governor_common::{tag_for_cell, TAG_NONE};
 use std::cell::RefCell;
@@ -59,15 +68,43 @@ impl Drop for TagGuard {
     }
 }
 
+/// Runs `f` on the calling thread's registration, moving it to the
+/// client's current agent first if the client attached to a new one since.
+/// `None` on an unregistered thread; `Err(AgentGone)` while no agent answers.
+pub(crate) fn with_ctx<R>(f: impl FnOnce(&conn::ThreadCtx) -> R) -> Result<Option<R>, ClientError> {
+    CURRENT
+        .try_with(|c| {
+            let stale = match c.try_borrow() {
+                Ok(b) => match b.as_ref() {
+                    None => return Ok(None),
+                    Some(ctx) => (!ctx.current()).then(|| ctx.client.clone()),
+                },
+                // Re-entered from inside a tag switch: leave it alone.
+                Err(_) => return Ok(None),
+            };
+            if let Some(client) = stale {
+                // One round trip, once per thread per new agent.
+                if let Ok(fresh) = client.register_on(client.attachment())
+                    && let Ok(mut b) = c.try_borrow_mut() {
+                        *b = Some(fresh);
+                    }
+            }
+            let b = c.borrow();
+            let ctx = b.as_ref().expect("registered");
+            if !ctx.att.alive() {
+                return Err(ClientError::AgentGone);
+            }
+            Ok(Some(f(ctx)))
+        })
+        .unwrap_or(Ok(None))
+}
+
 /// Charges the calling thread's CPU to `keyspace_id` until the guard drops.
 /// On an unregistered thread it does nothing (that time is charged to no
-/// keyspace).
+/// keyspace). While no agent answers it reports [`ClientError::AgentGone`].
 pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
-    let cell = CURRENT.with(|c| match c.borrow().as_ref() {
-        Some(ctx) => ctx.client.cell_of(keyspace_id).map(Some),
-        None => Ok(None),
-    })?;
-    Ok(TagGuard::new(cell.and_then(|cell| set_raw_tag(tag_for_cell(cell)))))
+    let cell = with_ctx(|ctx| ctx.att.cell_of(keyspace_id))?.transpose()?;
+    Ok(TagGuard::new(cell.and_then(|(cell, _)| set_raw_tag(tag_for_cell(cell)))))
 }
 
 /// Switches the calling thread to `keyspace_id` with no guard: for
@@ -90,16 +127,16 @@ pub fn untagged() -> TagGuard {
 
 /// Sets the raw tag of the current thread; the previous tag, if registered.
 pub(crate) fn set_raw_tag(tag: u64) -> Option<u64> {
-    // try_with: a guard dropped while thread-locals are being destroyed
-    // finds no context rather than panicking.
-    CURRENT.try_with(|c| c.borrow().as_ref().map(|ctx| ctx.switch(tag))).ok().flatten()
+    // A guard dropped while thread-locals are being destroyed finds no
+    // context rather than panicking.
+    with_ctx(|ctx| ctx.switch(tag)).ok().flatten()
 }
 
 /// The calling thread's CPU time as the kernel counts it (the value of
 /// `CLOCK_THREAD_CPUTIME_ID`), read without a syscall on the eBPF backend;
 /// `None` if the thread is not registered.
 pub fn thread_cpu_ns() -> Option<u64> {
-    CURRENT.with(|c| c.borrow().as_ref().map(|ctx| ctx.clock()))
+    with_ctx(|ctx| ctx.clock()).ok().flatten()
 }
 
 /// Whether the calling thread is registered.
@@ -112,11 +149,10 @@ pub fn is_registered() -> bool {
 /// destructor (which would give the parent's live slot back).
 extern "C" fn forget_thread_context_after_fork() {
     let _ = CURRENT.try_with(|c| {
-        if let Ok(mut slot) = c.try_borrow_mut() {
-            if let Some(ctx) = slot.take() {
+        if let Ok(mut slot) = c.try_borrow_mut()
+            && let Some(ctx) = slot.take() {
                 std::mem::forget(ctx);
             }
-        }
     });
 }
 

@@ -58,7 +58,7 @@ impl Default for RawResourceControl {
             stats_interval: ConfigDuration::from_secs(1),
             window_size: ConfigDuration::from_secs(60),
             max_read_cpu_ratio: 0.6,
-            enable_qps_bytes_limiter: true,
+            enable_qps_bytes_limiter: false,
             cpu_throttle: RawCpuThrottle::default(),
         }
     }

@@ -44,6 +44,14 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         ),
     );
     c.ratio(RC, "max-read-cpu-ratio", rc.max_read_cpu_ratio, false);
+    // Keys of the original system governor does not implement: refused, not
+    // ignored, so nobody believes they act.
+    c.check(
+        !rc.enable_qps_bytes_limiter,
+        RC,
+        "enable-qps-bytes-limiter",
+        "is not supported: governor has no QPS/bytes read limiter (set it to false)",
+    );
 
     // [resource-control.cpu-throttle]
     let quotas = c.list::<u64>("keyspace-cpu-quotas", &t.keyspace_cpu_quotas);
@@ -61,6 +69,12 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             quotas.len(),
             raw.agent.max_keyspaces
         ),
+    );
+    c.check(
+        !t.enable_pd_service_limit,
+        CT,
+        "enable-pd-service-limit",
+        "is not supported yet: this build has no PD service-limit client (set it to false)",
     );
     c.duration(
         CT,

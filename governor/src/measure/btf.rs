@@ -167,11 +167,10 @@ impl Btf {
             }
         }
         for m in t.members.iter().filter(|m| m.name == 0) {
-            if let Some(inner) = self.resolve(m.ty) {
-                if let Some((off, ty)) = self.member(inner, name, depth + 1) {
+            if let Some(inner) = self.resolve(m.ty)
+                && let Some((off, ty)) = self.member(inner, name, depth + 1) {
                     return Some((m.bit_offset + off, ty));
                 }
-            }
         }
         None
     }
@@ -193,7 +192,7 @@ impl Btf {
                 t = self.resolve(ty).ok_or_else(missing)?;
             }
         }
-        if bits % 8 != 0 {
+        if !bits.is_multiple_of(8) {
             return Err(malformed(format!("{root}.{path} is a bitfield")));
         }
         Ok(bits / 8)

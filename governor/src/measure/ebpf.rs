@@ -5,7 +5,7 @@
 
 use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::{BackendKind, ProgramStats};
-use crate::region::{RegionSizes, Regions, Table};
+use crate::region::{fd, Access, MeasureRegions, RegionSizes, Table};
 use crate::sys;
 use aya::maps::{Map, MapData};
 use aya::programs::perf_event::{perf_sw_ids, PerfEventScope, PerfTypeId, SamplePolicy};
@@ -51,7 +51,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     check_capabilities()?;
     sys::raise_memlock();
     let ncpus = sys::possible_cpus().map_err(|source| MeasureError::Region { what: "cpu", source })?;
-    let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces };
+    let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces, ledger: 0 };
     let max_tids = pid_max();
     let offsets = super::btf::Btf::from_sys_fs()
         .and_then(|b| b.task_offsets())
@@ -123,10 +123,12 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     let tid_slot = Table::map("tid", tid_map.fd().as_fd().as_raw_fd(), max_tids.div_ceil(2) * 2)?;
     arrays.push(tid_map);
 
-    fds.push(super::header_region()?);
-    let fds: [OwnedFd; 4] = fds.try_into().map_err(|_| MeasureError::Load("four region fds".into()))?;
-    let regions =
-        Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
+    let fds: [OwnedFd; 3] = fds.try_into().map_err(|_| MeasureError::Load("three region fds".into()))?;
+    let mut raw = [0; fd::COUNT];
+    raw[fd::CPUS] = fds[0].as_raw_fd();
+    raw[fd::SLOTS] = fds[1].as_raw_fd();
+    raw[fd::KEYSPACES] = fds[2].as_raw_fd();
+    let regions = MeasureRegions::map(&raw, sizes, Access::ReadWrite)?;
     // Every CPU measures its clock offset at its first registered switch-in.
     for (_, cell) in regions.cpus.iter() {
         cell.resample.store(1, Ordering::Release);

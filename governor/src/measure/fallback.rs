@@ -5,7 +5,7 @@
 
 use super::{schedstat_ns, Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
-use crate::region::{RegionSizes, Regions, SlotView};
+use crate::region::{fd, Access, MeasureRegions, RegionSizes, SlotView};
 use crate::sys;
 use governor_common::{ThreadSlot, SLOT_LIVE};
 use std::os::fd::AsRawFd;
@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 
 pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     let ncpus = sys::possible_cpus().map_err(|source| MeasureError::Region { what: "cpu", source })?;
-    let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces };
+    let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces, ledger: 0 };
     let make = |what: &'static str, n: u32| {
         sys::memfd(what, n as usize * std::mem::size_of::<ThreadSlot>())
             .map_err(|source| MeasureError::Region { what, source })
@@ -22,10 +22,15 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         make("governor-cpus", sizes.cpus)?,
         make("governor-slots", sizes.slots)?,
         make("governor-keyspaces", sizes.keyspaces)?,
-        super::header_region()?,
     ];
-    let regions =
-        Regions::map([fds[0].as_raw_fd(), fds[1].as_raw_fd(), fds[2].as_raw_fd(), fds[3].as_raw_fd()], sizes)?;
+    let mut raw = [0; fd::COUNT];
+    raw[fd::CPUS] = fds[0].as_raw_fd();
+    raw[fd::SLOTS] = fds[1].as_raw_fd();
+    raw[fd::KEYSPACES] = fds[2].as_raw_fd();
+    let regions = MeasureRegions::map(&raw, sizes, Access::ReadWrite)?;
+    for f in &fds {
+        crate::sys::seal(f.as_raw_fd(), false).map_err(|source| MeasureError::Region { what: "measurement", source })?;
+    }
     Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
 }
 

@@ -12,7 +12,7 @@ pub mod ebpf;
 pub mod fallback;
 
 use crate::proto::{BackendKind, ProgramStats};
-use crate::region::{RegionError, RegionSizes, Regions};
+use crate::region::{MeasureRegions, RegionError, RegionSizes};
 use std::os::fd::{AsRawFd, OwnedFd};
 
 pub use crate::config::MeasureMode;
@@ -47,9 +47,10 @@ pub struct Sizing {
 /// the backend-specific side.
 pub struct Measurement {
     pub kind: BackendKind,
-    pub regions: Regions,
+    pub regions: MeasureRegions,
     pub sizes: RegionSizes,
-    fds: [OwnedFd; 4],
+    /// cpus, slots, keyspaces.
+    fds: [OwnedFd; 3],
     inner: Inner,
 }
 
@@ -63,12 +64,6 @@ enum Inner {
 pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{tgid}/task/{tid}/schedstat")).ok()?;
     text.split_whitespace().next()?.parse().ok()
-}
-
-/// The agent's header region: a one-cell memfd in every backend.
-pub(crate) fn header_region() -> Result<OwnedFd, MeasureError> {
-    crate::sys::memfd("governor-header", std::mem::size_of::<governor_common::HeaderCell>())
-        .map_err(|source| MeasureError::Region { what: "header", source })
 }
 
 impl Measurement {
@@ -87,8 +82,9 @@ impl Measurement {
         }
     }
 
-    pub fn raw_fds(&self) -> [i32; 4] {
-        [self.fds[0].as_raw_fd(), self.fds[1].as_raw_fd(), self.fds[2].as_raw_fd(), self.fds[3].as_raw_fd()]
+    /// (cpus, slots, keyspaces) descriptors, to hand to clients.
+    pub fn raw_fds(&self) -> [i32; 3] {
+        [self.fds[0].as_raw_fd(), self.fds[1].as_raw_fd(), self.fds[2].as_raw_fd()]
     }
 
     /// Makes the kernel side charge `tid` into `slot`.

@@ -1,46 +1,21 @@
-//! The agent-loop side of [`Policy`]: refill, monitor window, adaptive estimates, burst flags,
-//! dynamic and fair refill, idle eviction. Called from one thread with the simulated clock.
+//! The agent loop's side of [`Policy`]: refill, monitor window, adaptive
+//! estimates, burst flags, dynamic and fair refill, idle eviction. Called
+//! from one thread with a clock in µs (the real one in the agent, a
+//! simulated one in tests).
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
+use governor_common::admission::{counter, P_BURST_ALLOWED, P_BURST_ENABLED};
 use serde::Serialize;
 
 use super::dynamic::{adjust_global_refill, adjust_keyspace_refill};
-use super::estimate::{EstimateTracker, ema};
-use super::fair::{FairInput, fair_allocate};
-use super::grant::PolicyCounters;
+use super::estimate::ema;
+use super::fair::{fair_allocate, FairInput};
 use super::keyspace::QuotaSource;
-use super::manager::Policy;
-use super::pd::PdTracker;
-use super::settings::Settings;
-use super::window::{MonitorWindow, UsageSample};
-
-/// State only the agent loop touches (behind one mutex, never taken by the fast path).
-#[derive(Debug)]
-pub struct AgentState {
-    pub(crate) last_refill_us: u64,
-    pub(crate) window: MonitorWindow,
-    pub(crate) estimates: EstimateTracker,
-    pub(crate) pd: PdTracker,
-    /// Cumulative demand (µs) per keyspace at the previous observation.
-    pub(crate) last_demand: std::collections::HashMap<u32, u64>,
-    pub(crate) last_observe_us: u64,
-    pub(crate) fair_active: bool,
-}
-
-impl AgentState {
-    pub(crate) fn new(s: &Settings, now_us: u64) -> Self {
-        AgentState {
-            last_refill_us: now_us,
-            window: MonitorWindow::new(s.window_size_us, s.max_window_cpu_us()),
-            estimates: EstimateTracker::default(),
-            pd: PdTracker::default(),
-            last_demand: Default::default(),
-            last_observe_us: now_us,
-            fair_active: false,
-        }
-    }
-}
+use super::manager::{Engine, Policy};
+use super::window::UsageSample;
+use crate::region::{GLOBAL, LOW_PRIORITY};
 
 /// What one [`Policy::tick`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -52,178 +27,219 @@ pub struct TickReport {
     /// Fair allocation drove per-keyspace refill this observation.
     pub fair_active: bool,
     pub global_ratio: f64,
-    /// Auto-created tenant-cap buckets evicted as idle.
+    /// Idle keyspace cells given up.
     pub evicted: usize,
-    /// Admission-control tenants forgotten with nothing in flight.
-    pub admission_evicted: usize,
 }
 
 impl Policy {
-    /// One agent step at `now_us`: refill every bucket for the elapsed refill intervals; if a
-    /// `usage` sample is given, update the monitor window and everything derived from it; evict
-    /// idle tenant-cap buckets. Call it at least every `refill-interval`, and pass a sample exactly
-    /// once per `stats-interval` (the EMA estimate and the window assume that cadence).
-    pub fn tick(&self, now_us: u64, usage: Option<&UsageSample>) -> TickReport {
-        let mut report = TickReport {
-            refill_intervals: self.refill(now_us),
-            ..TickReport::default()
-        };
+    /// One agent step at `now_us`: refill every bucket for the elapsed refill
+    /// intervals; with a `usage` sample (exactly once per stats interval),
+    /// update the monitor window and everything derived from it; give up idle
+    /// keyspace cells not in `pinned` (cells a thread is still tagged with).
+    pub fn tick_with(&self, now_us: u64, usage: Option<&UsageSample>, pinned: &HashSet<u32>) -> TickReport {
+        self.regions().header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
+        let mut report = TickReport { refill_intervals: self.refill(now_us), ..TickReport::default() };
         if let Some(sample) = usage {
             let (ratio, fair) = self.observe(now_us, sample);
             report.observed = true;
-            report.global_ratio = ratio;
             report.fair_active = fair;
-            // Once per stats interval is often enough to keep the table small.
-            report.admission_evicted = self.admission().evict_idle();
+            report.global_ratio = ratio;
         }
         report.global_ratio = self.global_ratio();
-        report.evicted = self.evict_idle(now_us);
+        report.evicted = self.evict_idle(now_us, pinned);
         report
     }
 
-    /// Applies whole refill intervals elapsed since the last refill. Returns how many.
+    /// [`Policy::tick_with`] with nothing pinned.
+    pub fn tick(&self, now_us: u64, usage: Option<&UsageSample>) -> TickReport {
+        self.tick_with(now_us, usage, &HashSet::new())
+    }
+
+    /// Applies whole refill intervals elapsed since the last refill, waking
+    /// waiters of every bucket that gained tokens. Returns how many.
     pub fn refill(&self, now_us: u64) -> u64 {
-        let interval = self
-            .settings
-            .lock()
-            .expect("settings lock")
-            .refill_interval_us
-            .max(1);
-        let mut agent = self.agent.lock().expect("agent lock");
-        if now_us <= agent.last_refill_us {
+        let interval = self.settings().refill_interval_us.max(1);
+        let mut e = self.engine();
+        if now_us <= e.last_refill_us {
             return 0;
         }
-        let intervals = (now_us - agent.last_refill_us) / interval;
+        let intervals = (now_us - e.last_refill_us) / interval;
         if intervals == 0 {
             return 0;
         }
-        agent.last_refill_us += intervals * interval;
-        self.knobs
-            .next_refill_at_us
-            .store(agent.last_refill_us + interval, Ordering::Release);
-        drop(agent);
-        self.global.refill(intervals);
-        self.low_priority.refill(intervals);
-        // Burst allocations are capped by one interval's global refill budget.
-        self.burst_budget_us
-            .store(self.global.refill_us() as i64, Ordering::Release);
-        for e in self.keyspaces.iter() {
-            e.bucket.refill(intervals);
+        e.last_refill_us += intervals * interval;
+        e.next_refill_at_us = e.last_refill_us + interval;
+        let r = self.regions();
+        let e = &mut *e;
+        for (i, book) in [(GLOBAL, &mut e.global), (LOW_PRIORITY, &mut e.low_priority)] {
+            let amount = book.refill_us.saturating_mul(intervals);
+            let kept = r.bucket(i).give(amount, book.capacity_us);
+            book.refilled_us += amount;
+            book.discarded_us += amount - kept;
         }
+        // Burst allocations are capped by one interval's global refill.
+        r.bucket(GLOBAL).burst_budget_us.store(i64::try_from(e.global.refill_us).unwrap_or(i64::MAX), Ordering::Release);
+        for (c, st) in e.cells.iter_mut().enumerate() {
+            let Some(st) = st.as_mut() else { continue };
+            if st.source.is_none() {
+                continue;
+            }
+            let Some((b, p)) = r.keyspace_cell(c as u32) else { continue };
+            if st.book.debt_mode {
+                if b.inflight_us.load(Ordering::Acquire) > st.book.base_refill_us {
+                    continue;
+                }
+                st.book.debt_mode = false;
+                Self::publish_book(p, &st.book);
+            }
+            let amount = st.book.refill_us.saturating_mul(intervals);
+            let kept = b.give(amount, st.book.capacity_us);
+            st.book.refilled_us += amount;
+            st.book.discarded_us += amount - kept;
+        }
+        r.header().agent.refills.fetch_add(intervals, Ordering::Relaxed);
         intervals
     }
 
-    /// Monitor window and everything derived from it. Returns (global ratio, fair active).
+    /// Monitor window and everything derived from it. Returns (global ratio,
+    /// fair active).
     pub fn observe(&self, now_us: u64, sample: &UsageSample) -> (f64, bool) {
-        let s = self.settings.lock().expect("settings lock").clone();
-        let mut agent = self.agent.lock().expect("agent lock");
-        agent.window.push(now_us, sample);
-        let global_ratio = agent.window.global_ratio();
-        self.knobs
-            .global_ratio_bits
-            .store(global_ratio.to_bits(), Ordering::Release);
-        let elapsed = now_us.saturating_sub(agent.last_observe_us).max(1);
-        agent.last_observe_us = now_us;
+        let s = self.settings();
+        let r = self.regions();
+        let mut guard = self.engine();
+        let e = &mut *guard;
+        e.window.push(now_us, sample);
+        let global_ratio = e.window.global_ratio();
+        e.global_ratio = global_ratio;
+        let elapsed = now_us.saturating_sub(e.last_observe_us).max(1);
+        e.last_observe_us = now_us;
 
         // Global refill: dynamic adjustment or base.
-        let global_base = self.global.base_refill_us();
-        let global_refill = if s.enable_dynamic_adjustment {
-            adjust_global_refill(
-                global_base,
-                self.global.refill_us(),
-                global_ratio,
-                s.high_watermark,
-                s.low_watermark,
-            )
+        let global_base = e.global.base_refill_us;
+        e.global.refill_us = if s.enable_dynamic_adjustment {
+            adjust_global_refill(global_base, e.global.refill_us, global_ratio, s.high_watermark, s.low_watermark)
         } else {
             global_base
         };
-        self.global.set_refill(global_refill);
+        if let Some(p) = r.params.get(GLOBAL) {
+            Self::publish_book(p, &e.global);
+        }
 
         let fair_active = s.enable_fair_allocation && global_ratio > s.fair_allocation_threshold;
         let mut fair_inputs = Vec::new();
         let total = global_base as f64;
-        for e in self.keyspaces.iter() {
-            let ks = e.id();
-            let ratio = agent.window.keyspace_ratio(ks);
-            e.set_ratio(ratio);
-            let demand_total = e.counters.demand_us.load(Ordering::Relaxed);
-            let prev = agent.last_demand.insert(ks, demand_total).unwrap_or(0);
+        let active: HashSet<u32> = sample.keyspace_cpu_us.iter().filter(|(_, us)| *us > 0).map(|(ks, _)| *ks).collect();
+        let Engine { cells, window, estimates, last_demand, .. } = e;
+        for (c, st) in cells.iter_mut().enumerate() {
+            let Some(st) = st.as_mut() else { continue };
+            let c = c as u32;
+            let Some((b, p)) = r.keyspace_cell(c) else { continue };
+            let ratio = window.keyspace_ratio(st.id);
+            st.ratio = ratio;
+            if active.contains(&st.id) {
+                st.last_used_us = now_us;
+            }
+            let demand_total = b.counter(counter::DEMAND_US);
+            let prev_demand = last_demand.insert(c, demand_total).unwrap_or(0);
             if s.enable_adaptive_estimate {
-                let consumed = e.counters.consumed_us.load(Ordering::Relaxed);
-                let released = e.counters.released.load(Ordering::Relaxed);
-                if let Some(mean) = agent.estimates.interval_mean(ks, consumed, released) {
-                    e.set_estimate_us(ema(e.estimate_us(), mean, s.adaptive_estimate_alpha));
+                let consumed = b.counter(counter::CONSUMED_US);
+                let released = b.counter(counter::RELEASED);
+                if let Some(mean) = estimates.interval_mean(c, consumed, released) {
+                    st.estimate_us = ema(st.estimate_us, mean, s.adaptive_estimate_alpha);
                 }
             }
-            if e.source() == QuotaSource::TenantCap {
-                e.set_burst_allowed(false);
-                e.bucket.set_refill(e.bucket.base_refill_us());
-                continue;
+            p.estimate_us.store(st.estimate_us, Ordering::Relaxed);
+            let mut flags = p.flags.load(Ordering::Relaxed) & !(P_BURST_ALLOWED | P_BURST_ENABLED);
+            if st.burst_enabled {
+                flags |= P_BURST_ENABLED;
             }
-            e.set_burst_allowed(
-                s.enable_burst
-                    && global_ratio < s.burst_threshold
-                    && ratio < s.keyspace_burst_threshold,
-            );
-            let base = e.bucket.base_refill_us();
-            let mut refill = base;
-            if s.enable_dynamic_adjustment && global_base > 0 {
-                refill = adjust_keyspace_refill(base, ratio, base as f64 / global_base as f64);
+            match st.source {
+                None => {}
+                Some(QuotaSource::TenantCap) => {
+                    st.burst_allowed = false;
+                    st.book.refill_us = st.book.base_refill_us;
+                }
+                Some(_) => {
+                    st.burst_allowed =
+                        s.enable_burst && global_ratio < s.burst_threshold && ratio < s.keyspace_burst_threshold;
+                    if st.burst_allowed {
+                        flags |= P_BURST_ALLOWED;
+                    }
+                    let base = st.book.base_refill_us;
+                    st.book.refill_us = if s.enable_dynamic_adjustment && global_base > 0 {
+                        adjust_keyspace_refill(base, ratio, base as f64 / global_base as f64)
+                    } else {
+                        base
+                    };
+                    if fair_active {
+                        // Demand over the stats interval, scaled to one refill interval.
+                        let demand = demand_total.saturating_sub(prev_demand) as f64 * s.refill_interval_us as f64
+                            / elapsed as f64;
+                        fair_inputs.push(FairInput { keyspace: c, quota: base as f64, usage: ratio * total, demand: Some(demand) });
+                    }
+                }
             }
-            e.bucket.set_refill(refill);
-            if fair_active {
-                // Demand over the stats interval, scaled to one refill interval.
-                let demand = demand_total.saturating_sub(prev) as f64 * s.refill_interval_us as f64
-                    / elapsed as f64;
-                fair_inputs.push(FairInput {
-                    keyspace: ks,
-                    quota: base as f64,
-                    usage: ratio * total,
-                    demand: Some(demand),
-                });
-            }
+            p.flags.store(flags, Ordering::Release);
+            Self::publish_book(p, &st.book);
         }
         if fair_active {
             for share in fair_allocate(total, global_ratio * total, &fair_inputs) {
-                if let Some(e) = self.keyspaces.get(&share.keyspace) {
-                    let base = e.bucket.base_refill_us();
-                    // Floor of one request per interval so an idle keyspace is never starved.
-                    let floor = e.estimate_us().min(base);
-                    let fair = (share.allocation.min(base as f64) as u64).max(floor);
-                    e.bucket.set_refill(e.bucket.refill_us().min(fair));
-                    e.counters.fair_allocations.fetch_add(1, Ordering::Relaxed);
+                let c = share.keyspace;
+                let Some(st) = cells.get_mut(c as usize).and_then(|x| x.as_mut()) else { continue };
+                let base = st.book.base_refill_us;
+                // Floor of one request per interval so an idle keyspace is never starved.
+                let floor = st.estimate_us.min(base);
+                let fair = (share.allocation.min(base as f64) as u64).max(floor);
+                st.book.refill_us = st.book.refill_us.min(fair);
+                st.fair_allocations += 1;
+                if let Some((_, p)) = r.keyspace_cell(c) {
+                    Self::publish_book(p, &st.book);
                 }
             }
         }
-        agent.fair_active = fair_active;
+        e.fair_active = fair_active;
         (global_ratio, fair_active)
     }
 
-    /// Evicts auto-created tenant-cap buckets with no request within the (current) idle TTL and
-    /// nothing in flight. Returns how many were evicted.
-    pub fn evict_idle(&self, now_us: u64) -> usize {
-        let ttl = self.knobs.cap_idle_ttl_us.load(Ordering::Acquire);
-        let idle = |e: &super::keyspace::KeyspaceEntry| {
-            e.source() == QuotaSource::TenantCap
-                && now_us.saturating_sub(e.last_used_us()) >= ttl
-                && e.bucket.inflight_us() == 0
-        };
-        let victims: Vec<u32> = self
-            .keyspaces
-            .iter()
-            .filter(|e| idle(e))
-            .map(|e| e.id())
-            .collect();
+    /// Gives up keyspace cells idle for the idle TTL: tenant-cap buckets, and
+    /// cells that only served measurement or request limits. Never a cell
+    /// with tokens in flight, requests or write bytes pending, waiters, debt
+    /// still owed, or a thread tagged with it (`pinned`). Configured and PD
+    /// quotas stay. Returns how many went.
+    pub fn evict_idle(&self, now_us: u64, pinned: &HashSet<u32>) -> usize {
+        let ttl = self.settings().tenant_cap_idle_ttl_us;
+        let r = self.regions();
+        let mut e = self.engine();
+        let now_ms = now_us / 1000;
         let mut evicted = 0;
-        for ks in victims {
-            if self.remove_keyspace_if(ks, idle) {
-                evicted += 1;
-                PolicyCounters::inc(&self.counters.cap_buckets_evicted);
-                let mut agent = self.agent.lock().expect("agent lock");
-                agent.estimates.forget(ks);
-                agent.last_demand.remove(&ks);
+        for c in 0..e.cells.len() as u32 {
+            let Some(st) = e.cells[c as usize].as_ref() else { continue };
+            if matches!(st.source, Some(QuotaSource::Config) | Some(QuotaSource::Pd)) || pinned.contains(&c) {
+                continue;
             }
+            let Some((b, _)) = r.keyspace_cell(c) else { continue };
+            let last_ms = b.last_used_ms.load(Ordering::Relaxed).min(now_ms);
+            let last_us = st.last_used_us.max(last_ms * 1000);
+            let idle = now_us.saturating_sub(last_us) >= ttl
+                && b.inflight_us.load(Ordering::Acquire) == 0
+                && b.inflight_requests.load(Ordering::Acquire) == 0
+                && b.pending_write_bytes.load(Ordering::Acquire) == 0
+                && b.sleepers.load(Ordering::Acquire) == 0
+                && (st.source.is_none() || b.available_us() >= 0);
+            if !idle {
+                continue;
+            }
+            if st.source == Some(QuotaSource::TenantCap) {
+                e.cap_buckets_evicted += 1;
+            }
+            for (i, v) in b.counters.iter().enumerate() {
+                e.retired[i] += v.load(Ordering::Relaxed);
+            }
+            r.directory().evict(c);
+            e.cells[c as usize] = None;
+            e.estimates.forget(c);
+            e.last_demand.remove(&c);
+            evicted += 1;
         }
         evicted
     }

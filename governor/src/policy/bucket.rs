@@ -1,368 +1,271 @@
-//! The token bucket cell: plain atomics, no pointers, no locks.
+//! Token operations on a shared bucket ([`BucketView`]): take, give back,
+//! charge debt, wait in line, refill.
 //!
-//! `#[repr(C)]` and made only of `AtomicI64`/`AtomicU64`, so the same layout can later live in a
-//! shared-memory region. Tokens are CPU microseconds. The fast path (`try_take`, `refund`,
-//! `charge_debt`, `settle`) runs on any thread; `refill` and the limit setters are for the agent
-//! loop. Every token movement is counted, so the ledger identity
-//! `available = refilled − taken + refunded − debt − discarded` holds at every quiescent point.
+//! Tokens are CPU µs held as two monotonic rovers (see
+//! [`governor_common::admission::BucketCell`]): `tail_us` moves forward for
+//! every µs taken, `head_us` for every µs made available, and `head − tail`
+//! is what is available. Taking is a CAS on `tail_us` that never drives the
+//! bucket below zero; a waiter instead takes its place in line with a
+//! fetch-add and is served when `head_us` passes it. Every loop here is
+//! bounded: memory that other processes keep rewriting makes an operation
+//! give up (refuse, or keep less), never spin.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use crate::region::BucketView;
+use std::sync::atomic::Ordering;
 
-use serde::Serialize;
+/// CAS attempts before an operation settles for a bounded fallback.
+const ATTEMPTS: u32 = 64;
 
-/// One token bucket (96 bytes, 8-byte aligned, no implicit padding).
-#[repr(C)]
-#[derive(Debug, Default)]
-pub struct BucketCell {
-    /// Tokens available now, µs. Signed: negative means debt (overrun charged after the fact).
-    available_us: AtomicI64,
-    /// Upper bound of `available_us`, µs. Never exceeded by refill or refund.
-    capacity_us: AtomicI64,
-    /// Tokens added per refill interval now (possibly reduced by dynamic/fair adjustment), µs.
-    refill_us: AtomicU64,
-    /// Tokens per refill interval from the quota source (config, PD, tenant cap), µs.
-    base_refill_us: AtomicU64,
-    /// Tokens granted and not yet released, µs. Drives quota-shrink debt and idle eviction.
-    inflight_us: AtomicU64,
-    /// 1 while a quota shrink left more in flight than the new quota: no refill until it drains.
-    debt_mode: AtomicU64,
-    /// Cumulative tokens taken by grants (including forced best-effort takes), µs.
-    taken_total_us: AtomicU64,
-    /// Cumulative tokens given back by refunds and rollbacks (before clamping), µs.
-    refunded_total_us: AtomicU64,
-    /// Cumulative overrun charged as debt, µs.
-    debt_total_us: AtomicU64,
-    /// Cumulative tokens added by refills (and the initial fill), µs.
-    refilled_total_us: AtomicU64,
-    /// Cumulative tokens dropped because they would have exceeded capacity (or by shrink), µs.
-    discarded_total_us: AtomicU64,
-    /// Number of refused `try_take` calls.
-    refused_total: AtomicU64,
+#[inline]
+fn signed(d: u64) -> i64 {
+    d as i64
 }
 
-const _: () = assert!(std::mem::size_of::<BucketCell>() == 96);
-const _: () = assert!(std::mem::align_of::<BucketCell>() == 8);
-
-fn to_i64(us: u64) -> i64 {
-    i64::try_from(us).unwrap_or(i64::MAX)
-}
-
-/// A plain-number copy of a bucket, for snapshots and tests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct BucketSnapshot {
-    pub available_us: i64,
-    pub capacity_us: i64,
-    pub refill_us: u64,
-    pub base_refill_us: u64,
-    pub inflight_us: u64,
-    pub in_debt: bool,
-    pub taken_total_us: u64,
-    pub refunded_total_us: u64,
-    pub debt_total_us: u64,
-    pub refilled_total_us: u64,
-    pub discarded_total_us: u64,
-    pub refused_total: u64,
-}
-
-impl BucketSnapshot {
-    /// `refilled − taken + refunded − debt − discarded`; equals `available_us` when quiescent.
-    pub fn ledger_available_us(&self) -> i64 {
-        self.refilled_total_us as i64 - self.taken_total_us as i64 + self.refunded_total_us as i64
-            - self.debt_total_us as i64
-            - self.discarded_total_us as i64
-    }
-}
-
-impl BucketCell {
-    /// A full bucket with the given refill per interval and capacity (µs).
-    pub fn new(refill_us: u64, capacity_us: u64) -> Self {
-        let cell = BucketCell::default();
-        cell.capacity_us
-            .store(to_i64(capacity_us), Ordering::Relaxed);
-        cell.refill_us.store(refill_us, Ordering::Relaxed);
-        cell.base_refill_us.store(refill_us, Ordering::Relaxed);
-        cell.available_us
-            .store(to_i64(capacity_us), Ordering::Relaxed);
-        cell.refilled_total_us.store(capacity_us, Ordering::Relaxed);
-        cell
+impl BucketView {
+    /// `head − tail`, µs: negative when in debt or when waiters queue.
+    #[inline]
+    pub fn available_us(&self) -> i64 {
+        let tail = self.tail_us.load(Ordering::Acquire);
+        signed(self.head_us.load(Ordering::Acquire).wrapping_sub(tail))
     }
 
-    /// Takes `us` tokens if at least that many are available. Never drives `available` below 0.
+    /// Takes `us` if that many are available (so never while waiters queue).
+    #[inline]
     pub fn try_take(&self, us: u64) -> bool {
-        let want = to_i64(us);
-        let mut cur = self.available_us.load(Ordering::Acquire);
-        loop {
-            if cur < want {
-                self.refused_total.fetch_add(1, Ordering::Relaxed);
+        let mut tail = self.tail_us.load(Ordering::Acquire);
+        for _ in 0..ATTEMPTS {
+            let head = self.head_us.load(Ordering::Acquire);
+            if signed(head.wrapping_sub(tail)) < signed(us) {
                 return false;
             }
-            match self.available_us.compare_exchange_weak(
-                cur,
-                cur - want,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(actual) => cur = actual,
+            match self.tail_us.compare_exchange_weak(tail, tail.wrapping_add(us), Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(t) => tail = t,
             }
         }
-        self.inflight_us.fetch_add(us, Ordering::Relaxed);
-        self.taken_total_us.fetch_add(us, Ordering::Relaxed);
-        true
+        // Contended past the bound: take a place in line and keep it only if
+        // it is served at once.
+        let pos = self.reserve(us);
+        if self.reached(pos) {
+            return true;
+        }
+        self.cancel(us);
+        false
     }
 
-    /// Takes `us` tokens unconditionally (may go negative). Best-effort global tracking only.
-    pub fn force_take(&self, us: u64) {
-        self.available_us.fetch_sub(to_i64(us), Ordering::AcqRel);
-        self.inflight_us.fetch_add(us, Ordering::Relaxed);
-        self.taken_total_us.fetch_add(us, Ordering::Relaxed);
+    /// Takes `us` unconditionally (best-effort global tracking).
+    #[inline]
+    pub fn take_forced(&self, us: u64) {
+        self.tail_us.fetch_add(us, Ordering::AcqRel);
     }
 
-    /// Gives `us` tokens back, clamped at capacity (the excess is counted as discarded).
-    pub fn refund(&self, us: u64) {
+    /// Takes a place in line for `us`: returns the position `head_us` must
+    /// reach for the caller to be served.
+    #[inline]
+    pub fn reserve(&self, us: u64) -> u64 {
+        self.tail_us.fetch_add(us, Ordering::AcqRel).wrapping_add(us)
+    }
+
+    /// Whether a place in line at `pos` is served.
+    #[inline]
+    pub fn reached(&self, pos: u64) -> bool {
+        signed(self.head_us.load(Ordering::SeqCst).wrapping_sub(pos)) >= 0
+    }
+
+    /// Leaves the line (or gives back a reservation): returns `us` to the
+    /// head, unclamped, so whoever queued behind moves up by as much.
+    pub fn cancel(&self, us: u64) {
+        self.head_us.fetch_add(us, Ordering::SeqCst);
+        // Counted as a refund, so the bucket's ledger still adds up.
+        self.count(governor_common::admission::counter::REFUNDED_US, us);
+        self.notify();
+    }
+
+    /// Adds `us` to what is available, never above `capacity`. Returns the µs
+    /// kept (the rest is dropped). Wakes waiters.
+    pub fn give(&self, us: u64, capacity: u64) -> u64 {
         if us == 0 {
-            return;
-        }
-        let add = to_i64(us);
-        let mut cur = self.available_us.load(Ordering::Acquire);
-        loop {
-            let cap = self.capacity_us.load(Ordering::Acquire);
-            let next = cur.saturating_add(add).min(cap.max(cur));
-            match self.available_us.compare_exchange_weak(
-                cur,
-                next,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    self.refunded_total_us.fetch_add(us, Ordering::Relaxed);
-                    let dropped = add - (next - cur);
-                    if dropped > 0 {
-                        self.discarded_total_us
-                            .fetch_add(dropped as u64, Ordering::Relaxed);
-                    }
-                    return;
-                }
-                Err(actual) => cur = actual,
-            }
-        }
-    }
-
-    /// Charges an overrun of `us` as debt: `available` may go negative.
-    pub fn charge_debt(&self, us: u64) {
-        if us == 0 {
-            return;
-        }
-        self.available_us.fetch_sub(to_i64(us), Ordering::AcqRel);
-        self.debt_total_us.fetch_add(us, Ordering::Relaxed);
-    }
-
-    /// Undoes a successful `try_take(us)` (refund and drop it from in-flight).
-    pub fn rollback(&self, us: u64) {
-        self.refund(us);
-        self.inflight_us.fetch_sub(us, Ordering::AcqRel);
-    }
-
-    /// Closes a grant of `granted_us`: refunds the unused part or charges the overrun as debt.
-    pub fn settle(&self, granted_us: u64, consumed_us: u64) {
-        if consumed_us < granted_us {
-            self.refund(granted_us - consumed_us);
-        } else {
-            self.charge_debt(consumed_us - granted_us);
-        }
-        self.inflight_us.fetch_sub(granted_us, Ordering::AcqRel);
-    }
-
-    /// Agent: adds `intervals × refill_us`, clamped at capacity. Skipped while in quota-shrink debt
-    /// and in-flight still exceeds the quota. Returns the tokens actually added.
-    pub fn refill(&self, intervals: u64) -> u64 {
-        let refill = self.refill_us.load(Ordering::Acquire);
-        if self.debt_mode.load(Ordering::Acquire) != 0 {
-            if self.inflight_us.load(Ordering::Acquire)
-                > self.base_refill_us.load(Ordering::Acquire)
-            {
-                return 0;
-            }
-            self.debt_mode.store(0, Ordering::Release);
-        }
-        let amount = refill.saturating_mul(intervals);
-        if amount == 0 {
             return 0;
         }
-        self.refilled_total_us.fetch_add(amount, Ordering::Relaxed);
-        let before = self.available_us.load(Ordering::Acquire);
-        self.refund_inner(amount);
-        (self.available_us.load(Ordering::Acquire) - before).max(0) as u64
-    }
-
-    fn refund_inner(&self, us: u64) {
-        // Same clamp as `refund`, but counted as refill rather than refund.
-        let add = to_i64(us);
-        let mut cur = self.available_us.load(Ordering::Acquire);
-        loop {
-            let cap = self.capacity_us.load(Ordering::Acquire);
-            let next = cur.saturating_add(add).min(cap.max(cur));
-            match self.available_us.compare_exchange_weak(
-                cur,
-                next,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    let dropped = add - (next - cur);
-                    if dropped > 0 {
-                        self.discarded_total_us
-                            .fetch_add(dropped as u64, Ordering::Relaxed);
-                    }
-                    return;
+        let mut head = self.head_us.load(Ordering::Acquire);
+        let mut kept = 0;
+        for _ in 0..ATTEMPTS {
+            let tail = self.tail_us.load(Ordering::Acquire);
+            // Room below capacity (none if the bucket is above it already).
+            let room = signed(tail.wrapping_add(capacity).wrapping_sub(head)).max(0) as u64;
+            kept = us.min(room);
+            if kept == 0 {
+                break;
+            }
+            match self.head_us.compare_exchange_weak(head, head.wrapping_add(kept), Ordering::SeqCst, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(h) => {
+                    head = h;
+                    kept = 0;
                 }
-                Err(actual) => cur = actual,
             }
         }
+        if kept > 0 {
+            self.notify();
+        }
+        kept
     }
 
-    /// Agent: sets the quota (base refill) and capacity. When the quota is *reduced* below what
-    /// is in flight, the bucket enters debt: positive tokens are dropped and refill pauses until
-    /// in-flight drains to the new quota. An unchanged or raised quota never enters debt (the
-    /// seed's rule is about shrinks only). Tokens above the new capacity are dropped.
-    pub fn set_quota(&self, base_refill_us: u64, capacity_us: u64) {
-        let old_base = self.base_refill_us.swap(base_refill_us, Ordering::AcqRel);
-        self.refill_us.store(base_refill_us, Ordering::Release);
-        self.capacity_us
-            .store(to_i64(capacity_us), Ordering::Release);
-        let shrunk = base_refill_us < old_base;
-        let limit = if shrunk && self.inflight_us.load(Ordering::Acquire) > base_refill_us {
-            self.debt_mode.store(1, Ordering::Release);
-            0
-        } else {
-            to_i64(capacity_us)
-        };
-        self.clamp_available(limit);
-    }
-
-    /// Agent: sets the current refill per interval (dynamic / fair adjustment), µs.
-    pub fn set_refill(&self, refill_us: u64) {
-        self.refill_us.store(refill_us, Ordering::Release);
-    }
-
-    fn clamp_available(&self, limit: i64) {
-        let mut cur = self.available_us.load(Ordering::Acquire);
-        while cur > limit {
-            match self.available_us.compare_exchange_weak(
-                cur,
-                limit,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    self.discarded_total_us
-                        .fetch_add((cur - limit) as u64, Ordering::Relaxed);
-                    return;
-                }
-                Err(actual) => cur = actual,
+    /// Charges an overrun of `us` as debt, never below `−max_debt`. Returns
+    /// (charged, forgiven).
+    pub fn charge_debt(&self, us: u64, max_debt: u64) -> (u64, u64) {
+        if us == 0 {
+            return (0, 0);
+        }
+        let mut tail = self.tail_us.load(Ordering::Acquire);
+        for _ in 0..ATTEMPTS {
+            let head = self.head_us.load(Ordering::Acquire);
+            // How far tail may go: to head + max_debt.
+            let room = signed(head.wrapping_add(max_debt).wrapping_sub(tail)).max(0) as u64;
+            let add = us.min(room);
+            if add == 0 {
+                return (0, us);
+            }
+            match self.tail_us.compare_exchange_weak(tail, tail.wrapping_add(add), Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return (add, us - add),
+                Err(t) => tail = t,
             }
         }
+        (0, us)
     }
 
-    pub fn available_us(&self) -> i64 {
-        self.available_us.load(Ordering::Acquire)
-    }
-    pub fn capacity_us(&self) -> i64 {
-        self.capacity_us.load(Ordering::Acquire)
-    }
-    pub fn refill_us(&self) -> u64 {
-        self.refill_us.load(Ordering::Acquire)
-    }
-    pub fn base_refill_us(&self) -> u64 {
-        self.base_refill_us.load(Ordering::Acquire)
-    }
-    pub fn inflight_us(&self) -> u64 {
-        self.inflight_us.load(Ordering::Acquire)
-    }
-    pub fn in_debt(&self) -> bool {
-        self.debt_mode.load(Ordering::Acquire) != 0
+    /// Agent: drops every available token (a quota shrink below what is in
+    /// flight), never touching debt or queued waiters. Returns µs dropped.
+    pub fn drop_available(&self) -> u64 {
+        self.clamp_available(0)
     }
 
-    /// A plain-number copy of every field.
-    pub fn snapshot(&self) -> BucketSnapshot {
-        BucketSnapshot {
-            available_us: self.available_us(),
-            capacity_us: self.capacity_us(),
-            refill_us: self.refill_us(),
-            base_refill_us: self.base_refill_us(),
-            inflight_us: self.inflight_us(),
-            in_debt: self.in_debt(),
-            taken_total_us: self.taken_total_us.load(Ordering::Relaxed),
-            refunded_total_us: self.refunded_total_us.load(Ordering::Relaxed),
-            debt_total_us: self.debt_total_us.load(Ordering::Relaxed),
-            refilled_total_us: self.refilled_total_us.load(Ordering::Relaxed),
-            discarded_total_us: self.discarded_total_us.load(Ordering::Relaxed),
-            refused_total: self.refused_total.load(Ordering::Relaxed),
+    /// Agent: drops tokens above `limit` available (a capacity shrink).
+    /// Returns µs dropped.
+    pub fn clamp_available(&self, limit: u64) -> u64 {
+        let mut head = self.head_us.load(Ordering::Acquire);
+        for _ in 0..ATTEMPTS {
+            let tail = self.tail_us.load(Ordering::Acquire);
+            let over = signed(head.wrapping_sub(tail.wrapping_add(limit)));
+            if over <= 0 {
+                return 0;
+            }
+            match self.head_us.compare_exchange_weak(head, head.wrapping_sub(over as u64), Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return over as u64,
+                Err(h) => head = h,
+            }
         }
+        0
+    }
+
+    /// Agent: forgets every token and debt (a cell given to a new keyspace,
+    /// with nothing in flight and nobody waiting). Returns the tail, where
+    /// the new holder's count of taken tokens starts.
+    pub fn reset_tokens(&self) -> u64 {
+        let tail = self.tail_us.load(Ordering::Acquire);
+        self.head_us.store(tail, Ordering::Release);
+        tail
+    }
+
+    /// Wakes the threads waiting on this bucket, if any. Called after every
+    /// move of `head_us`.
+    #[inline]
+    pub fn notify(&self) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.wake_seq.fetch_add(1, Ordering::SeqCst);
+            crate::sys::futex_wake(&self.wake_seq, i32::MAX);
+        }
+    }
+
+    /// Blocks the calling thread until `pos` is served, the bucket's head
+    /// moves, or `timeout` passes; the caller re-checks. Never waits when
+    /// `pos` is already served.
+    pub fn wait_for(&self, pos: u64, timeout: std::time::Duration) {
+        let seq = self.wake_seq.load(Ordering::SeqCst);
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        if !self.reached(pos) {
+            crate::sys::futex_wait(&self.wake_seq, seq, timeout);
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::region::{AdmissionMemory, GLOBAL};
 
     #[test]
-    fn take_never_goes_below_zero_and_refund_never_exceeds_capacity() {
-        let b = BucketCell::new(100, 200);
+    fn take_never_below_zero_and_give_never_above_capacity() {
+        let m = AdmissionMemory::create(16).unwrap();
+        let b = m.regions.bucket(GLOBAL);
+        assert_eq!(b.give(200, 200), 200);
         assert!(b.try_take(150));
         assert!(!b.try_take(51));
         assert!(b.try_take(50));
         assert_eq!(b.available_us(), 0);
-        b.refund(500);
+        assert_eq!(b.give(500, 200), 200, "clamped at capacity");
         assert_eq!(b.available_us(), 200);
-        let s = b.snapshot();
-        assert_eq!(s.ledger_available_us(), s.available_us);
-        assert_eq!(s.discarded_total_us, 300);
     }
 
     #[test]
-    fn debt_is_repaid_by_refill() {
-        let b = BucketCell::new(100, 100);
+    fn debt_is_bounded_and_repaid_by_later_tokens() {
+        let m = AdmissionMemory::create(16).unwrap();
+        let b = m.regions.bucket(GLOBAL);
+        b.give(100, 100);
         assert!(b.try_take(100));
-        b.settle(100, 250);
+        assert_eq!(b.charge_debt(150, 1000), (150, 0));
         assert_eq!(b.available_us(), -150);
+        assert_eq!(b.charge_debt(2000, 1000), (850, 1150), "never below −max_debt");
+        assert_eq!(b.available_us(), -1000);
         assert!(!b.try_take(1));
-        assert_eq!(b.refill(1), 100);
-        assert_eq!(b.available_us(), -50);
-        b.refill(2);
+        b.give(1100, 100);
         assert_eq!(b.available_us(), 100);
-        assert_eq!(b.inflight_us(), 0);
-        let s = b.snapshot();
-        assert_eq!(s.ledger_available_us(), s.available_us);
     }
 
     #[test]
-    fn quota_shrink_below_inflight_enters_debt_until_drained() {
-        let b = BucketCell::new(1000, 1000);
-        assert!(b.try_take(800));
-        b.set_quota(500, 500);
-        assert!(b.in_debt());
-        assert_eq!(b.available_us(), 0);
-        assert_eq!(b.refill(1), 0, "no refill while inflight > new quota");
-        b.settle(800, 800);
-        assert_eq!(b.refill(1), 500);
-        assert!(!b.in_debt());
-        let s = b.snapshot();
-        assert_eq!(s.ledger_available_us(), s.available_us);
+    fn waiters_are_served_in_arrival_order_and_newcomers_cannot_overtake() {
+        let m = AdmissionMemory::create(16).unwrap();
+        let b = m.regions.bucket(GLOBAL);
+        let first = b.reserve(30);
+        let second = b.reserve(30);
+        assert!(!b.try_take(1), "a newcomer sees the queue");
+        b.give(40, 100);
+        assert!(b.reached(first) && !b.reached(second));
+        // The first leaves its place: the second moves up by as much.
+        b.cancel(30);
+        assert!(b.reached(second));
+        assert_eq!(b.available_us(), 10);
     }
 
     #[test]
-    fn unchanged_or_raised_quota_never_enters_debt() {
-        let b = BucketCell::new(1000, 10_000);
-        assert!(b.try_take(4000));
-        b.set_quota(1000, 10_000); // same quota, 4000 in flight > 1000
-        assert!(!b.in_debt());
-        assert_eq!(b.available_us(), 6000, "no tokens dropped");
-        b.set_quota(2000, 20_000); // raised, still below in flight
-        assert!(!b.in_debt());
-        assert_eq!(b.available_us(), 6000);
-        b.set_quota(1500, 15_000); // reduced below in flight: debt
-        assert!(b.in_debt());
+    fn a_shrink_drops_available_tokens_but_not_debt() {
+        let m = AdmissionMemory::create(16).unwrap();
+        let b = m.regions.bucket(GLOBAL);
+        b.give(500, 500);
+        assert_eq!(b.clamp_available(200), 300);
+        assert_eq!(b.drop_available(), 200);
         assert_eq!(b.available_us(), 0);
+        b.charge_debt(50, 100);
+        assert_eq!(b.drop_available(), 0);
+        assert_eq!(b.available_us(), -50);
+    }
+
+    #[test]
+    fn a_waiter_is_woken_by_a_give_from_another_thread() {
+        let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
+        let m2 = m.clone();
+        let pos = m.regions.bucket(GLOBAL).reserve(10);
+        let t = std::time::Instant::now();
+        let giver = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            m2.regions.bucket(GLOBAL).give(10, 100);
+        });
+        let b = m.regions.bucket(GLOBAL);
+        while !b.reached(pos) {
+            b.wait_for(pos, std::time::Duration::from_secs(5));
+        }
+        giver.join().unwrap();
+        let waited = t.elapsed();
+        assert!(waited >= std::time::Duration::from_millis(45) && waited < std::time::Duration::from_secs(2), "{waited:?}");
     }
 }

@@ -54,6 +54,9 @@ pub enum Refusal {
         inflight: u64,
         limit: u64,
     },
+    /// The client already holds as many tickets as its ledger records.
+    #[error("too many tickets: this client holds {limit}, its ledger's size")]
+    TooManyTickets { limit: u32 },
     /// Pending write bytes reached a threshold.
     #[error(
         "write bytes limited ({kind}): keyspace {keyspace} pending {pending_bytes} >= {threshold_bytes}"
@@ -75,6 +78,7 @@ impl Refusal {
             Refusal::GlobalCpuExhausted { .. } => "global_exhausted",
             Refusal::LowPriorityCpuExhausted { .. } => "low_priority_exhausted",
             Refusal::ConcurrencyLimited { .. } => TENANT_ADMISSION_CONTROL_MARKER,
+            Refusal::TooManyTickets { .. } => "too_many_tickets",
             Refusal::WriteBytesLimited {
                 kind: WriteLimitKind::GlobalLimit,
                 ..
@@ -86,25 +90,18 @@ impl Refusal {
         }
     }
 
+    /// True for refusals a wait in line can end (CPU tokens).
+    pub fn is_cpu(&self) -> bool {
+        matches!(
+            self,
+            Refusal::TenantCpuExhausted { .. }
+                | Refusal::KeyspaceCpuExhaustedNoBurst { .. }
+                | Refusal::GlobalCpuExhausted { .. }
+        )
+    }
+
     /// True for refusals caused by tenant admission control (see [`TENANT_ADMISSION_CONTROL_MARKER`]).
     pub fn is_tenant_admission_control(&self) -> bool {
         matches!(self, Refusal::ConcurrencyLimited { .. })
     }
-}
-
-/// A settings update was rejected; the policy keeps its previous settings.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum SettingsError {
-    /// A single value is out of range.
-    #[error("invalid value for {key}: {reason}")]
-    InvalidValue { key: &'static str, reason: String },
-    /// Tenant-cap mode (Essential) conflicts with another option.
-    #[error("tenant-max-cpu-ratio > 0 conflicts with {key}: {reason}")]
-    CapModeConflict {
-        key: &'static str,
-        reason: &'static str,
-    },
-    /// A restart-only key was changed online.
-    #[error("{key} cannot be changed online; update the static configuration and restart")]
-    RestartOnly { key: &'static str },
 }

@@ -3,17 +3,6 @@
 
 use std::collections::HashMap;
 
-use super::settings::Settings;
-
-/// The static estimate of a keyspace: its `keyspace-estimated-cpu-per-request-us` override, else
-/// `estimated-cpu-per-request-us`; at least 1 µs. The adaptive EMA starts from this value.
-pub fn static_estimate_us(s: &Settings, keyspace: u32) -> u64 {
-    s.keyspace_estimated_cpu_per_request_us
-        .get(&keyspace)
-        .copied()
-        .unwrap_or(s.estimated_cpu_per_request_us)
-        .max(1)
-}
 
 /// `alpha × sample + (1 − alpha) × prev`, rounded, at least 1 µs.
 pub fn ema(prev_us: u64, sample_us: u64, alpha: f64) -> u64 {
@@ -68,19 +57,6 @@ mod tests {
         assert_eq!(t.interval_mean(1, 3000, 3), Some(1000));
         assert_eq!(t.interval_mean(1, 3000, 3), None);
         assert_eq!(t.interval_mean(1, 9000, 5), Some(3000));
-    }
-
-    #[test]
-    fn static_estimate_prefers_the_override() {
-        let mut s = Settings {
-            estimated_cpu_per_request_us: 700,
-            ..Settings::default()
-        };
-        s.keyspace_estimated_cpu_per_request_us.insert(3, 5000);
-        assert_eq!(static_estimate_us(&s, 3), 5000);
-        assert_eq!(static_estimate_us(&s, 4), 700);
-        s.estimated_cpu_per_request_us = 0;
-        assert_eq!(static_estimate_us(&s, 4), 1, "never zero");
     }
 
     #[test]

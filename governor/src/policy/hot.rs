@@ -1,40 +1,102 @@
-//! Online changes: tenant cap ratio and idle TTL, keyspace quotas, whole-settings updates.
-//! Every update is validated first; a rejected update changes nothing.
+//! Online changes: a new settings value applied whole (from an accepted
+//! configuration update), and the narrow updates the seeds name.
+//!
+//! The configuration validates every change (ranges, the Essential
+//! profile's rules, restart-only keys) before it reaches here; this applies
+//! what changed and touches nothing else, so an unrelated change never
+//! disturbs busy buckets.
 
 use std::sync::atomic::Ordering;
 
-use super::error::SettingsError;
-use super::estimate::static_estimate_us;
-use super::grant::PolicyCounters;
 use super::keyspace::QuotaSource;
 use super::manager::Policy;
-use super::settings::{Settings, millicores_to_us_per_interval};
+use super::settings::Settings;
+use super::window::MonitorWindow;
+use crate::region::RegionError;
 
 impl Policy {
-    /// Hot update of `tenant-max-cpu-ratio`. > 0 recomputes every auto-created cap bucket (a
-    /// shrink below in-flight tokens puts it in debt); 0 removes them, so unknown keyspaces
-    /// revert to legacy skip-throttle.
-    pub fn set_tenant_max_cpu_ratio(&self, ratio: f64) -> Result<(), SettingsError> {
-        let mut next = self.settings();
+    /// Applies a whole new settings value at `now_us`.
+    ///
+    /// - `tenant-max-cpu-ratio`: > 0 resizes every cap bucket (a shrink below
+    ///   in-flight tokens puts it in debt); 0 removes them, so unknown
+    ///   keyspaces pass unthrottled again.
+    /// - Quotas, PD on or off: every keyspace's source is decided again; a
+    ///   PD quota does not outlive PD or the cap.
+    /// - Estimates, burst switches, write threshold, admission mode and
+    ///   limit, idle TTL: take effect at once.
+    /// - `window-size` / `stats-interval`: the monitor window is resized.
+    pub fn update_settings_at(&self, next: Settings, now_us: u64) -> Result<(), RegionError> {
+        let prev = std::mem::replace(&mut *self.lock_settings(), next.clone());
+        self.publish_knobs(&next);
+        let r = self.regions();
+        let mut e = self.engine();
+        if prev.window_size_us != next.window_size_us || prev.max_window_cpu_us() != next.max_window_cpu_us() {
+            let old = std::mem::replace(&mut e.window, MonitorWindow::new(next.window_size_us, next.max_window_cpu_us()));
+            e.window.take_samples_from(old);
+        }
+        if !next.enable_pd_service_limit || next.cap_mode() {
+            e.pd = Default::default();
+        }
+        // Every keyspace with a cell, and every configured one, decided again.
+        let mut ids: Vec<u32> = e.cells.iter().flatten().map(|st| st.id).collect();
+        ids.extend(next.keyspace_cpu_quotas_millicores.keys());
+        ids.sort_unstable();
+        ids.dedup();
+        for ks in ids {
+            let current = r.directory().find(ks).and_then(|(c, _)| e.cells[c as usize].as_ref()).map(|st| (st.source, st.book.base_refill_us));
+            let wanted = self.source_for(&e, &next, ks);
+            let changed = match (current, wanted) {
+                (None, None) => false,
+                (Some((src, base)), w) => src != w.map(|x| x.0) || w.is_some_and(|(_, us)| us != base),
+                (None, Some(_)) => true,
+            };
+            if changed {
+                self.set_source(&mut e, &next, ks, wanted, now_us)?;
+            }
+        }
+        for st in e.cells.iter_mut().flatten() {
+            st.burst_enabled = next.keyspace_burst_enabled.get(&st.id).copied().unwrap_or(true);
+            if prev.static_estimate_us(st.id) != next.static_estimate_us(st.id) {
+                st.estimate_us = next.static_estimate_us(st.id);
+            }
+            if !next.enable_burst {
+                st.burst_allowed = false;
+            }
+        }
+        for (c, st) in e.cells.iter().enumerate() {
+            if let (Some(st), Some((_, p))) = (st, r.keyspace_cell(c as u32)) {
+                p.estimate_us.store(st.estimate_us, Ordering::Relaxed);
+            }
+        }
+        if !next.enable_dynamic_adjustment {
+            e.global.refill_us = e.global.base_refill_us;
+        }
+        Ok(())
+    }
+
+    /// [`Policy::update_settings_at`] at the last refill's time.
+    pub fn update_settings(&self, next: Settings) -> Result<(), RegionError> {
+        let now = self.engine().last_refill_us;
+        self.update_settings_at(next, now)
+    }
+
+    /// Hot update of `tenant-max-cpu-ratio`.
+    pub fn set_tenant_max_cpu_ratio(&self, ratio: f64) -> Result<(), RegionError> {
+        let mut next = self.settings().clone();
         next.tenant_max_cpu_ratio = ratio;
         self.update_settings(next)
     }
 
     /// Hot update of `tenant-cap-idle-ttl`, µs; the next eviction scan uses it.
-    pub fn set_tenant_cap_idle_ttl_us(&self, ttl_us: u64) -> Result<(), SettingsError> {
-        let mut next = self.settings();
+    pub fn set_tenant_cap_idle_ttl_us(&self, ttl_us: u64) -> Result<(), RegionError> {
+        let mut next = self.settings().clone();
         next.tenant_cap_idle_ttl_us = ttl_us;
         self.update_settings(next)
     }
 
     /// Sets (or with `None` removes) a configured keyspace quota in millicores.
-    pub fn set_keyspace_quota_millicores(
-        &self,
-        keyspace: u32,
-        millicores: Option<u64>,
-        now_us: u64,
-    ) -> Result<(), SettingsError> {
-        let mut next = self.settings();
+    pub fn set_keyspace_quota_millicores(&self, keyspace: u32, millicores: Option<u64>, now_us: u64) -> Result<(), RegionError> {
+        let mut next = self.settings().clone();
         match millicores {
             Some(mc) => next.keyspace_cpu_quotas_millicores.insert(keyspace, mc),
             None => next.keyspace_cpu_quotas_millicores.remove(&keyspace),
@@ -42,110 +104,13 @@ impl Policy {
         self.update_settings_at(next, now_us)
     }
 
-    /// Applies a whole new settings value (online config change), at clock 0 for new buckets'
-    /// idle timestamps. See [`Policy::update_settings_at`].
-    pub fn update_settings(&self, next: Settings) -> Result<(), SettingsError> {
-        let now = self.agent.lock().expect("agent lock").last_refill_us;
-        self.update_settings_at(next, now)
-    }
-
-    /// Applies a whole new settings value. Restart-only keys must be unchanged and the
-    /// cross-field rules must hold, otherwise nothing changes.
-    pub fn update_settings_at(&self, next: Settings, now_us: u64) -> Result<(), SettingsError> {
-        let mut guard = self.settings.lock().expect("settings lock");
-        guard.check_online_change(&next)?;
-        let prev = std::mem::replace(&mut *guard, next.clone());
-        drop(guard);
-        self.store_knobs(&next);
-
-        // Tenant cap buckets: recomputed only when the cap itself changed, so an unrelated
-        // online change (admission mode, write threshold, ...) never touches busy buckets.
-        let prev_cap = prev.tenant_cap_refill_us(prev.tenant_max_cpu_ratio);
-        match next.tenant_cap_refill_us(next.tenant_max_cpu_ratio) {
-            Some(cap) if prev_cap == Some(cap) => {}
-            Some(cap) => {
-                let capacity = next.capacity_for(cap);
-                for e in self
-                    .keyspaces
-                    .iter()
-                    .filter(|e| e.source() == QuotaSource::TenantCap)
-                {
-                    e.bucket.set_quota(cap, capacity);
-                }
-            }
-            None => {
-                let removed = self.remove_where(|src| src == QuotaSource::TenantCap);
-                for _ in 0..removed {
-                    PolicyCounters::inc(&self.counters.cap_buckets_evicted);
-                }
-            }
-        }
-
-        // Configured quotas (PD-sourced buckets are left to the PD path unless config wins).
-        for (&ks, &mc) in &next.keyspace_cpu_quotas_millicores {
-            let us = millicores_to_us_per_interval(mc, next.refill_interval_us);
-            let pd_owned = self
-                .keyspace(ks)
-                .is_some_and(|e| e.source() == QuotaSource::Pd)
-                && next.pd_override_config;
-            let changed = prev.keyspace_cpu_quotas_millicores.get(&ks) != Some(&mc);
-            if (!pd_owned && changed) || self.keyspace(ks).is_none() {
-                self.upsert_quota(ks, us, QuotaSource::Config, &next, now_us);
-            }
-        }
-        for ks in prev.keyspace_cpu_quotas_millicores.keys() {
-            if !next.keyspace_cpu_quotas_millicores.contains_key(ks) {
-                self.remove_keyspace_if(*ks, |e| e.source() == QuotaSource::Config);
-            }
-        }
-
-        // Per-keyspace static knobs.
-        for e in self.keyspaces.iter() {
-            let ks = e.id();
-            e.set_burst_enabled(
-                next.keyspace_burst_enabled
-                    .get(&ks)
-                    .copied()
-                    .unwrap_or(true),
-            );
-            if prev.keyspace_estimated_cpu_per_request_us.get(&ks)
-                != next.keyspace_estimated_cpu_per_request_us.get(&ks)
-                || prev.estimated_cpu_per_request_us != next.estimated_cpu_per_request_us
-            {
-                let est = static_estimate_us(&next, ks);
-                e.set_estimate_us(est);
-            }
-            if !next.enable_burst {
-                e.set_burst_allowed(false);
-            }
-        }
-
-        self.writes
-            .set_global_threshold(next.pending_write_threshold_bytes);
-        self.admission.set_mode(next.admission_mode);
-        self.admission
-            .set_max_concurrent_per_tenant(next.max_concurrent_per_tenant);
-        if !next.enable_dynamic_adjustment {
-            self.global.set_refill(self.global.base_refill_us());
-        }
-        Ok(())
-    }
-
-    /// Removes every keyspace whose quota source matches. Returns how many.
-    pub(crate) fn remove_where(&self, pred: impl Fn(QuotaSource) -> bool) -> usize {
-        let ids: Vec<u32> = self
-            .keyspaces
-            .iter()
-            .filter(|e| pred(e.source()))
-            .map(|e| e.id())
-            .collect();
-        ids.into_iter()
-            .filter(|&ks| self.remove_keyspace_if(ks, |e| pred(e.source())))
-            .count()
-    }
-
     /// Current idle TTL of tenant-cap buckets, µs.
     pub fn tenant_cap_idle_ttl_us(&self) -> u64 {
-        self.knobs.cap_idle_ttl_us.load(Ordering::Relaxed)
+        self.settings().tenant_cap_idle_ttl_us
+    }
+
+    /// Keyspaces whose bucket comes from `source`.
+    pub fn keyspaces_from(&self, source: QuotaSource) -> Vec<u32> {
+        self.engine().cells.iter().flatten().filter(|st| st.source == Some(source)).map(|st| st.id).collect()
     }
 }

@@ -1,39 +1,12 @@
-//! One keyspace's policy state: its bucket plus the atomics the agent publishes to the fast path
-//! (estimate, burst flag, ratio) and the counters the fast path feeds back (requests, consumption,
-//! refusals by reason). Everything is an atomic so allocate/release never take a lock.
+//! One keyspace cell as the agent keeps it: where its quota comes from, its
+//! rates, its debt mode, what it last published; and the read-only views of
+//! a bucket ([`BucketSnapshot`]) and a keyspace ([`KeyspaceEntry`]) handed to
+//! status, metrics and tests.
 
-use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-
-use dashmap::DashMap;
+use governor_common::admission::counter as c;
 use serde::Serialize;
 
-use super::bucket::BucketCell;
-
-/// Multiplicative hash for `u32` keyspace ids: one multiply, no SipHash on the fast path.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.0 = (v as u64 ^ 0x9e37_79b9).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// Resolution of `last_used_us`, µs (1 ms).
-pub const TOUCH_GRANULARITY_US: u64 = 1_000;
-
-/// Keyspace id → entry. One lookup per allocate; grants keep the `Arc`, so release needs none.
-pub type KeyspaceTable = DashMap<u32, Arc<KeyspaceEntry>, BuildHasherDefault<IdHasher>>;
+use crate::region::BucketView;
 
 /// Where a keyspace's quota comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -43,140 +16,215 @@ pub enum QuotaSource {
     Config,
     /// Proportional share of PD service limits.
     Pd,
-    /// Auto-created on first request in tenant-cap mode (uniform cap).
+    /// Uniform tenant cap, given on first use in tenant-cap mode.
     TenantCap,
 }
 
-impl QuotaSource {
-    fn to_u8(self) -> u8 {
-        match self {
-            QuotaSource::Config => 0,
-            QuotaSource::Pd => 1,
-            QuotaSource::TenantCap => 2,
+/// The agent's record of one bucket: its rates and what it added and
+/// dropped (the clients' side is in the shared cell's counters).
+#[derive(Debug, Clone, Default)]
+pub struct BucketBook {
+    /// Tokens per refill interval from the quota source, µs.
+    pub base_refill_us: u64,
+    /// Tokens per refill interval now (after dynamic or fair adjustment), µs.
+    pub refill_us: u64,
+    pub capacity_us: u64,
+    pub max_debt_us: u64,
+    /// A quota shrink left more in flight than the new quota: no refill
+    /// until it drains.
+    pub debt_mode: bool,
+    /// Tokens the agent added (fills and refills, before clamping), µs.
+    pub refilled_us: u64,
+    /// Tokens the agent dropped (capacity clamps, shrinks), µs.
+    pub discarded_us: u64,
+    /// The bucket's `tail_us` when this holder got the cell.
+    pub tail_base_us: u64,
+}
+
+/// The agent's record of one keyspace cell.
+#[derive(Debug, Clone)]
+pub struct KeyspaceState {
+    pub id: u32,
+    pub generation: u64,
+    /// `None`: the cell serves measurement and request limits only; the
+    /// keyspace passes the CPU check unthrottled.
+    pub source: Option<QuotaSource>,
+    pub book: BucketBook,
+    pub estimate_us: u64,
+    pub burst_enabled: bool,
+    pub burst_allowed: bool,
+    /// Keyspace ratio of the monitor window.
+    pub ratio: f64,
+    pub fair_allocations: u64,
+    /// Last use the agent saw (an acquire, or CPU charged), µs.
+    pub last_used_us: u64,
+}
+
+/// A plain copy of one bucket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct BucketSnapshot {
+    pub available_us: i64,
+    pub capacity_us: i64,
+    pub refill_us: u64,
+    pub base_refill_us: u64,
+    pub inflight_us: u64,
+    pub in_debt: bool,
+    pub taken_total_us: u64,
+    pub refunded_total_us: u64,
+    pub debt_total_us: u64,
+    pub refilled_total_us: u64,
+    pub discarded_total_us: u64,
+    pub refused_total: u64,
+}
+
+impl BucketSnapshot {
+    /// Reads the shared cell with the agent's record of it.
+    pub fn of(b: &BucketView, book: &BucketBook) -> BucketSnapshot {
+        let tail = b.tail_us.load(std::sync::atomic::Ordering::Acquire);
+        let debt = b.counter(c::DEBT_US);
+        BucketSnapshot {
+            available_us: b.available_us(),
+            capacity_us: i64::try_from(book.capacity_us).unwrap_or(i64::MAX),
+            refill_us: book.refill_us,
+            base_refill_us: book.base_refill_us,
+            inflight_us: b.inflight_us.load(std::sync::atomic::Ordering::Acquire),
+            in_debt: book.debt_mode,
+            taken_total_us: tail.wrapping_sub(book.tail_base_us).wrapping_sub(debt),
+            refunded_total_us: b.counter(c::REFUNDED_US),
+            debt_total_us: debt,
+            refilled_total_us: book.refilled_us,
+            discarded_total_us: book.discarded_us + b.counter(c::DISCARDED_US),
+            refused_total: [c::REFUSED_CAP, c::REFUSED_QUOTA, c::REFUSED_GLOBAL].iter().map(|&i| b.counter(i)).sum(),
         }
     }
-    fn from_u8(v: u8) -> Self {
-        match v {
-            1 => QuotaSource::Pd,
-            2 => QuotaSource::TenantCap,
-            _ => QuotaSource::Config,
-        }
+
+    /// `refilled − taken + refunded − debt − discarded`; equals `available_us`
+    /// when every token movement was recorded.
+    pub fn ledger_available_us(&self) -> i64 {
+        (self.refilled_total_us as i64)
+            .wrapping_sub(self.taken_total_us as i64)
+            .wrapping_add(self.refunded_total_us as i64)
+            .wrapping_sub(self.debt_total_us as i64)
+            .wrapping_sub(self.discarded_total_us as i64)
+    }
+
+    // Accessors named as the fields, so a snapshot reads like a bucket.
+    pub fn available_us(&self) -> i64 {
+        self.available_us
+    }
+    pub fn capacity_us(&self) -> i64 {
+        self.capacity_us
+    }
+    pub fn refill_us(&self) -> u64 {
+        self.refill_us
+    }
+    pub fn base_refill_us(&self) -> u64 {
+        self.base_refill_us
+    }
+    pub fn inflight_us(&self) -> u64 {
+        self.inflight_us
+    }
+    pub fn in_debt(&self) -> bool {
+        self.in_debt
+    }
+    pub fn snapshot(&self) -> BucketSnapshot {
+        *self
     }
 }
 
-/// Per-keyspace counters, by outcome.
-#[derive(Debug, Default)]
+/// Counters of one keyspace, by outcome.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct KeyspaceCounters {
-    pub granted: AtomicU64,
-    pub refused_keyspace: AtomicU64,
-    pub refused_global: AtomicU64,
-    pub burst_granted: AtomicU64,
-    pub burst_tokens_us: AtomicU64,
-    pub topups_granted: AtomicU64,
-    pub topups_refused: AtomicU64,
-    pub fair_allocations: AtomicU64,
-    /// Estimated µs asked for by allocate calls (granted or not): the demand signal.
-    pub demand_us: AtomicU64,
-    /// Measured µs of released requests.
-    pub consumed_us: AtomicU64,
-    /// Released requests (denominator of the adaptive estimate).
-    pub released: AtomicU64,
+    pub granted: u64,
+    pub refused_keyspace: u64,
+    pub refused_global: u64,
+    pub refused_write: u64,
+    pub refused_concurrency: u64,
+    pub monitor_breaches: u64,
+    pub burst_granted: u64,
+    pub burst_tokens_us: u64,
+    pub topups_granted: u64,
+    pub topups_refused: u64,
+    pub consumed_us: u64,
+    pub released: u64,
+    pub demand_us: u64,
+    pub waited: u64,
+    pub wait_us: u64,
+    pub fail_open: u64,
+    pub debt_forgiven_us: u64,
+    pub reclaimed: u64,
 }
 
-/// A keyspace's bucket and published state.
-#[derive(Debug)]
+impl KeyspaceCounters {
+    pub fn of(b: &BucketView) -> KeyspaceCounters {
+        KeyspaceCounters {
+            granted: b.counter(c::GRANTED),
+            refused_keyspace: b.counter(c::REFUSED_CAP) + b.counter(c::REFUSED_QUOTA),
+            refused_global: b.counter(c::REFUSED_GLOBAL),
+            refused_write: b.counter(c::REFUSED_WRITE_KEYSPACE) + b.counter(c::REFUSED_WRITE_GLOBAL),
+            refused_concurrency: b.counter(c::REFUSED_CONCURRENCY),
+            monitor_breaches: b.counter(c::MONITOR_BREACHES),
+            burst_granted: b.counter(c::BURST_GRANTED),
+            burst_tokens_us: b.counter(c::BURST_US),
+            topups_granted: b.counter(c::TOPUP_GRANTED),
+            topups_refused: b.counter(c::TOPUP_REFUSED),
+            consumed_us: b.counter(c::CONSUMED_US),
+            released: b.counter(c::RELEASED),
+            demand_us: b.counter(c::DEMAND_US),
+            waited: b.counter(c::WAITED),
+            wait_us: b.counter(c::WAIT_US),
+            fail_open: b.counter(c::FAIL_OPEN),
+            debt_forgiven_us: b.counter(c::DEBT_FORGIVEN_US),
+            reclaimed: b.counter(c::RECLAIMED),
+        }
+    }
+}
+
+/// A keyspace with a bucket, as of the moment it was read.
+#[derive(Debug, Clone)]
 pub struct KeyspaceEntry {
-    id: u32,
-    pub(crate) bucket: BucketCell,
-    source: AtomicU8,
-    /// Current per-request estimate, µs (static, override or EMA).
-    estimate_us: AtomicU64,
-    /// Per-keyspace `keyspace-burst-enabled`.
-    burst_enabled: AtomicBool,
-    /// Published each stats interval: burst conditions hold for this keyspace.
-    burst_allowed: AtomicBool,
-    /// Keyspace ratio of the monitor window (f64 bits).
-    ratio_bits: AtomicU64,
-    /// Last allocate call, µs of the simulated clock (idle eviction).
-    last_used_us: AtomicU64,
+    pub(crate) state: KeyspaceState,
+    pub(crate) cell: u32,
+    pub(crate) bucket: BucketSnapshot,
     pub(crate) counters: KeyspaceCounters,
 }
 
 impl KeyspaceEntry {
-    pub(crate) fn new(
-        id: u32,
-        source: QuotaSource,
-        refill_us: u64,
-        capacity_us: u64,
-        estimate_us: u64,
-        burst_enabled: bool,
-        now_us: u64,
-    ) -> Self {
-        KeyspaceEntry {
-            id,
-            bucket: BucketCell::new(refill_us, capacity_us),
-            source: AtomicU8::new(source.to_u8()),
-            estimate_us: AtomicU64::new(estimate_us),
-            burst_enabled: AtomicBool::new(burst_enabled),
-            burst_allowed: AtomicBool::new(false),
-            ratio_bits: AtomicU64::new(0f64.to_bits()),
-            last_used_us: AtomicU64::new(now_us),
-            counters: KeyspaceCounters::default(),
-        }
+    pub(crate) fn read(state: &KeyspaceState, cell: u32, b: &BucketView) -> KeyspaceEntry {
+        KeyspaceEntry { state: state.clone(), cell, bucket: BucketSnapshot::of(b, &state.book), counters: KeyspaceCounters::of(b) }
     }
 
     pub fn id(&self) -> u32 {
-        self.id
+        self.state.id
     }
-    pub fn bucket(&self) -> &BucketCell {
-        &self.bucket
+    pub fn cell(&self) -> u32 {
+        self.cell
     }
     pub fn source(&self) -> QuotaSource {
-        QuotaSource::from_u8(self.source.load(Ordering::Acquire))
+        self.state.source.unwrap_or(QuotaSource::Config)
     }
-    pub(crate) fn set_source(&self, s: QuotaSource) {
-        self.source.store(s.to_u8(), Ordering::Release);
+    pub fn bucket(&self) -> &BucketSnapshot {
+        &self.bucket
     }
     pub fn estimate_us(&self) -> u64 {
-        self.estimate_us.load(Ordering::Relaxed)
-    }
-    pub(crate) fn set_estimate_us(&self, v: u64) {
-        self.estimate_us.store(v.max(1), Ordering::Relaxed);
+        self.state.estimate_us
     }
     pub fn burst_enabled(&self) -> bool {
-        self.burst_enabled.load(Ordering::Relaxed)
-    }
-    pub(crate) fn set_burst_enabled(&self, v: bool) {
-        self.burst_enabled.store(v, Ordering::Relaxed);
+        self.state.burst_enabled
     }
     pub fn burst_allowed(&self) -> bool {
-        self.burst_allowed.load(Ordering::Relaxed)
-    }
-    pub(crate) fn set_burst_allowed(&self, v: bool) {
-        self.burst_allowed.store(v, Ordering::Relaxed);
+        self.state.burst_allowed
     }
     pub fn ratio(&self) -> f64 {
-        f64::from_bits(self.ratio_bits.load(Ordering::Relaxed))
-    }
-    pub(crate) fn set_ratio(&self, r: f64) {
-        self.ratio_bits.store(r.to_bits(), Ordering::Relaxed);
+        self.state.ratio
     }
     pub fn last_used_us(&self) -> u64 {
-        self.last_used_us.load(Ordering::Relaxed)
-    }
-    /// Records use at `now_us`. Only idle eviction (TTL of minutes) reads it, so it is written
-    /// at most once per [`TOUCH_GRANULARITY_US`] to keep a shared store off the fast path.
-    pub(crate) fn touch(&self, now_us: u64) {
-        if self
-            .last_used_us
-            .load(Ordering::Relaxed)
-            .saturating_add(TOUCH_GRANULARITY_US)
-            <= now_us
-        {
-            self.last_used_us.fetch_max(now_us, Ordering::Relaxed);
-        }
+        self.state.last_used_us
     }
     pub fn counters(&self) -> &KeyspaceCounters {
         &self.counters
+    }
+    pub fn fair_allocations(&self) -> u64 {
+        self.state.fair_allocations
     }
 }

@@ -1,364 +1,357 @@
-//! [`Policy`]: the bucket set and the fast path (allocate, top-up, release).
-//!
-//! Allocation order (tenant-cpu-cap.md §3.2): keyspace (tenant) bucket, then global bucket, with
-//! rollback of the tenant tokens when the global bucket refuses. When the tenant bucket refuses,
-//! a quota'd keyspace may burst on global tokens (never in tenant-cap mode). The fast path does one
-//! table lookup (a sharded-map read; a grant keeps its entry, so release and top-up do none), a
-//! few CAS operations on the buckets' plain atomics and counter increments: no allocation (except
-//! the first request of a keyspace in tenant-cap mode), no mutex, no clock read. The token
-//! operations themselves (take, refund, charge debt) are lock-free on [`BucketCell`]. The agent
-//! side lives in `agent.rs`.
+//! [`Policy`]: the agent's side of admission. It owns the admission regions
+//! (header, buckets, parameters and directory), decides every bucket's
+//! source, rate and capacity, and publishes them; the fast path that takes
+//! and returns tokens ([`super::admit`]) runs in whichever process admits a
+//! request, on the same memory. `allocate`/`release` here run that same fast
+//! path for the agent's own use and for tests.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Mutex, MutexGuard};
 
-use super::agent::AgentState;
-use super::bucket::BucketCell;
-use super::error::{Refusal, SettingsError};
-use super::estimate::static_estimate_us;
-use super::grant::{Grant, PolicyCounters};
-use super::keyspace::{KeyspaceEntry, KeyspaceTable, QuotaSource};
-use super::settings::{Settings, millicores_to_us_per_interval};
-use super::{admission::TenantAdmission, write_quota::PendingWrites};
+use governor_common::admission::{
+    counter, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_CAP_MODE, KNOB_ENABLED,
+    KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ENABLED, P_CAP, P_SHRINK_DEBT,
+    P_THROTTLED,
+};
 
-/// Settings the fast path reads, as atomics (hot-updatable without locks).
-#[derive(Debug, Default)]
-pub(crate) struct Knobs {
-    pub enforce_global: AtomicBool,
-    pub enable_burst: AtomicBool,
-    pub runtime_token_management: AtomicBool,
-    pub low_priority_enabled: AtomicBool,
-    /// Count requested µs per keyspace (the demand input of fair allocation).
-    pub track_demand: AtomicBool,
-    pub default_estimate_us: AtomicU64,
-    /// `tenant-max-cpu-ratio` (f64 bits).
-    pub cap_ratio_bits: AtomicU64,
-    /// Uniform cap per refill interval, µs; 0 = cap mode off.
-    pub cap_refill_us: AtomicU64,
-    pub cap_capacity_us: AtomicU64,
-    pub cap_idle_ttl_us: AtomicU64,
-    /// Global ratio of the monitor window (f64 bits).
-    pub global_ratio_bits: AtomicU64,
-    /// Simulated time of the next refill boundary, µs (where a refused caller should retry).
-    pub next_refill_at_us: AtomicU64,
+use super::admit::{self, Demand, Grant};
+use super::error::Refusal;
+use super::estimate::EstimateTracker;
+use super::keyspace::{BucketBook, KeyspaceState, QuotaSource};
+use super::pd::PdTracker;
+use super::settings::{millicores_to_us_per_interval, Settings};
+use super::window::MonitorWindow;
+use super::AdmissionMode;
+use crate::region::{AdmissionMemory, AdmissionRegions, ParamsView, RegionError, GLOBAL, LOW_PRIORITY};
+
+/// Keyspace cells of a policy built by [`Policy::new`].
+pub const DEFAULT_CELLS: u32 = governor_common::DEFAULT_MAX_KEYSPACES;
+
+/// The agent-side state, behind one mutex the fast path never takes.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    /// By keyspace cell.
+    pub cells: Vec<Option<KeyspaceState>>,
+    pub global: BucketBook,
+    pub low_priority: BucketBook,
+    pub last_refill_us: u64,
+    pub next_refill_at_us: u64,
+    pub window: MonitorWindow,
+    pub estimates: EstimateTracker,
+    pub pd: PdTracker,
+    /// DEMAND_US of each cell at the previous observation.
+    pub last_demand: HashMap<u32, u64>,
+    pub last_observe_us: u64,
+    pub fair_active: bool,
+    pub global_ratio: f64,
+    pub cap_buckets_created: u64,
+    pub cap_buckets_evicted: u64,
+    /// Counters of cells given up, so node-wide totals never go backwards.
+    pub retired: [u64; counter::COUNT],
 }
 
-/// The policy engine. Share it (`Arc<Policy>`): the fast path takes `&self` on any thread; the
-/// agent loop calls [`Policy::tick`] from one thread.
-#[derive(Debug)]
+/// The policy engine. The fast path runs on any thread (and in other
+/// processes, on the same memory); `tick` and the updates come from the
+/// agent's loop.
 pub struct Policy {
+    pub(crate) memory: AdmissionMemory,
     pub(crate) settings: Mutex<Settings>,
-    pub(crate) knobs: Knobs,
-    pub(crate) global: BucketCell,
-    pub(crate) low_priority: BucketCell,
-    /// Burst tokens left this refill interval (≤ one global refill), µs.
-    pub(crate) burst_budget_us: AtomicI64,
-    pub(crate) keyspaces: KeyspaceTable,
-    pub(crate) counters: PolicyCounters,
-    pub(crate) writes: PendingWrites,
-    pub(crate) admission: TenantAdmission,
-    pub(crate) agent: Mutex<AgentState>,
+    pub(crate) engine: Mutex<Engine>,
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy").field("settings", &self.settings()).finish_non_exhaustive()
+    }
 }
 
 impl Policy {
-    /// Builds the policy from validated settings. Buckets start full; the simulated clock starts
-    /// at `now_us`.
-    pub fn new(settings: Settings, now_us: u64) -> Result<Policy, SettingsError> {
-        settings.validate()?;
-        let global_refill = settings.global_refill_us();
-        let low_refill = settings.low_priority_refill_us();
-        let policy = Policy {
-            knobs: Knobs::default(),
-            global: BucketCell::new(global_refill, settings.capacity_for(global_refill)),
-            low_priority: BucketCell::new(low_refill, settings.capacity_for(low_refill)),
-            burst_budget_us: AtomicI64::new(global_refill as i64),
-            keyspaces: KeyspaceTable::default(),
-            counters: PolicyCounters::default(),
-            writes: PendingWrites::new(settings.pending_write_threshold_bytes),
-            admission: TenantAdmission::new(
-                settings.admission_mode,
-                settings.max_concurrent_per_tenant,
-            ),
-            agent: Mutex::new(AgentState::new(&settings, now_us)),
-            settings: Mutex::new(settings.clone()),
+    /// A policy on fresh admission regions of [`DEFAULT_CELLS`] keyspace
+    /// cells. Buckets start full; the simulated clock starts at `now_us`.
+    pub fn new(settings: Settings, now_us: u64) -> Result<Policy, RegionError> {
+        Self::with_cells(settings, DEFAULT_CELLS, now_us)
+    }
+
+    /// A policy on fresh admission regions of `cells` keyspace cells (a power
+    /// of two).
+    pub fn with_cells(settings: Settings, cells: u32, now_us: u64) -> Result<Policy, RegionError> {
+        let memory = AdmissionMemory::create(cells)?;
+        let engine = Engine {
+            cells: vec![None; cells as usize],
+            global: BucketBook::default(),
+            low_priority: BucketBook::default(),
+            last_refill_us: now_us,
+            next_refill_at_us: now_us + settings.refill_interval_us,
+            window: MonitorWindow::new(settings.window_size_us, settings.max_window_cpu_us()),
+            estimates: EstimateTracker::default(),
+            pd: PdTracker::default(),
+            last_demand: HashMap::new(),
+            last_observe_us: now_us,
+            fair_active: false,
+            global_ratio: 0.0,
+            cap_buckets_created: 0,
+            cap_buckets_evicted: 0,
+            retired: [0; counter::COUNT],
         };
-        policy.store_knobs(&settings);
-        policy
-            .knobs
-            .next_refill_at_us
-            .store(now_us + settings.refill_interval_us, Ordering::Release);
-        for (&ks, &mc) in &settings.keyspace_cpu_quotas_millicores {
-            policy.upsert_quota(
-                ks,
-                millicores_to_us_per_interval(mc, settings.refill_interval_us),
-                QuotaSource::Config,
-                &settings,
-                now_us,
-            );
+        let p = Policy { memory, settings: Mutex::new(settings.clone()), engine: Mutex::new(engine) };
+        let a = p.regions().header().agent.instance.load(Ordering::Relaxed);
+        debug_assert_eq!(a, 0);
+        p.regions().header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
+        {
+            let mut e = p.engine();
+            p.publish_knobs(&settings);
+            p.setup_node_buckets(&mut e, &settings);
+            for (&ks, &mc) in &settings.keyspace_cpu_quotas_millicores {
+                let us = millicores_to_us_per_interval(mc, settings.refill_interval_us);
+                p.set_source(&mut e, &settings, ks, Some((QuotaSource::Config, us)), now_us)?;
+            }
         }
-        Ok(policy)
+        Ok(p)
     }
 
-    pub(crate) fn store_knobs(&self, s: &Settings) {
-        let k = &self.knobs;
-        k.enforce_global
-            .store(s.enforce_global_limit, Ordering::Release);
-        k.enable_burst.store(
-            s.enable_burst && s.tenant_max_cpu_ratio <= 0.0,
-            Ordering::Release,
-        );
-        k.runtime_token_management
-            .store(s.enable_runtime_token_management, Ordering::Release);
-        k.low_priority_enabled
-            .store(s.low_priority_dag_global_enabled, Ordering::Release);
-        k.track_demand
-            .store(s.enable_fair_allocation, Ordering::Release);
-        k.default_estimate_us
-            .store(s.estimated_cpu_per_request_us.max(1), Ordering::Release);
-        k.cap_ratio_bits
-            .store(s.tenant_max_cpu_ratio.to_bits(), Ordering::Release);
-        let cap = s.tenant_cap_refill_us(s.tenant_max_cpu_ratio).unwrap_or(0);
-        k.cap_refill_us.store(cap, Ordering::Release);
-        k.cap_capacity_us
-            .store(s.capacity_for(cap), Ordering::Release);
-        k.cap_idle_ttl_us
-            .store(s.tenant_cap_idle_ttl_us, Ordering::Release);
+    pub(crate) fn engine(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Creates or updates a keyspace bucket with `refill_us` per interval (capacity from the burst
-    /// window). Shrinking below what is in flight puts the bucket in debt.
-    pub(crate) fn upsert_quota(
+    /// A copy of the running settings.
+    pub fn settings(&self) -> Settings {
+        self.lock_settings().clone()
+    }
+
+    pub(crate) fn lock_settings(&self) -> MutexGuard<'_, Settings> {
+        self.settings.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The shared regions this policy publishes into.
+    pub fn regions(&self) -> &AdmissionRegions {
+        &self.memory.regions
+    }
+
+    /// The descriptors behind them (header, buckets, parameters).
+    pub fn memory(&self) -> &AdmissionMemory {
+        &self.memory
+    }
+
+    /// The settings the fast path reads, published in the header.
+    pub(crate) fn publish_knobs(&self, s: &Settings) {
+        let k = &self.regions().header().knobs;
+        let cap = s.cap_mode();
+        let mut flags = 0;
+        for (on, f) in [
+            (s.enabled, KNOB_ENABLED),
+            (s.throttle_enabled, KNOB_THROTTLE),
+            (s.enforce_global_limit || cap, KNOB_ENFORCE_GLOBAL),
+            (s.enable_burst && !cap, KNOB_BURST),
+            (s.enable_runtime_token_management, KNOB_RUNTIME_TOPUP),
+            (cap, KNOB_CAP_MODE),
+            (s.enable_fair_allocation, KNOB_TRACK_DEMAND),
+            (s.admission_mode == AdmissionMode::Monitor, KNOB_ADMISSION_MONITOR),
+            (s.admission_mode == AdmissionMode::Enforced, KNOB_ADMISSION_ENFORCED),
+        ] {
+            if on {
+                flags |= f;
+            }
+        }
+        k.refill_interval_us.store(s.refill_interval_us, Ordering::Relaxed);
+        k.default_estimate_us.store(s.estimated_cpu_per_request_us.max(1), Ordering::Relaxed);
+        k.topup_threshold_milli.store((s.additional_allocation_threshold * 1000.0) as u64, Ordering::Relaxed);
+        k.per_allocation_us.store(s.per_allocation_us, Ordering::Relaxed);
+        k.runtime_check_interval_us.store(s.runtime_check_interval_us, Ordering::Relaxed);
+        k.pending_write_threshold.store(s.pending_write_threshold_bytes, Ordering::Relaxed);
+        k.max_concurrent_per_tenant.store(s.max_concurrent_per_tenant, Ordering::Relaxed);
+        k.flags.store(flags, Ordering::Release);
+    }
+
+    /// Writes a bucket's rates into its parameters.
+    pub(crate) fn publish_book(p: &ParamsView, book: &BucketBook) {
+        p.capacity_us.store(book.capacity_us, Ordering::Relaxed);
+        p.refill_us.store(book.refill_us, Ordering::Relaxed);
+        p.max_debt_us.store(book.max_debt_us, Ordering::Relaxed);
+        let f = p.flags.load(Ordering::Relaxed);
+        let f = if book.debt_mode { f | P_SHRINK_DEBT } else { f & !P_SHRINK_DEBT };
+        p.flags.store(f, Ordering::Release);
+    }
+
+    /// Sizes the global and low-priority buckets and fills them.
+    fn setup_node_buckets(&self, e: &mut Engine, s: &Settings) {
+        let r = self.regions();
+        for (i, refill, book, on) in [
+            (GLOBAL, s.global_refill_us(), &mut e.global, true),
+            (LOW_PRIORITY, s.low_priority_refill_us(), &mut e.low_priority, s.low_priority_dag_global_enabled),
+        ] {
+            let capacity = s.capacity_for(refill);
+            let fill = capacity.saturating_sub(book.capacity_us);
+            *book = BucketBook {
+                base_refill_us: refill,
+                refill_us: refill,
+                capacity_us: capacity,
+                max_debt_us: s.max_debt_for(refill),
+                refilled_us: book.refilled_us + fill,
+                ..*book
+            };
+            let p = r.params.get(i).expect("node bucket parameters");
+            p.flags.store(if on { P_THROTTLED } else { 0 }, Ordering::Relaxed);
+            Self::publish_book(p, book);
+            let b = r.bucket(i);
+            let kept = b.give(fill, capacity);
+            book.discarded_us += fill - kept;
+        }
+        r.bucket(GLOBAL).burst_budget_us.store(e.global.refill_us as i64, Ordering::Release);
+    }
+
+    /// The cell of `keyspace`, giving it one (with the bucket its settings
+    /// call for) when it has none. Returns (cell, generation).
+    pub fn ensure_keyspace(&self, keyspace: u32, now_us: u64) -> Result<(u32, u64), RegionError> {
+        if let Some(found) = self.regions().directory().find(keyspace) {
+            return Ok(found);
+        }
+        let s = self.settings();
+        let mut e = self.engine();
+        let source = self.source_for(&e, &s, keyspace);
+        self.set_source(&mut e, &s, keyspace, source, now_us)
+    }
+
+    /// What bucket `keyspace` gets by the settings: its configured (or PD)
+    /// quota, the uniform cap, or none.
+    pub(crate) fn source_for(&self, e: &Engine, s: &Settings, keyspace: u32) -> Option<(QuotaSource, u64)> {
+        let cfg = s.keyspace_cpu_quotas_millicores.get(&keyspace).map(|&mc| millicores_to_us_per_interval(mc, s.refill_interval_us));
+        let pd = if s.enable_pd_service_limit { e.pd.applied_us(keyspace) } else { None };
+        match (s.tenant_cap_refill_us(s.tenant_max_cpu_ratio), pd, cfg) {
+            (Some(cap), _, _) => Some((QuotaSource::TenantCap, cap)),
+            (None, Some(pd), Some(_)) if s.pd_override_config => Some((QuotaSource::Pd, pd)),
+            (None, _, Some(cfg)) => Some((QuotaSource::Config, cfg)),
+            (None, Some(pd), None) => Some((QuotaSource::Pd, pd)),
+            (None, None, None) => None,
+        }
+    }
+
+    /// Gives `keyspace` a cell if needed and sets where its quota comes from
+    /// (`None`: no bucket). A quota reduced below what is in flight puts the
+    /// bucket in debt: no tokens, no refill, refunds kept back, until
+    /// in-flight drains to the new quota (the seed's rule is about shrinks
+    /// only).
+    pub(crate) fn set_source(
         &self,
-        ks: u32,
-        refill_us: u64,
-        source: QuotaSource,
+        e: &mut Engine,
         s: &Settings,
-        now_us: u64,
-    ) {
-        let capacity = s.capacity_for(refill_us);
-        if let Some(e) = self.keyspaces.get(&ks) {
-            e.bucket.set_quota(refill_us, capacity);
-            e.set_source(source);
-            return;
-        }
-        let estimate = static_estimate_us(s, ks);
-        let burst = s.keyspace_burst_enabled.get(&ks).copied().unwrap_or(true);
-        let entry = KeyspaceEntry::new(ks, source, refill_us, capacity, estimate, burst, now_us);
-        self.keyspaces.insert(ks, Arc::new(entry));
-    }
-
-    /// Tenant-cap mode: the keyspace's uniform-cap bucket, created on first request.
-    fn ensure_cap_bucket(&self, ks: u32, cap_refill_us: u64, now_us: u64) -> Arc<KeyspaceEntry> {
-        let capacity = self.knobs.cap_capacity_us.load(Ordering::Acquire);
-        // First request of this keyspace only: reading the override map under the settings lock
-        // is off the steady-state fast path.
-        let estimate = static_estimate_us(&self.settings.lock().expect("settings lock"), ks);
-        self.keyspaces
-            .entry(ks)
-            .or_insert_with(|| {
-                PolicyCounters::inc(&self.counters.cap_buckets_created);
-                Arc::new(KeyspaceEntry::new(
-                    ks,
-                    QuotaSource::TenantCap,
-                    cap_refill_us,
-                    capacity,
-                    estimate,
-                    false,
-                    now_us,
-                ))
-            })
-            .clone()
-    }
-
-    pub(crate) fn lookup(&self, ks: u32, now_us: u64) -> Option<Arc<KeyspaceEntry>> {
-        if let Some(e) = self.keyspaces.get(&ks) {
-            return Some(e.clone());
-        }
-        match self.knobs.cap_refill_us.load(Ordering::Acquire) {
-            0 => None,
-            cap => Some(self.ensure_cap_bucket(ks, cap, now_us)),
-        }
-    }
-
-    /// Admits a request of `keyspace` that expects `estimate_us` of CPU (`None` = the keyspace's
-    /// current estimate). Unknown keyspaces outside tenant-cap mode get a skip grant.
-    pub fn allocate(
-        &self,
         keyspace: u32,
-        estimate_us: Option<u64>,
+        source: Option<(QuotaSource, u64)>,
         now_us: u64,
-    ) -> Result<Grant, Refusal> {
-        match self.lookup(keyspace, now_us) {
-            Some(entry) => self.allocate_entry(entry, estimate_us, now_us),
+    ) -> Result<(u32, u64), RegionError> {
+        let r = self.regions();
+        let (cell, generation, inserted) = r.directory().insert(keyspace, |p| {
+            p.flags.store(0, Ordering::Relaxed);
+            p.estimate_us.store(s.static_estimate_us(keyspace), Ordering::Relaxed);
+        })?;
+        let (bucket, params) = r.keyspace_cell(cell).expect("cell from the directory");
+        if inserted || e.cells[cell as usize].as_ref().is_none_or(|st| st.id != keyspace) {
+            e.cells[cell as usize] = Some(KeyspaceState {
+                id: keyspace,
+                generation,
+                source: None,
+                book: BucketBook::default(),
+                estimate_us: s.static_estimate_us(keyspace),
+                burst_enabled: s.keyspace_burst_enabled.get(&keyspace).copied().unwrap_or(true),
+                burst_allowed: false,
+                ratio: 0.0,
+                fair_allocations: 0,
+                last_used_us: now_us,
+            });
+            // Counters and tokens restart with the new keyspace (nothing was
+            // in flight and nobody waited when the last holder went).
+            for c in &bucket.counters {
+                c.store(0, Ordering::Relaxed);
+            }
+            let tail = bucket.reset_tokens();
+            e.cells[cell as usize].as_mut().expect("just set").book.tail_base_us = tail;
+            e.last_demand.remove(&cell);
+            e.estimates.forget(cell);
+        }
+        let st = e.cells[cell as usize].as_mut().expect("just set");
+        let was = st.source;
+        st.source = source.map(|(src, _)| src);
+        match source {
             None => {
-                PolicyCounters::inc(&self.counters.skipped);
-                Ok(Grant::skip(keyspace))
+                // No bucket: no refills; what it holds stays (grants still
+                // out settle into it) and is never asked for.
+                st.book.base_refill_us = 0;
+                st.book.refill_us = 0;
+                st.book.debt_mode = false;
+                params.flags.store(0, Ordering::Release);
+            }
+            Some((src, refill)) => {
+                if src == QuotaSource::TenantCap && was != Some(QuotaSource::TenantCap) {
+                    e.cap_buckets_created += 1;
+                }
+                let capacity = s.capacity_for(refill);
+                let old = st.book.clone();
+                let fresh = was.is_none();
+                st.book.base_refill_us = refill;
+                st.book.refill_us = refill;
+                st.book.capacity_us = capacity;
+                st.book.max_debt_us = s.max_debt_for(refill);
+                let mut flags = P_THROTTLED;
+                if src == QuotaSource::TenantCap {
+                    flags |= P_CAP;
+                }
+                if st.burst_enabled {
+                    flags |= P_BURST_ENABLED;
+                }
+                params.flags.store(flags, Ordering::Relaxed);
+                if fresh {
+                    // Whatever the cell held while it had no bucket cannot
+                    // give the new one more than its capacity.
+                    st.book.debt_mode = false;
+                    st.book.discarded_us += bucket.clamp_available(capacity);
+                    let kept = bucket.give(capacity, capacity);
+                    st.book.refilled_us += capacity;
+                    st.book.discarded_us += capacity - kept;
+                } else if refill < old.base_refill_us && bucket.inflight_us.load(Ordering::Acquire) > refill {
+                    st.book.debt_mode = true;
+                    st.book.discarded_us += bucket.drop_available();
+                } else {
+                    st.book.discarded_us += bucket.clamp_available(capacity);
+                }
             }
         }
+        params.estimate_us.store(st.estimate_us, Ordering::Relaxed);
+        Self::publish_book(params, &st.book);
+        Ok((cell, generation))
     }
 
-    pub(crate) fn allocate_entry(
-        &self,
-        entry: Arc<KeyspaceEntry>,
-        estimate_us: Option<u64>,
-        now_us: u64,
-    ) -> Result<Grant, Refusal> {
-        entry.touch(now_us);
-        let mut est = estimate_us.unwrap_or_else(|| entry.estimate_us()).max(1);
-        if self.knobs.track_demand.load(Ordering::Relaxed) {
-            entry.counters.demand_us.fetch_add(est, Ordering::Relaxed);
-        }
-        if self.knobs.runtime_token_management.load(Ordering::Relaxed) {
-            let room = self.global.available_us().min(entry.bucket.available_us()) / 10;
-            if room > 0 {
-                est = est.min(room as u64);
-            }
-        }
-        match self.take_pair(&entry, est) {
-            Ok(burst_us) => {
-                entry.counters.granted.fetch_add(1, Ordering::Relaxed);
-                let tenant_us = est - burst_us;
-                Ok(Grant {
-                    keyspace: entry.id(),
-                    entry: Some(entry),
-                    tenant_us,
-                    global_us: est,
-                    burst_us,
-                    low_priority_us: 0,
-                })
-            }
-            Err(r) => Err(r),
-        }
+    /// Admits one request without waiting, as a client would, with the
+    /// agent's clock at `now_us`.
+    pub fn admit(&self, keyspace: u32, demand: &Demand, now_us: u64) -> Result<Grant, Refusal> {
+        let r = self.regions();
+        r.header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
+        let cell = self.ensure_keyspace(keyspace, now_us).ok();
+        let k = r.header().knobs.snapshot();
+        admit::acquire(r, &k, keyspace, cell, demand)
     }
 
-    /// Tenant then global (rollback on global failure); burst fallback outside cap mode.
-    /// Returns the µs that came from bursting (0 or `us`).
-    fn take_pair(&self, entry: &KeyspaceEntry, us: u64) -> Result<u64, Refusal> {
-        let ks = entry.id();
-        let cap_mode = entry.source() == QuotaSource::TenantCap;
-        if entry.bucket.try_take(us) {
-            if self.global.try_take(us) {
-                return Ok(0);
-            }
-            if !cap_mode && !self.knobs.enforce_global.load(Ordering::Relaxed) {
-                // Best effort: track the usage on the global bucket, do not refuse.
-                self.global.force_take(us);
-                PolicyCounters::inc(&self.counters.global_best_effort_overdraft);
-                return Ok(0);
-            }
-            entry.bucket.rollback(us);
-            PolicyCounters::inc(&self.counters.global_exhausted);
-            entry
-                .counters
-                .refused_global
-                .fetch_add(1, Ordering::Relaxed);
-            return Err(Refusal::GlobalCpuExhausted { keyspace: ks });
-        }
-        if !cap_mode && self.can_burst(entry) && self.take_burst(us) {
-            PolicyCounters::inc(&self.counters.burst_granted);
-            entry.counters.burst_granted.fetch_add(1, Ordering::Relaxed);
-            entry
-                .counters
-                .burst_tokens_us
-                .fetch_add(us, Ordering::Relaxed);
-            return Ok(us);
-        }
-        entry
-            .counters
-            .refused_keyspace
-            .fetch_add(1, Ordering::Relaxed);
-        if cap_mode {
-            PolicyCounters::inc(&self.counters.tenant_cap_exhausted);
-            Err(Refusal::TenantCpuExhausted { keyspace: ks })
-        } else {
-            PolicyCounters::inc(&self.counters.keyspace_exhausted);
-            Err(Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: ks })
-        }
+    /// Admits a request of `keyspace` that expects `estimate_us` of CPU
+    /// (`None` = the keyspace's estimate). Outside tenant-cap mode a
+    /// keyspace with no quota passes unthrottled (a skip grant).
+    pub fn allocate(&self, keyspace: u32, estimate_us: Option<u64>, now_us: u64) -> Result<Grant, Refusal> {
+        self.admit(keyspace, &Demand { estimate_us, ..Demand::default() }, now_us)
     }
 
-    fn can_burst(&self, entry: &KeyspaceEntry) -> bool {
-        self.knobs.enable_burst.load(Ordering::Relaxed)
-            && entry.burst_enabled()
-            && entry.burst_allowed()
+    /// A low-priority DAG request: the low-priority bucket first (when
+    /// enabled), then the same cap-aware path.
+    pub fn allocate_low_priority(&self, keyspace: u32, estimate_us: Option<u64>, now_us: u64) -> Result<Grant, Refusal> {
+        self.admit(keyspace, &Demand { estimate_us, low_priority: true, ..Demand::default() }, now_us)
     }
 
-    /// Burst: takes `us` from this interval's burst budget and from the global bucket.
-    fn take_burst(&self, us: u64) -> bool {
-        let want = us as i64;
-        let mut cur = self.burst_budget_us.load(Ordering::Acquire);
-        loop {
-            if cur < want {
-                return false;
-            }
-            match self.burst_budget_us.compare_exchange_weak(
-                cur,
-                cur - want,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => break,
-                Err(a) => cur = a,
-            }
-        }
-        if self.global.try_take(us) {
-            true
-        } else {
-            self.burst_budget_us.fetch_add(want, Ordering::AcqRel);
-            false
-        }
-    }
-
-    /// Runtime top-up: `us` more for a running request, from the same tenant and global buckets.
-    /// In tenant-cap mode there is no burst and no global-only fallback.
+    /// Runtime top-up: `us` more for a running request.
     pub fn allocate_more(&self, grant: &mut Grant, us: u64, now_us: u64) -> Result<(), Refusal> {
-        let Some(entry) = grant.entry.clone() else {
-            return Ok(()); // skip grants are not throttled
-        };
-        entry.touch(now_us);
-        match self.take_pair(&entry, us.max(1)) {
-            Ok(burst_us) => {
-                PolicyCounters::inc(&self.counters.topup_granted);
-                entry
-                    .counters
-                    .topups_granted
-                    .fetch_add(1, Ordering::Relaxed);
-                let us = us.max(1);
-                grant.tenant_us += us - burst_us;
-                grant.global_us += us;
-                grant.burst_us += burst_us;
-                Ok(())
-            }
-            Err(r) => {
-                PolicyCounters::inc(&self.counters.topup_refused);
-                entry
-                    .counters
-                    .topups_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                Err(r)
-            }
-        }
+        let r = self.regions();
+        r.header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
+        admit::top_up(r, &r.header().knobs.snapshot(), grant, us)
     }
 
-    /// Closes a grant with the measured CPU: unused tokens are refunded, an overrun is charged
-    /// as debt (tenant bucket: the part not covered by burst tokens).
+    /// Closes a grant with the measured CPU.
     pub fn release(&self, grant: Grant, consumed_us: u64) {
-        if grant.global_us > 0 {
-            self.global.settle(grant.global_us, consumed_us);
-        }
-        if grant.low_priority_us > 0 {
-            self.low_priority.settle(grant.low_priority_us, consumed_us);
-        }
-        if let Some(entry) = &grant.entry {
-            let tenant_consumed = consumed_us.saturating_sub(grant.burst_us);
-            entry.bucket.settle(grant.tenant_us, tenant_consumed);
-            entry
-                .counters
-                .consumed_us
-                .fetch_add(consumed_us, Ordering::Relaxed);
-            entry.counters.released.fetch_add(1, Ordering::Relaxed);
-        } else if grant.global_us > 0 {
-            // Global-only grant (no keyspace entry): counted node-wide.
-            PolicyCounters::inc(&self.counters.released);
-        }
+        admit::release(self.regions(), &grant, consumed_us);
     }
 }

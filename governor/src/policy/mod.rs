@@ -1,53 +1,66 @@
-//! `governor::policy` — the pure, deterministic CPU governor policy.
+//! `governor::policy` — the CPU governor's policy: token buckets in shared
+//! memory, the admission fast path on them, and the agent's loop over them.
 //!
 //! # Layout
-//! - `bucket` — [`BucketCell`], the `#[repr(C)]` all-atomic token bucket (fast path).
-//! - `keyspace` — per-keyspace entry: bucket + published estimate/burst/ratio + counters.
-//! - `manager` — [`Policy`] and its fast path: `allocate`, `allocate_more`, `release`,
-//!   `allocate_low_priority`.
-//! - `agent` — the agent loop side: `tick` (refill, monitor window, estimates, burst flags,
-//!   dynamic and fair refill, idle eviction).
-//! - `low_priority` — the low-priority DAG bucket in front of the cap-aware path.
-//! - `hot` — online updates (tenant cap ratio, idle TTL, quotas, whole settings).
+//! - `admit` — the fast path any process runs on the shared regions:
+//!   [`acquire`], [`top_up`], [`release`]; [`Demand`], [`Grant`], [`Knobs`].
+//! - `bucket` — token operations on one shared bucket (take, give back,
+//!   debt, wait in line, refill).
+//! - `manager` — [`Policy`]: owns the admission regions, decides and
+//!   publishes every bucket's source, rate and capacity.
+//! - `agent` — the loop side: `tick` (refill, monitor window, estimates,
+//!   burst flags, dynamic and fair refill, idle eviction).
+//! - `hot` — online settings changes.
+//! - `keyspace` — the agent's record of a keyspace cell, and read-only views.
 //! - `pd` — PD service-limit proportional quotas from fetched values.
 //! - `window`, `fair`, `dynamic`, `estimate` — pure functions and small state machines.
-//! - `write_quota` — pending write bytes, global + 30 % per keyspace.
-//! - `admission` — per-tenant concurrency (disabled / monitor / enforced).
-//! - `settings`, `error`, `grant`, `snapshot` — inputs, refusals, outputs.
+//! - `settings`, `error`, `snapshot` — inputs (from the configuration only), refusals, outputs.
 //!
-//! Every time-dependent function takes `now_us`, a simulated clock in microseconds.
+//! Every time-dependent function takes `now_us`, so tests drive it with a
+//! simulated clock.
 
-mod admission;
+mod admit;
 mod agent;
 mod bucket;
 mod dynamic;
 mod error;
 mod estimate;
 mod fair;
-mod from_config;
-mod grant;
 mod hot;
 mod keyspace;
-mod low_priority;
 mod manager;
 mod pd;
 mod settings;
 mod snapshot;
 mod window;
-mod write_quota;
 
-pub use admission::{AdmissionCounters, AdmissionMode, AdmissionPermit, TenantAdmission};
+pub use admit::{
+    acquire, acquire_queued, release, top_up, top_up_queued, Demand, Grant, Knobs, Progress, Queued,
+    KEYSPACE_PENDING_WRITE_RATIO,
+};
 pub use agent::TickReport;
-pub use bucket::{BucketCell, BucketSnapshot};
-pub use dynamic::{KEYSPACE_REDUCE_FACTOR, adjust_global_refill, adjust_keyspace_refill};
-pub use error::{Refusal, SettingsError, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};
-pub use estimate::{EstimateTracker, ema, static_estimate_us};
-pub use fair::{FairInput, FairShare, fair_allocate};
-pub use grant::{Grant, PolicyCounters, PolicyCountersSnapshot};
-pub use keyspace::{IdHasher, KeyspaceCounters, KeyspaceEntry, QuotaSource};
-pub use manager::Policy;
+pub use dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR};
+pub use error::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
+pub use estimate::{ema, EstimateTracker};
+pub use fair::{fair_allocate, FairInput, FairShare};
+pub use keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource};
+pub use manager::{Policy, DEFAULT_CELLS};
 pub use pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracker};
-pub use settings::{Settings, millicores_to_us_per_interval};
-pub use snapshot::{KeyspaceSnapshot, PolicySnapshot};
+pub use settings::{millicores_to_us_per_interval, Settings};
+pub use snapshot::{KeyspaceSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot};
 pub use window::{MonitorWindow, UsageSample};
-pub use write_quota::{KEYSPACE_PENDING_WRITE_RATIO, PendingWrites, PendingWritesSnapshot};
+
+use serde::{Deserialize, Serialize};
+
+/// How firmly the per-tenant concurrency limit is applied
+/// (tenant-admission-control.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdmissionMode {
+    /// Nothing counted, nothing refused.
+    Disabled,
+    /// Counted; would-be refusals are recorded and the work runs.
+    Monitor,
+    /// Over the limit is refused with the `tenant_admission_control` marker.
+    Enforced,
+}

@@ -14,9 +14,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::keyspace::QuotaSource;
 use super::manager::Policy;
-use super::settings::millicores_to_us_per_interval;
 
 /// One keyspace's answer from PD.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -144,46 +142,29 @@ impl PdTracker {
 }
 
 impl Policy {
-    /// Folds a PD fetch round into the keyspace quotas (when `enable-pd-service-limit`).
-    /// Returns the actions the tracker decided (including ones overridden by static config).
+    /// Folds a PD fetch round into the keyspace quotas (when
+    /// `enable-pd-service-limit`, never in tenant-cap mode). Returns the
+    /// actions the tracker decided (including ones static config overrides).
     pub fn apply_pd_service_limits(&self, now_us: u64, fetch: &PdFetch) -> Vec<PdAction> {
         let s = self.settings();
-        if !s.enable_pd_service_limit {
+        if !s.enable_pd_service_limit || s.cap_mode() {
             return Vec::new();
         }
+        let mut e = self.engine();
         let params = PdParams {
-            global_refill_us: self.global.base_refill_us(),
+            global_refill_us: e.global.base_refill_us,
             update_threshold: s.pd_service_limit_update_threshold,
             consecutive_404: s.pd_service_limit_consecutive_404,
             ttl_us: s.pd_service_limit_ttl_us,
         };
-        let actions = self
-            .agent
-            .lock()
-            .expect("agent lock")
-            .pd
-            .update(now_us, fetch, params);
+        let actions = e.pd.update(now_us, fetch, params);
         for a in &actions {
-            match *a {
-                PdAction::Set { keyspace, quota_us } => {
-                    let static_wins = !s.pd_override_config
-                        && s.keyspace_cpu_quotas_millicores.contains_key(&keyspace);
-                    if !static_wins {
-                        self.upsert_quota(keyspace, quota_us, QuotaSource::Pd, &s, now_us);
-                    }
-                }
-                PdAction::Remove { keyspace } => match s
-                    .keyspace_cpu_quotas_millicores
-                    .get(&keyspace)
-                {
-                    Some(&mc) if !s.pd_override_config => {
-                        let us = millicores_to_us_per_interval(mc, s.refill_interval_us);
-                        self.upsert_quota(keyspace, us, QuotaSource::Config, &s, now_us);
-                    }
-                    _ => {
-                        self.remove_keyspace_if(keyspace, |e| e.source() != QuotaSource::TenantCap);
-                    }
-                },
+            let ks = match *a {
+                PdAction::Set { keyspace, .. } | PdAction::Remove { keyspace } => keyspace,
+            };
+            let wanted = self.source_for(&e, &s, ks);
+            if let Err(err) = self.set_source(&mut e, &s, ks, wanted, now_us) {
+                log::warn!("PD quota for keyspace {ks} not applied: {err}");
             }
         }
         actions

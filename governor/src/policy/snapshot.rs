@@ -1,22 +1,21 @@
-//! Read-only views of [`Policy`] and its serializable state for status and metrics.
+//! Read-only views of [`Policy`] and its serializable state for status,
+//! metrics and tests.
 
-use serde::Serialize;
-
-use super::admission::AdmissionCounters;
-use super::bucket::BucketSnapshot;
-use super::grant::PolicyCountersSnapshot;
-use super::keyspace::{KeyspaceEntry, QuotaSource};
-use super::manager::Policy;
-use super::settings::Settings;
-use super::write_quota::PendingWritesSnapshot;
-use super::{admission::TenantAdmission, bucket::BucketCell, write_quota::PendingWrites};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-/// One keyspace, as exported.
+use governor_common::admission::counter;
+use serde::Serialize;
+
+use super::keyspace::{BucketSnapshot, KeyspaceCounters, KeyspaceEntry, QuotaSource};
+use super::manager::Policy;
+use super::AdmissionMode;
+use crate::region::{GLOBAL, LOW_PRIORITY};
+
+/// One keyspace with a bucket, as exported.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct KeyspaceSnapshot {
     pub keyspace: u32,
+    pub cell: u32,
     pub source: QuotaSource,
     pub available_us: i64,
     pub capacity_us: i64,
@@ -30,53 +29,45 @@ pub struct KeyspaceSnapshot {
     pub estimate_us: u64,
     pub burst_enabled: bool,
     pub burst_allowed: bool,
-    pub last_used_us: u64,
-    pub granted: u64,
-    pub refused_keyspace: u64,
-    pub refused_global: u64,
-    pub burst_granted: u64,
-    pub burst_tokens_us: u64,
-    pub topups_granted: u64,
-    pub topups_refused: u64,
     pub fair_allocations: u64,
-    pub consumed_us: u64,
-    pub released: u64,
+    pub inflight_requests: u64,
+    pub pending_write_bytes: u64,
+    pub counters: KeyspaceCounters,
     pub bucket: BucketSnapshot,
 }
 
-impl KeyspaceSnapshot {
-    pub fn of(e: &KeyspaceEntry) -> Self {
-        let b = e.bucket().snapshot();
-        let c = e.counters();
-        let l = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        KeyspaceSnapshot {
-            keyspace: e.id(),
-            source: e.source(),
-            available_us: b.available_us,
-            capacity_us: b.capacity_us,
-            refill_us: b.refill_us,
-            base_refill_us: b.base_refill_us,
-            inflight_us: b.inflight_us,
-            debt_us: (-b.available_us).max(0) as u64,
-            in_debt_mode: b.in_debt,
-            ratio: e.ratio(),
-            estimate_us: e.estimate_us(),
-            burst_enabled: e.burst_enabled(),
-            burst_allowed: e.burst_allowed(),
-            last_used_us: e.last_used_us(),
-            granted: l(&c.granted),
-            refused_keyspace: l(&c.refused_keyspace),
-            refused_global: l(&c.refused_global),
-            burst_granted: l(&c.burst_granted),
-            burst_tokens_us: l(&c.burst_tokens_us),
-            topups_granted: l(&c.topups_granted),
-            topups_refused: l(&c.topups_refused),
-            fair_allocations: l(&c.fair_allocations),
-            consumed_us: l(&c.consumed_us),
-            released: l(&c.released),
-            bucket: b,
-        }
-    }
+/// Node-wide counters by outcome: the `reason` labels of the allocation
+/// metrics. Sums over every keyspace cell, including given-up ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PolicyCountersSnapshot {
+    pub granted: u64,
+    pub skipped: u64,
+    pub burst_granted: u64,
+    pub tenant_cap_exhausted: u64,
+    pub keyspace_exhausted: u64,
+    pub global_exhausted: u64,
+    pub low_priority_exhausted: u64,
+    pub global_best_effort_overdraft: u64,
+    pub topup_granted: u64,
+    pub topup_refused: u64,
+    pub cap_buckets_created: u64,
+    pub cap_buckets_evicted: u64,
+    pub released: u64,
+    pub write_refused_global: u64,
+    pub write_refused_keyspace: u64,
+    pub concurrency_refused: u64,
+    pub concurrency_monitor_breaches: u64,
+    pub waited: u64,
+    pub fail_open: u64,
+    pub reclaimed: u64,
+}
+
+/// Pending write bytes, node-wide.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PendingWritesSnapshot {
+    pub global_threshold_bytes: u64,
+    pub keyspace_threshold_bytes: u64,
+    pub global_bytes: u64,
 }
 
 /// The whole policy, as exported (keyspaces sorted by id).
@@ -89,127 +80,195 @@ pub struct PolicySnapshot {
     pub tenant_cap_refill_us: u64,
     pub tenant_cap_idle_ttl_us: u64,
     pub burst_budget_us: i64,
+    pub admission_mode: AdmissionMode,
+    pub max_concurrent_per_tenant: u64,
     pub counters: PolicyCountersSnapshot,
-    pub keyspaces: Vec<KeyspaceSnapshot>,
     pub pending_writes: PendingWritesSnapshot,
-    pub admission: AdmissionCounters,
+    pub keyspaces: Vec<KeyspaceSnapshot>,
 }
 
 impl Policy {
     /// Serializable state of everything, for status and metrics.
     pub fn snapshot(&self) -> PolicySnapshot {
+        let s = self.settings();
+        let r = self.regions();
         let mut keyspaces: Vec<KeyspaceSnapshot> = self
-            .keyspaces
-            .iter()
-            .map(|e| KeyspaceSnapshot::of(&e))
+            .keyspace_entries()
+            .into_iter()
+            .map(|e| {
+                let (b, _) = r.keyspace_cell(e.cell).expect("live cell");
+                KeyspaceSnapshot {
+                    keyspace: e.id(),
+                    cell: e.cell,
+                    source: e.source(),
+                    available_us: e.bucket.available_us,
+                    capacity_us: e.bucket.capacity_us,
+                    refill_us: e.bucket.refill_us,
+                    base_refill_us: e.bucket.base_refill_us,
+                    inflight_us: e.bucket.inflight_us,
+                    debt_us: (-e.bucket.available_us).max(0) as u64,
+                    in_debt_mode: e.bucket.in_debt,
+                    ratio: e.ratio(),
+                    estimate_us: e.estimate_us(),
+                    burst_enabled: e.burst_enabled(),
+                    burst_allowed: e.burst_allowed(),
+                    fair_allocations: e.fair_allocations(),
+                    inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
+                    pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
+                    counters: e.counters,
+                    bucket: e.bucket,
+                }
+            })
             .collect();
         keyspaces.sort_by_key(|k| k.keyspace);
+        let threshold = s.pending_write_threshold_bytes;
         PolicySnapshot {
-            global: self.global.snapshot(),
-            low_priority: self.low_priority.snapshot(),
+            global: self.global_bucket(),
+            low_priority: self.low_priority_bucket(),
             global_ratio: self.global_ratio(),
-            tenant_max_cpu_ratio: self.tenant_max_cpu_ratio(),
-            tenant_cap_refill_us: self.tenant_cap_refill_us(),
-            tenant_cap_idle_ttl_us: self.tenant_cap_idle_ttl_us(),
-            burst_budget_us: self.burst_budget_us.load(Ordering::Relaxed),
+            tenant_max_cpu_ratio: s.tenant_max_cpu_ratio,
+            tenant_cap_refill_us: s.tenant_cap_refill_us(s.tenant_max_cpu_ratio).unwrap_or(0),
+            tenant_cap_idle_ttl_us: s.tenant_cap_idle_ttl_us,
+            burst_budget_us: r.bucket(GLOBAL).burst_budget_us.load(Ordering::Relaxed),
+            admission_mode: s.admission_mode,
+            max_concurrent_per_tenant: s.max_concurrent_per_tenant,
             counters: self.counters(),
+            pending_writes: PendingWritesSnapshot {
+                global_threshold_bytes: threshold,
+                keyspace_threshold_bytes: (threshold as f64 * super::admit::KEYSPACE_PENDING_WRITE_RATIO) as u64,
+                global_bytes: r.bucket(GLOBAL).pending_write_bytes.load(Ordering::Relaxed),
+            },
             keyspaces,
-            pending_writes: self.writes.snapshot(),
-            admission: self.admission.counters(),
         }
     }
 
-    /// Pending write bytes (scheduler side).
-    pub fn pending_writes(&self) -> &PendingWrites {
-        &self.writes
+    /// The global bucket.
+    pub fn global_bucket(&self) -> BucketSnapshot {
+        BucketSnapshot::of(self.regions().bucket(GLOBAL), &self.engine().global)
     }
 
-    /// Tenant concurrency admission control.
-    pub fn admission(&self) -> &TenantAdmission {
-        &self.admission
+    /// The low-priority DAG bucket.
+    pub fn low_priority_bucket(&self) -> BucketSnapshot {
+        BucketSnapshot::of(self.regions().bucket(LOW_PRIORITY), &self.engine().low_priority)
     }
 
-    /// The global bucket (read-only view).
-    pub fn global_bucket(&self) -> &BucketCell {
-        &self.global
-    }
-
-    /// The low-priority DAG bucket (read-only view).
-    pub fn low_priority_bucket(&self) -> &BucketCell {
-        &self.low_priority
+    /// Every keyspace with a bucket.
+    pub fn keyspace_entries(&self) -> Vec<KeyspaceEntry> {
+        let r = self.regions();
+        let e = self.engine();
+        e.cells
+            .iter()
+            .enumerate()
+            .filter_map(|(c, st)| {
+                let st = st.as_ref().filter(|st| st.source.is_some())?;
+                let (b, _) = r.keyspace_cell(c as u32)?;
+                Some(KeyspaceEntry::read(st, c as u32, b))
+            })
+            .collect()
     }
 
     /// A keyspace's entry, if it has a bucket.
-    pub fn keyspace(&self, keyspace: u32) -> Option<Arc<KeyspaceEntry>> {
-        self.keyspaces.get(&keyspace).map(|e| e.clone())
+    pub fn keyspace(&self, keyspace: u32) -> Option<KeyspaceEntry> {
+        let (c, _) = self.regions().directory().find(keyspace)?;
+        let e = self.engine();
+        let st = e.cells.get(c as usize)?.as_ref().filter(|st| st.source.is_some() && st.id == keyspace)?;
+        let (b, _) = self.regions().keyspace_cell(c)?;
+        Some(KeyspaceEntry::read(st, c, b))
     }
 
     /// Number of keyspaces with buckets.
     pub fn keyspace_count(&self) -> usize {
-        self.keyspaces.len()
+        self.engine().cells.iter().flatten().filter(|st| st.source.is_some()).count()
     }
 
-    /// Counters by outcome. `granted` / `released` are kept per keyspace on the fast path (no
-    /// node-wide shared counter line); this sums them with those of removed keyspaces.
+    /// Keyspace cells in use (with or without a bucket).
+    pub fn cells_in_use(&self) -> usize {
+        self.engine().cells.iter().flatten().count()
+    }
+
+    /// Counters by outcome, summed over every cell (live and given up).
     pub fn counters(&self) -> PolicyCountersSnapshot {
-        let mut c = self.counters.snapshot();
-        for e in self.keyspaces.iter() {
-            c.granted += e.counters.granted.load(Ordering::Relaxed);
-            c.released += e.counters.released.load(Ordering::Relaxed);
-        }
-        c
-    }
-
-    /// Folds a removed keyspace's monotonic counters into the node-wide ones.
-    pub(crate) fn retire(&self, e: &KeyspaceEntry) {
-        self.counters.granted.fetch_add(
-            e.counters.granted.load(Ordering::Relaxed),
-            Ordering::Relaxed,
-        );
-        self.counters.released.fetch_add(
-            e.counters.released.load(Ordering::Relaxed),
-            Ordering::Relaxed,
-        );
-    }
-
-    /// Removes a keyspace if `pred` holds for it, retiring its counters. True if removed.
-    pub(crate) fn remove_keyspace_if(
-        &self,
-        ks: u32,
-        pred: impl FnOnce(&KeyspaceEntry) -> bool,
-    ) -> bool {
-        match self.keyspaces.remove_if(&ks, |_, e| pred(e)) {
-            Some((_, e)) => {
-                self.retire(&e);
-                true
+        let r = self.regions();
+        let e = self.engine();
+        let mut sum = e.retired;
+        for (c, st) in e.cells.iter().enumerate() {
+            if st.is_none() {
+                continue;
             }
-            None => false,
+            let Some((b, _)) = r.keyspace_cell(c as u32) else { continue };
+            for (i, v) in b.counters.iter().enumerate() {
+                sum[i] += v.load(Ordering::Relaxed);
+            }
+        }
+        let g = r.bucket(GLOBAL);
+        let low = r.bucket(LOW_PRIORITY);
+        let gc = |i: usize| g.counter(i);
+        PolicyCountersSnapshot {
+            granted: sum[counter::GRANTED] + gc(counter::GRANTED),
+            skipped: sum[counter::SKIPPED] + gc(counter::SKIPPED),
+            burst_granted: sum[counter::BURST_GRANTED],
+            tenant_cap_exhausted: sum[counter::REFUSED_CAP],
+            keyspace_exhausted: sum[counter::REFUSED_QUOTA],
+            global_exhausted: sum[counter::REFUSED_GLOBAL] + gc(counter::REFUSED_GLOBAL),
+            low_priority_exhausted: low.counter(counter::REFUSED_GLOBAL),
+            global_best_effort_overdraft: gc(counter::OVERDRAFT),
+            topup_granted: sum[counter::TOPUP_GRANTED] + gc(counter::TOPUP_GRANTED),
+            topup_refused: sum[counter::TOPUP_REFUSED] + gc(counter::TOPUP_REFUSED),
+            cap_buckets_created: e.cap_buckets_created,
+            cap_buckets_evicted: e.cap_buckets_evicted,
+            released: sum[counter::RELEASED] + gc(counter::RELEASED),
+            write_refused_global: gc(counter::REFUSED_WRITE_GLOBAL),
+            write_refused_keyspace: sum[counter::REFUSED_WRITE_KEYSPACE],
+            concurrency_refused: sum[counter::REFUSED_CONCURRENCY],
+            concurrency_monitor_breaches: sum[counter::MONITOR_BREACHES],
+            waited: sum[counter::WAITED] + gc(counter::WAITED),
+            fail_open: sum[counter::FAIL_OPEN] + gc(counter::FAIL_OPEN),
+            reclaimed: sum[counter::RECLAIMED] + gc(counter::RECLAIMED),
         }
     }
 
-    /// The next refill boundary, µs of the simulated clock: a refused caller waits until then
-    /// (or its deadline) and retries; refunds do not wake waiters early.
-    pub fn next_refill_at_us(&self) -> u64 {
-        self.knobs.next_refill_at_us.load(Ordering::Acquire)
+    /// The monitor window's span and each keyspace's CPU in it, µs.
+    pub fn window_cpu(&self) -> (u64, std::collections::HashMap<u32, u64>) {
+        let e = self.engine();
+        (e.window.span_us(), e.window.keyspace_cpu_us().clone())
     }
 
-    /// Global ratio of the monitor window, as published to the fast path.
+    /// The next refill boundary, µs.
+    pub fn next_refill_at_us(&self) -> u64 {
+        self.engine().next_refill_at_us
+    }
+
+    /// Global ratio of the monitor window.
     pub fn global_ratio(&self) -> f64 {
-        f64::from_bits(self.knobs.global_ratio_bits.load(Ordering::Relaxed))
+        self.engine().global_ratio
     }
 
     /// Current `tenant-max-cpu-ratio`.
     pub fn tenant_max_cpu_ratio(&self) -> f64 {
-        f64::from_bits(self.knobs.cap_ratio_bits.load(Ordering::Relaxed))
+        self.settings().tenant_max_cpu_ratio
     }
 
     /// Uniform cap per refill interval, µs (0 = cap mode off).
     pub fn tenant_cap_refill_us(&self) -> u64 {
-        self.knobs.cap_refill_us.load(Ordering::Relaxed)
+        let s = self.settings();
+        s.tenant_cap_refill_us(s.tenant_max_cpu_ratio).unwrap_or(0)
     }
 
-    /// A copy of the running settings.
-    pub fn settings(&self) -> Settings {
-        self.settings.lock().expect("settings lock").clone()
+    /// Requests of `keyspace` counted in flight (admission control).
+    pub fn inflight_requests(&self, keyspace: u32) -> u64 {
+        self.regions()
+            .directory()
+            .find(keyspace)
+            .and_then(|(c, _)| self.regions().keyspace_cell(c))
+            .map_or(0, |(b, _)| b.inflight_requests.load(Ordering::Relaxed))
+    }
+
+    /// Pending write bytes of `keyspace`.
+    pub fn pending_write_bytes(&self, keyspace: u32) -> u64 {
+        self.regions()
+            .directory()
+            .find(keyspace)
+            .and_then(|(c, _)| self.regions().keyspace_cell(c))
+            .map_or(0, |(b, _)| b.pending_write_bytes.load(Ordering::Relaxed))
     }
 }

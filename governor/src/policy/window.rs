@@ -112,6 +112,28 @@ impl MonitorWindow {
             .map(|(&ks, &us)| (ks, us as f64 / self.max_cpu_time_us))
     }
 
+    /// Replays `old`'s samples into this (resized) window, so a change of
+    /// `window-size` keeps the history it still covers.
+    pub fn take_samples_from(&mut self, old: MonitorWindow) {
+        for st in old.samples {
+            let sample = UsageSample { global_cpu_cumulative_us: st.global_cum_us, keyspace_cpu_us: st.keyspace };
+            self.push(st.at_us, &sample);
+        }
+    }
+
+    /// Time between the oldest and newest sample, µs.
+    pub fn span_us(&self) -> u64 {
+        match (self.samples.front(), self.samples.back()) {
+            (Some(o), Some(l)) => l.at_us - o.at_us,
+            _ => 0,
+        }
+    }
+
+    /// CPU of every keyspace in the window, µs.
+    pub fn keyspace_cpu_us(&self) -> &HashMap<u32, u64> {
+        &self.keyspace_sums
+    }
+
     /// Number of samples in the window.
     pub fn len(&self) -> usize {
         self.samples.len()

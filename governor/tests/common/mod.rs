@@ -1,4 +1,5 @@
-//! Simulated-clock load generator shared by the integration tests.
+//! Settings built from the configuration, and a simulated-clock load
+//! generator, shared by the integration tests.
 #![allow(dead_code)]
 
 use governor::policy::{Policy, Refusal, Settings};
@@ -6,9 +7,63 @@ use governor::policy::{Policy, Refusal, Settings};
 pub const SEC: u64 = 1_000_000;
 pub const MS: u64 = 1_000;
 
-/// The Essential profile of tenant-cpu-cap.md §4.1 on an 8-core node with the given cap ratio.
+/// Cores of the simulated node unless a test says otherwise.
+pub const CORES: f64 = 8.0;
+
+/// The configuration behind [`base`]: the documented defaults with the CPU
+/// throttle on and every optional mechanism off.
+pub const BASE_TOML: &str = "\
+[resource-control.cpu-throttle]
+enabled = true
+enable-adaptive-estimated-cpu-per-request-us = false
+enable-dynamic-adjustment = false
+enable-fair-allocation = false
+enable-burst = false
+enable-runtime-token-management = false
+";
+
+/// Premium defaults with the optional mechanisms (burst, fair allocation,
+/// dynamic adjustment, adaptive estimate, runtime top-up, PD, tenant cap)
+/// off, on an 8-core node: max-read-cpu-ratio 0.6, 10 ms refill, 100 ms burst
+/// window, 1 s stats interval, 60 s window. Tests adjust fields of this value
+/// (`Settings { x, ..base() }`) where the configuration has no key for what
+/// they need, or forbids it.
+pub fn base() -> Settings {
+    Settings::from_toml(BASE_TOML, CORES).unwrap_or_else(|e| panic!("base configuration: {e}"))
+}
+
+/// The Essential profile of tenant-cpu-cap.md §4.1 (cpu-throttle on,
+/// enforce-global-limit, burst / fair / dynamic / PD / low-priority DAG off,
+/// runtime token management on, adaptive estimate off) with the given cap
+/// ratio, on a node of `cores` cores.
+pub fn essential_settings(cores: f64, ratio: f64) -> Settings {
+    let text = format!(
+        "\
+[resource-control]
+enabled = true
+max-read-cpu-ratio = 0.6
+
+[resource-control.cpu-throttle]
+enabled = true
+enforce-global-limit = true
+tenant-max-cpu-ratio = {ratio:?}
+tenant-cap-idle-ttl = \"10m\"
+keyspace-cpu-quotas = \"\"
+enable-burst = false
+enable-fair-allocation = false
+enable-dynamic-adjustment = false
+enable-pd-service-limit = false
+low-priority-dag-global-enabled = false
+enable-runtime-token-management = true
+enable-adaptive-estimated-cpu-per-request-us = false
+"
+    );
+    Settings::from_toml(&text, cores).unwrap_or_else(|e| panic!("essential profile (ratio {ratio}): {e}"))
+}
+
+/// A policy running the Essential profile on an 8-core node.
 pub fn essential(ratio: f64) -> Policy {
-    Policy::new(Settings::essential(8.0, ratio), 0).expect("valid essential profile")
+    Policy::new(essential_settings(CORES, ratio), 0).expect("policy regions")
 }
 
 /// A tenant that tries to run `per_step` requests of `cost_us` CPU every step (greedy when large).
@@ -91,4 +146,14 @@ pub fn assert_close(actual: f64, expected: f64, tol: f64, what: &str) {
         rel <= tol,
         "{what}: actual {actual} vs expected {expected} (rel error {rel:.4} > {tol})"
     );
+}
+
+/// The seed's full Premium sample (`fixtures/seed_throttle_full.toml`) with
+/// the two keys governor refuses as unsupported (`enable-qps-bytes-limiter`,
+/// `enable-pd-service-limit`) turned off: burst, fair allocation, dynamic
+/// adjustment and quotas on.
+pub fn throttle_full_supported() -> String {
+    include_str!("../fixtures/seed_throttle_full.toml")
+        .replace("enable-qps-bytes-limiter = true", "enable-qps-bytes-limiter = false")
+        .replace("enable-pd-service-limit = true", "enable-pd-service-limit = false")
 }

@@ -72,7 +72,13 @@ fn sleepy_thread_error_pct(agent: &Agent) -> Result<f64> {
 }
 
 fn policy_allocate_release_ns() -> f64 {
-    let s = Settings { enable_runtime_token_management: false, ..Settings::essential(sys::logical_cores() as f64, 0.4) };
+    let s = Settings::from_toml(
+        "[resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\ntenant-max-cpu-ratio = 0.4\n\
+         enable-burst = false\nenable-fair-allocation = false\nenable-dynamic-adjustment = false\n\
+         enable-runtime-token-management = false\n",
+        sys::logical_cores() as f64,
+    )
+    .expect("valid settings");
     let p = Policy::new(s, 0).expect("valid settings");
     best(5, || {
         per_op(2_000_000, |i| {

@@ -111,11 +111,10 @@ fn per_run(
     f()?;
     let mut out = BTreeMap::new();
     for (name, time, runs) in stats()? {
-        if let Some((_, t0, r0)) = before.iter().find(|b| b.0 == name) {
-            if runs > *r0 {
+        if let Some((_, t0, r0)) = before.iter().find(|b| b.0 == name)
+            && runs > *r0 {
                 out.insert(name, (time - t0) as f64 / (runs - r0) as f64);
             }
-        }
     }
     Ok(out)
 }

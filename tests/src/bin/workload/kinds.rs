@@ -103,7 +103,7 @@ impl Kind {
                     work_us(40);
                     rx.read_exact(&mut b)?;
                     round += 1;
-                    if round % 10 == 0 {
+                    if round.is_multiple_of(10) {
                         file.write_all(&[7u8; 4096])?;
                         file.sync_all()?;
                     }

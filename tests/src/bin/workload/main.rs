@@ -2,6 +2,7 @@
 //! miniature. It measures itself with CLOCK_THREAD_CPUTIME_ID so its own
 //! numbers can be set against what the agent charged. Prints one JSON line.
 mod kinds;
+mod tickets;
 
 use anyhow::{bail, Context, Result};
 use governor::client::{self, Client};
@@ -216,13 +217,16 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|churn|threads|pingpong [--socket PATH] ...") };
+    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|churn|threads|pingpong|tickets|hold|corrupt [--socket PATH] ...") };
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),
         "untagged" => untagged(&args),
         "churn" => churn(&args),
         "threads" => kinds::threads(&args),
+        "tickets" => tickets::tickets(&args),
+        "hold" => tickets::hold(&args),
+        "corrupt" => tickets::corrupt(&args),
         "pingpong" => kinds::pingpong(&args),
         "pingpong-peer" => {
             kinds::pingpong_peer(&args)?;

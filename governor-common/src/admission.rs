@@ -1,0 +1,299 @@
+//! Layouts of the admission regions: what the agent publishes (header,
+//! per-keyspace parameters and directory), the token buckets every client
+//! takes from, and each client's own ledger of the tickets it holds.
+//!
+//! Who writes what decides where each field lives, because a region is
+//! either writable by every client or by none:
+//!
+//! - [`HeaderPage`] and [`ParamsCell`]s: agent only; clients map them
+//!   read-only (sealed memfds). A client cannot move another keyspace's cell,
+//!   fake a heartbeat or change a limit.
+//! - [`BucketCell`]s: every client takes and returns tokens here by CAS, so
+//!   every client can write them; the agent clamps what it reads back.
+//! - [`TicketRecord`]s: one ledger per client connection, writable by that
+//!   client alone; the agent reads it to return what a dead client held.
+
+use core::mem::{align_of, size_of};
+
+/// `KnobsCell::flags`: resource control on (off: admit everything).
+pub const KNOB_ENABLED: u64 = 1 << 0;
+/// CPU token buckets act (`cpu-throttle.enabled`).
+pub const KNOB_THROTTLE: u64 = 1 << 1;
+/// The global bucket refuses (`enforce-global-limit`, always in cap mode).
+pub const KNOB_ENFORCE_GLOBAL: u64 = 1 << 2;
+/// Keyspaces may burst on global tokens (`enable-burst`, never in cap mode).
+pub const KNOB_BURST: u64 = 1 << 3;
+/// Initial estimates are capped and running tickets top up
+/// (`enable-runtime-token-management`).
+pub const KNOB_RUNTIME_TOPUP: u64 = 1 << 4;
+/// Uniform tenant cap (`tenant-max-cpu-ratio > 0`): unknown keyspaces get a
+/// cap bucket instead of passing unthrottled.
+pub const KNOB_CAP_MODE: u64 = 1 << 5;
+/// Count requested µs per keyspace for fair allocation.
+pub const KNOB_TRACK_DEMAND: u64 = 1 << 6;
+/// Admission control counts in-flight requests and records breaches.
+pub const KNOB_ADMISSION_MONITOR: u64 = 1 << 7;
+/// Admission control refuses over the limit.
+pub const KNOB_ADMISSION_ENFORCED: u64 = 1 << 8;
+
+/// `ParamsCell::flags`: the keyspace has a token bucket (quota or cap);
+/// without it a keyspace passes the CPU check unthrottled.
+pub const P_THROTTLED: u64 = 1 << 0;
+/// The bucket is a uniform tenant-cap bucket (no burst, ever).
+pub const P_CAP: u64 = 1 << 1;
+/// `keyspace-burst-enabled` for this keyspace.
+pub const P_BURST_ENABLED: u64 = 1 << 2;
+/// Published each stats interval: the burst conditions hold now.
+pub const P_BURST_ALLOWED: u64 = 1 << 3;
+/// A quota shrink left more in flight than the new quota: refunds make no
+/// tokens available until in-flight drains (the agent lifts it).
+pub const P_SHRINK_DEBT: u64 = 1 << 4;
+
+/// Directory states (`ParamsCell::key >> 32`).
+pub const DIR_EMPTY: u32 = 0;
+pub const DIR_LIVE: u32 = 1;
+/// A keyspace was evicted from this cell: probes continue past it.
+pub const DIR_TOMBSTONE: u32 = 2;
+
+/// Ticket record states.
+pub const TICKET_FREE: u32 = 0;
+/// Granted: the agent returns what it holds if the client dies.
+pub const TICKET_HELD: u32 = 1;
+/// Claimed by a thread that is still filling it in (or still waiting for
+/// its grant): holds nothing yet.
+pub const TICKET_CLAIMED: u32 = 2;
+/// `TicketRecord::flags`: the ticket counts in its keyspace's in-flight
+/// requests.
+pub const T_COUNTED: u64 = 1 << 0;
+
+/// Tickets one client connection can hold at once.
+pub const LEDGER_LEN: u32 = 8192;
+
+/// Indexes into `BucketCell::counters`.
+pub mod counter {
+    pub const GRANTED: usize = 0;
+    /// Refused by a uniform tenant-cap bucket.
+    pub const REFUSED_CAP: usize = 1;
+    /// Refused by the global bucket (on the low-priority bucket: by itself).
+    pub const REFUSED_GLOBAL: usize = 2;
+    pub const REFUSED_WRITE_KEYSPACE: usize = 3;
+    pub const REFUSED_WRITE_GLOBAL: usize = 4;
+    pub const REFUSED_CONCURRENCY: usize = 5;
+    /// Monitor mode: would have been refused, admitted anyway.
+    pub const MONITOR_BREACHES: usize = 6;
+    pub const BURST_GRANTED: usize = 7;
+    pub const BURST_US: usize = 8;
+    pub const TOPUP_GRANTED: usize = 9;
+    pub const TOPUP_REFUSED: usize = 10;
+    /// Measured CPU of released tickets, µs.
+    pub const CONSUMED_US: usize = 11;
+    pub const RELEASED: usize = 12;
+    /// Estimated µs asked for (granted or not): fair allocation's demand.
+    pub const DEMAND_US: usize = 13;
+    /// Acquires that had to wait, and how long they waited in all, µs.
+    pub const WAITED: usize = 14;
+    pub const WAIT_US: usize = 15;
+    /// Admitted without a check because the agent was gone.
+    pub const FAIL_OPEN: usize = 16;
+    /// Overrun charged as debt, µs.
+    pub const DEBT_US: usize = 17;
+    /// Unused tokens given back, µs.
+    pub const REFUNDED_US: usize = 18;
+    /// Overrun beyond the bucket's debt bound, not charged, µs.
+    pub const DEBT_FORGIVEN_US: usize = 19;
+    /// Admitted with no bucket (no quota, no cap): legacy skip-throttle.
+    pub const SKIPPED: usize = 20;
+    /// Returned by the agent from a dead client's ledger.
+    pub const RECLAIMED: usize = 21;
+    /// Global bucket only: grants that overdrew it in best-effort mode.
+    pub const OVERDRAFT: usize = 22;
+    /// Refused by a configured (or PD) keyspace quota that could not burst.
+    pub const REFUSED_QUOTA: usize = 23;
+    /// Given back above capacity and dropped, µs.
+    pub const DISCARDED_US: usize = 24;
+    pub const COUNT: usize = 32;
+}
+
+/// The agent's header page (memfd; clients read-only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeaderPage {
+    pub clock: crate::HeaderCell,
+    pub agent: AgentCell,
+    pub knobs: KnobsCell,
+}
+
+/// Who the agent is and whether it is alive.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AgentCell {
+    /// Random and non-zero, new at every agent start: a client that sees it
+    /// change (or sees 0) is talking to memory no agent serves.
+    pub instance: u64,
+    /// CLOCK_MONOTONIC ns of the agent's last policy tick. A client that
+    /// finds it stale admits without checking (fail-open).
+    pub heartbeat_ns: u64,
+    /// CLOCK_MONOTONIC ms at the last tick: the coarse clock clients stamp
+    /// `BucketCell::last_used_ms` with, so no client reads a clock to do so.
+    pub now_ms: u64,
+    /// Refill intervals applied so far.
+    pub refills: u64,
+    /// Non-zero once the agent is shutting down.
+    pub stopping: u64,
+    pub _pad: [u64; 3],
+}
+
+/// The settings the fast path reads, published by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KnobsCell {
+    /// `KNOB_*` bits.
+    pub flags: u64,
+    pub refill_interval_us: u64,
+    /// `estimated-cpu-per-request-us`.
+    pub default_estimate_us: u64,
+    /// `additional-allocation-threshold` × 1000.
+    pub topup_threshold_milli: u64,
+    pub per_allocation_us: u64,
+    pub runtime_check_interval_us: u64,
+    /// Global pending-write threshold, bytes; a keyspace may hold 30 %.
+    pub pending_write_threshold: u64,
+    /// `max-concurrent-per-tenant`; 0 = no limit.
+    pub max_concurrent_per_tenant: u64,
+}
+
+impl KnobsCell {
+    /// Whether `KNOB_*` bit `flag` is set.
+    #[inline]
+    pub fn has(&self, flag: u64) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// One token bucket, with its keyspace's request counters: index 0 is the
+/// node's global bucket, index `c + 1` keyspace cell `c`'s. Tokens are CPU
+/// µs.
+///
+/// The tokens are two monotonic rovers: `tail_us` counts every µs taken
+/// (grants, top-ups, debt, and waiters' places in line), `head_us` every µs
+/// made available (fills, refills, refunds); `head − tail` is what is
+/// available, negative when in debt or when waiters queue. A waiter takes
+/// its place with one fetch-add on `tail_us` and is served when `head_us`
+/// passes it, so waiters of one keyspace are served in arrival order, and a
+/// newcomer cannot overtake them: it sees nothing available.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BucketCell {
+    pub tail_us: u64,
+    pub head_us: u64,
+    /// Futex word: bumped when `head_us` moves while `sleepers > 0`.
+    pub wake_seq: u32,
+    pub sleepers: u32,
+    /// µs granted to tickets not yet released.
+    pub inflight_us: u64,
+    /// Requests counted in flight (admission control).
+    pub inflight_requests: u64,
+    /// Pending write bytes (global in cell 0).
+    pub pending_write_bytes: u64,
+    /// The agent's coarse ms clock at the last acquire (idle eviction).
+    pub last_used_ms: u64,
+    /// Global cell only: burst tokens left this refill interval.
+    pub burst_budget_us: i64,
+    pub counters: [u64; counter::COUNT],
+}
+
+impl Default for BucketCell {
+    fn default() -> Self {
+        BucketCell {
+            tail_us: 0,
+            head_us: 0,
+            wake_seq: 0,
+            sleepers: 0,
+            inflight_us: 0,
+            inflight_requests: 0,
+            pending_write_bytes: 0,
+            last_used_ms: 0,
+            burst_budget_us: 0,
+            counters: [0; counter::COUNT],
+        }
+    }
+}
+
+/// What the agent publishes per keyspace cell (index `c + 1`; index 0 holds
+/// the global bucket's parameters). `key` is the directory entry: the
+/// keyspace id in the low half, a `DIR_*` state in the high half; cells are
+/// found by open addressing from [`crate::probe_start`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ParamsCell {
+    pub key: u64,
+    /// Bumped each time the cell is given to a keyspace.
+    pub generation: u64,
+    pub capacity_us: u64,
+    /// Refill per interval now (after dynamic or fair adjustment).
+    pub refill_us: u64,
+    /// Tokens a ticket takes when its demand names no estimate.
+    pub estimate_us: u64,
+    /// How far below zero an overrun may drive the bucket.
+    pub max_debt_us: u64,
+    /// `P_*` bits.
+    pub flags: u64,
+    pub _pad: u64,
+}
+
+/// One ticket a client holds, as its ledger records it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TicketRecord {
+    pub state: u32,
+    /// Keyspace cell + 1 (0: the ticket holds no keyspace bucket).
+    pub cell: u32,
+    /// The cell's generation when the ticket was granted.
+    pub generation: u64,
+    pub tenant_us: u64,
+    pub global_us: u64,
+    pub burst_us: u64,
+    pub write_bytes: u64,
+    /// `T_*` bits.
+    pub flags: u64,
+    /// CPU the ticket consumed so far, as last recorded by its thread.
+    pub consumed_ns: u64,
+}
+
+/// `ParamsCell::key` of a live entry.
+#[inline]
+pub const fn dir_key(keyspace_id: u32, state: u32) -> u64 {
+    keyspace_id as u64 | (state as u64) << 32
+}
+
+const _: () = assert!(size_of::<AgentCell>() == 64);
+const _: () = assert!(size_of::<KnobsCell>() == 64);
+const _: () = assert!(size_of::<HeaderPage>() == 192);
+const _: () = assert!(size_of::<BucketCell>() == 320);
+const _: () = assert!(size_of::<ParamsCell>() == 64);
+const _: () = assert!(size_of::<TicketRecord>() == 64);
+const _: () = assert!(align_of::<BucketCell>() == 8);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn field_offsets_are_stable() {
+        // Clients and agents of the same release share these; a change is
+        // an ABI change of the regions.
+        assert_eq!(core::mem::offset_of!(BucketCell, wake_seq), 16);
+        assert_eq!(core::mem::offset_of!(BucketCell, counters), 64);
+        assert_eq!(core::mem::offset_of!(HeaderPage, agent), 64);
+        assert_eq!(core::mem::offset_of!(HeaderPage, knobs), 128);
+        assert_eq!(core::mem::offset_of!(TicketRecord, consumed_ns), 56);
+    }
+
+    #[test]
+    fn directory_keys_keep_id_and_state_apart() {
+        let k = dir_key(u32::MAX, DIR_LIVE);
+        assert_eq!(k as u32, u32::MAX);
+        assert_eq!((k >> 32) as u32, DIR_LIVE);
+        assert_ne!(dir_key(0, DIR_LIVE), dir_key(0, DIR_EMPTY));
+    }
+}

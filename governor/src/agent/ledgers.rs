@@ -1,0 +1,73 @@
+//! Each client connection's ticket ledger (a memfd the client writes and
+//! the agent reads), and what the agent gives back from it when the client
+//! goes: tokens, write bytes and in-flight counts of every ticket it held.
+//!
+//! A record is only a client's claim. What it returns is bounded the way
+//! every release is: tokens never above a bucket's capacity, debt never below
+//! its bound, counts never below zero; a record that names a cell now held by
+//! another keyspace (a different generation) returns nothing to it.
+
+use crate::policy::{self, Grant, Policy};
+use crate::region::{LedgerMemory, RegionError};
+use governor_common::admission::{counter, LEDGER_LEN, TICKET_FREE, TICKET_HELD, T_COUNTED};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+#[derive(Default)]
+pub(crate) struct Ledgers {
+    by_conn: HashMap<u64, LedgerMemory>,
+}
+
+/// What one reclaim returned.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reclaimed {
+    pub tickets: u64,
+    pub write_bytes: u64,
+    pub requests: u64,
+}
+
+impl Ledgers {
+    /// A fresh ledger for connection `conn`; its descriptor for `hello`.
+    pub(crate) fn open(&mut self, conn: u64) -> Result<i32, RegionError> {
+        let l = LedgerMemory::create(LEDGER_LEN)?;
+        let fd = l.raw_fd();
+        self.by_conn.insert(conn, l);
+        Ok(fd)
+    }
+
+    /// Returns everything connection `conn`'s tickets held, and forgets the
+    /// ledger.
+    pub(crate) fn reclaim(&mut self, conn: u64, policy: &Policy) -> Reclaimed {
+        let Some(l) = self.by_conn.remove(&conn) else { return Reclaimed::default() };
+        let r = policy.regions();
+        let mut out = Reclaimed::default();
+        for (_, rec) in l.records.iter() {
+            if rec.state.load(Ordering::Acquire) != TICKET_HELD {
+                continue;
+            }
+            let cell = rec.cell.load(Ordering::Relaxed);
+            let g = Grant {
+                keyspace: 0,
+                cell: cell.checked_sub(1).map(|c| (c, rec.generation.load(Ordering::Relaxed))),
+                tenant_us: rec.tenant_us.load(Ordering::Relaxed),
+                global_us: rec.global_us.load(Ordering::Relaxed),
+                burst_us: rec.burst_us.load(Ordering::Relaxed),
+                low_priority_us: 0,
+                write_bytes: rec.write_bytes.load(Ordering::Relaxed),
+                counted: rec.flags.load(Ordering::Relaxed) & T_COUNTED != 0,
+                skipped: false,
+            };
+            // What the dead client's work consumed (as last recorded) is
+            // settled like any release; the rest goes back.
+            let consumed_us = rec.consumed_ns.load(Ordering::Relaxed) / 1000;
+            policy::release(r, &g, consumed_us.min(g.global_us.max(g.tenant_us)));
+            let b = g.cell.and_then(|(c, _)| r.keyspace_cell(c)).map_or(r.bucket(crate::region::GLOBAL), |x| x.0);
+            b.count(counter::RECLAIMED, 1);
+            rec.state.store(TICKET_FREE, Ordering::Release);
+            out.tickets += 1;
+            out.write_bytes += g.write_bytes;
+            out.requests += g.counted as u64;
+        }
+        out
+    }
+}

@@ -1,0 +1,117 @@
+//! What `governor status` shows, assembled from the measurement, the
+//! policy and the slot table.
+
+use super::Shared;
+use crate::policy::{KeyspaceCounters, QuotaSource};
+use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, StatusReport};
+use std::sync::atomic::Ordering;
+
+fn source_name(s: QuotaSource) -> &'static str {
+    match s {
+        QuotaSource::Config => "config",
+        QuotaSource::Pd => "pd",
+        QuotaSource::TenantCap => "tenant_cap",
+    }
+}
+
+fn refused(c: &KeyspaceCounters) -> u64 {
+    c.refused_keyspace + c.refused_global + c.refused_write + c.refused_concurrency
+}
+
+impl Shared {
+    pub(crate) fn status(&self) -> StatusReport {
+        let snap = self.policy.snapshot();
+        let s = self.policy.settings();
+        let r = self.policy.regions();
+        let m = self.lock_measurement();
+        let usage = self.lock_usage();
+        let (span_us, window) = self.policy.window_cpu();
+        let buckets: std::collections::HashMap<u32, &crate::policy::KeyspaceSnapshot> =
+            snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
+        let mut keyspaces: Vec<KeyspaceStatus> = r
+            .directory()
+            .live()
+            .map(|(id, cell)| {
+                let (b, p) = r.keyspace_cell(cell).expect("live cell");
+                let generation = p.generation.load(Ordering::Acquire);
+                let cpu_ns = usage.current_ns(&m, cell, id, generation);
+                let k = buckets.get(&id);
+                let c = k.map(|k| k.counters).unwrap_or_else(|| KeyspaceCounters::of(b));
+                KeyspaceStatus {
+                    keyspace_id: id,
+                    cpu_seconds: cpu_ns as f64 / 1e9,
+                    window_ratio: if span_us == 0 {
+                        0.0
+                    } else {
+                        window.get(&id).copied().unwrap_or(0) as f64 / (span_us as f64 * self.cores as f64)
+                    },
+                    bucket: k.map(|k| BucketStatus {
+                        source: source_name(k.source).into(),
+                        available_us: k.available_us,
+                        capacity_us: k.capacity_us.max(0) as u64,
+                        refill_us: k.refill_us,
+                        inflight_us: k.inflight_us,
+                        debt_us: k.debt_us,
+                    }),
+                    estimate_us: p.estimate_us.load(Ordering::Relaxed),
+                    granted: c.granted,
+                    refused: refused(&c),
+                    waited: c.waited,
+                    inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
+                    pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
+        keyspaces.sort_by_key(|k| k.keyspace_id);
+        let thread_clock_source = if m.is_fallback() {
+            "thread-cputime"
+        } else if crate::tsc::now_ns(&r.header().clock).is_some() {
+            "tsc"
+        } else {
+            "vdso"
+        };
+        let g = r.bucket(crate::region::GLOBAL);
+        let c = snap.counters;
+        StatusReport {
+            backend: m.kind,
+            thread_clock_source: thread_clock_source.to_string(),
+            logical_cores: self.cores,
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            window_seconds: span_us as f64 / 1e6,
+            threads: self.lock_slots().stats(),
+            admission: AdmissionStatus {
+                enabled: s.enabled,
+                throttle: s.throttle_enabled,
+                tenant_max_cpu_ratio: s.tenant_max_cpu_ratio,
+                admission_mode: format!("{:?}", s.admission_mode).to_lowercase(),
+                global: BucketStatus {
+                    source: "global".into(),
+                    available_us: snap.global.available_us,
+                    capacity_us: snap.global.capacity_us.max(0) as u64,
+                    refill_us: snap.global.refill_us,
+                    inflight_us: g.inflight_us.load(Ordering::Relaxed),
+                    debt_us: (-snap.global.available_us).max(0) as u64,
+                },
+                global_ratio: snap.global_ratio,
+                global_pending_write_bytes: snap.pending_writes.global_bytes,
+                cells_in_use: self.policy.cells_in_use() as u32,
+                cells: r.directory().len(),
+                granted: c.granted,
+                refused: c.tenant_cap_exhausted
+                    + c.keyspace_exhausted
+                    + c.global_exhausted
+                    + c.low_priority_exhausted
+                    + c.write_refused_global
+                    + c.write_refused_keyspace
+                    + c.concurrency_refused,
+                waited: c.waited,
+                fail_open: c.fail_open,
+                reclaimed: c.reclaimed,
+                monitor_breaches: c.concurrency_monitor_breaches,
+                global_overdrafts: c.global_best_effort_overdraft,
+            },
+            keyspaces,
+            programs: m.program_stats(),
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Per-keyspace CPU as the measurement cells hold it, turned into the
+//! policy's usage samples (one per stats interval) and the totals status
+//! reports.
+//!
+//! A keyspace cell keeps counting when the agent gives it to another
+//! keyspace, so each holder's total starts from the cell's value when it got
+//! the cell. Values are checked before use: a client can write the cells
+//! (it charges its own intervals there), so a counter that goes backwards or
+//! jumps past what the node's cores could run is noticed and clamped, never
+//! wrapped into the policy.
+
+use crate::config::ValidatedConfig;
+use crate::measure::Measurement;
+use crate::policy::{Policy, UsageSample};
+use crate::sys;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+#[derive(Clone, Copy, Debug)]
+struct Cell {
+    id: u32,
+    generation: u64,
+    /// The cell's value at the last sample.
+    last_ns: u64,
+    /// What was accepted so far for this keyspace.
+    total_ns: u64,
+}
+
+pub(crate) struct Usage {
+    cells: HashMap<u32, Cell>,
+    /// Σ of every accepted delta since start.
+    global_ns: u64,
+    last_sample_ns: u64,
+    cores: u64,
+    /// Counters found going backwards or jumping (clamped).
+    pub(crate) anomalies: u64,
+}
+
+impl Usage {
+    pub(crate) fn new(_cfg: &ValidatedConfig) -> Usage {
+        Usage {
+            cells: HashMap::new(),
+            global_ns: 0,
+            last_sample_ns: sys::monotonic_ns(),
+            cores: sys::logical_cores() as u64,
+            anomalies: 0,
+        }
+    }
+
+    /// Reads every live keyspace cell and returns the interval's usage.
+    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy) -> UsageSample {
+        let now = sys::monotonic_ns();
+        let elapsed = now.saturating_sub(self.last_sample_ns).max(1);
+        self.last_sample_ns = now;
+        // No keyspace can have run more than every core the whole interval.
+        let bound = elapsed.saturating_mul(self.cores) + 1_000_000;
+        let r = policy.regions();
+        let mut out = Vec::new();
+        let mut seen = Vec::new();
+        for (id, c) in r.directory().live() {
+            let Some(value) = m.regions.keyspaces.get(c).map(|k| k.cpu_ns.load(Ordering::Relaxed)) else { continue };
+            let generation = r.keyspace_cell(c).map_or(0, |(_, p)| p.generation.load(Ordering::Acquire));
+            let entry = self.cells.entry(c).or_insert(Cell { id, generation, last_ns: value, total_ns: 0 });
+            if entry.generation != generation || entry.id != id {
+                *entry = Cell { id, generation, last_ns: value, total_ns: 0 };
+            }
+            let delta = match value.checked_sub(entry.last_ns) {
+                Some(d) if d <= bound => d,
+                _ => {
+                    self.anomalies += 1;
+                    log::warn!(
+                        "keyspace {id}: CPU counter moved from {} to {value} ns in {elapsed} ns; ignored (something wrote the shared cell)",
+                        entry.last_ns
+                    );
+                    0
+                }
+            };
+            entry.last_ns = value;
+            entry.total_ns += delta;
+            self.global_ns += delta;
+            seen.push(c);
+            if delta > 0 {
+                out.push((id, delta / 1000));
+            }
+        }
+        self.cells.retain(|c, _| seen.contains(c));
+        UsageSample { global_cpu_cumulative_us: self.global_ns / 1000, keyspace_cpu_us: out }
+    }
+
+    /// Records where a keyspace's count starts when the agent gives it a cell.
+    pub(crate) fn note(&mut self, m: &Measurement, cell: u32, id: u32, generation: u64) {
+        let value = m.regions.keyspaces.get(cell).map_or(0, |k| k.cpu_ns.load(Ordering::Relaxed));
+        let fresh = Cell { id, generation, last_ns: value, total_ns: 0 };
+        let e = self.cells.entry(cell).or_insert(fresh);
+        if e.generation != generation || e.id != id {
+            *e = fresh;
+        }
+    }
+
+    /// CPU charged to `keyspace` now: the last sample's total plus what the
+    /// cell gained since (checked the same way).
+    pub(crate) fn current_ns(&self, m: &Measurement, cell: u32, keyspace: u32, generation: u64) -> u64 {
+        let value = |c: u32| m.regions.keyspaces.get(c).map(|k| k.cpu_ns.load(Ordering::Relaxed));
+        let Some(c) = self.cells.get(&cell).filter(|c| c.id == keyspace && c.generation == generation) else {
+            // Never sampled: a cell's first holder starts from zero.
+            return if generation == 1 { value(cell).unwrap_or(0) } else { 0 };
+        };
+        let value = value(cell).unwrap_or(c.last_ns);
+        let bound = sys::monotonic_ns().saturating_sub(self.last_sample_ns).saturating_mul(self.cores) + 1_000_000;
+        c.total_ns + value.checked_sub(c.last_ns).filter(|d| *d <= bound).unwrap_or(0)
+    }
+}

@@ -1,0 +1,479 @@
+//! Tickets: admission of one request through the shared regions, without a
+//! syscall or a lock on the fast path.
+//!
+//! `Client::acquire` checks the tenant's concurrency, the pending write
+//! bytes and the CPU tokens ([`crate::policy::acquire`]); with a deadline it
+//! waits in line for CPU tokens (sleeping on the bucket's futex word, woken
+//! by refills and refunds alike) instead of being refused. The [`Ticket`]
+//! records what it holds in the client's ledger, so the agent can return it
+//! if the process dies. Work runs inside [`Ticket::enter`] (or
+//! [`Ticket::run`] for a future): the thread is tagged with the keyspace and
+//! the ticket is charged exactly the CPU the measurement protocol charged
+//! meanwhile. Dropping the ticket gives back what it did not use and turns
+//! an overrun into (bounded) debt.
+//!
+//! When no agent answers — it died, or stalls — every acquire admits at once
+//! and is counted ([`super::Client::fail_open_count`]): a dead agent never
+//! takes the node down.
+
+use super::conn::{Attachment, Client, ClientError};
+use crate::policy::{self, Grant, Knobs, Progress, Queued, Refusal};
+use crate::region::TicketView;
+use crate::sys;
+use governor_common::admission::{counter, KNOB_RUNTIME_TOPUP, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_COUNTED};
+use governor_common::tag_for_cell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A heartbeat older than this means no agent runs the policy any more.
+pub const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
+
+/// Longest single sleep of a waiter: it checks that the agent lives this
+/// often (refills and refunds wake it sooner).
+pub(crate) const LIVENESS_CHECK: Duration = Duration::from_millis(100);
+
+/// What a request asks of the agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Demand {
+    /// CPU µs it expects; `None`: the keyspace's published estimate.
+    pub estimate_us: Option<u64>,
+    /// Write bytes it holds pending until the ticket drops.
+    pub write_bytes: u64,
+    /// Wait for CPU tokens until then; `None`: do not wait.
+    pub deadline: Option<Instant>,
+    /// A low-priority DAG request.
+    pub low_priority: bool,
+}
+
+impl Demand {
+    pub fn new() -> Demand {
+        Demand::default()
+    }
+    pub fn estimate_us(mut self, us: u64) -> Demand {
+        self.estimate_us = Some(us);
+        self
+    }
+    pub fn write_bytes(mut self, bytes: u64) -> Demand {
+        self.write_bytes = bytes;
+        self
+    }
+    pub fn deadline(mut self, at: Instant) -> Demand {
+        self.deadline = Some(at);
+        self
+    }
+    /// Wait at most `d` from now.
+    pub fn timeout(mut self, d: Duration) -> Demand {
+        self.deadline = Some(Instant::now() + d);
+        self
+    }
+    pub fn low_priority(mut self) -> Demand {
+        self.low_priority = true;
+        self
+    }
+
+    pub(crate) fn policy(&self) -> policy::Demand {
+        policy::Demand { estimate_us: self.estimate_us, write_bytes: self.write_bytes, low_priority: self.low_priority }
+    }
+}
+
+/// A refusal, with how long the request waited before it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{reason} (waited {waited:?})")]
+pub struct Refused {
+    pub reason: Refusal,
+    pub waited: Duration,
+}
+
+impl Refused {
+    /// The reason as a metrics label (`tenant_admission_control` for the
+    /// concurrency limit).
+    pub fn code(&self) -> &'static str {
+        self.reason.reason()
+    }
+}
+
+/// One admitted request. Tag its work with [`Ticket::enter`] or
+/// [`Ticket::run`]; drop it when the request is done.
+#[must_use = "a ticket admits work: drop it when the work is done"]
+pub struct Ticket {
+    /// `None`: admitted without a check (no agent answered); holds nothing.
+    pub(crate) att: Option<Arc<Attachment>>,
+    record: u32,
+    pub(crate) grant: Grant,
+    pub(crate) consumed_ns: u64,
+    /// `consumed_ns` at the last top-up check.
+    checked_ns: u64,
+    /// A top-up was refused at a tag switch: the next checkpoint waits for it.
+    pub(crate) topup_due: bool,
+    pub(crate) deadline: Option<Instant>,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("keyspace", &self.grant.keyspace())
+            .field("granted_us", &self.grant.granted_us())
+            .field("consumed_ns", &self.consumed_ns)
+            .field("fail_open", &self.att.is_none())
+            .finish()
+    }
+}
+
+/// Claims a free record of the client's ledger (bounded scan from a hint).
+fn claim(att: &Attachment) -> Option<u32> {
+    let len = att.ledger.len();
+    let start = att.ledger_hint.load(Ordering::Relaxed);
+    for i in 0..len {
+        let idx = (start + i) % len;
+        let r = att.ledger.get(idx)?;
+        if r.state.load(Ordering::Relaxed) == TICKET_FREE
+            && r.state.compare_exchange(TICKET_FREE, TICKET_CLAIMED, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        {
+            att.ledger_hint.store(idx + 1, Ordering::Relaxed);
+            return Some(idx);
+        }
+    }
+    None
+}
+
+fn record(att: &Attachment, idx: u32) -> &TicketView {
+    att.ledger.get(idx).expect("claimed record")
+}
+
+/// Writes what a granted ticket holds into its record, then marks it held.
+fn write_record(att: &Attachment, idx: u32, g: &Grant) {
+    let r = record(att, idx);
+    let (cell, generation) = g.cell.map_or((0, 0), |(c, g)| (c + 1, g));
+    r.cell.store(cell, Ordering::Relaxed);
+    r.generation.store(generation, Ordering::Relaxed);
+    r.tenant_us.store(g.tenant_us, Ordering::Relaxed);
+    r.global_us.store(g.global_us, Ordering::Relaxed);
+    r.burst_us.store(g.burst_us, Ordering::Relaxed);
+    r.write_bytes.store(g.write_bytes, Ordering::Relaxed);
+    r.flags.store(if g.counted { T_COUNTED } else { 0 }, Ordering::Relaxed);
+    r.consumed_ns.store(0, Ordering::Relaxed);
+    r.state.store(TICKET_HELD, Ordering::Release);
+}
+
+/// Whether the agent behind `att` runs its policy loop: attached, and its
+/// heartbeat fresh. Reads a clock: only on slow paths.
+pub(crate) fn agent_alive(att: &Attachment) -> bool {
+    if !att.alive() {
+        return false;
+    }
+    let hb = att.admission.header().agent.heartbeat_ns.load(Ordering::Relaxed);
+    sys::monotonic_ns().saturating_sub(hb) < FAIL_OPEN_AFTER.as_nanos() as u64
+}
+
+/// What waiting in line ended with.
+pub(crate) enum Waited {
+    Granted(Grant),
+    Refused(Refused),
+    /// The agent went away meanwhile: admit without a check.
+    FailOpen,
+}
+
+/// Waits on the buckets' futex words until `q` is served, `deadline`
+/// passes, or the agent is found gone.
+pub(crate) fn wait_in_line(att: &Attachment, k: &Knobs, mut q: Queued, deadline: Instant) -> Waited {
+    let r = &att.admission;
+    let start = Instant::now();
+    let mut waited_at_all = false;
+    loop {
+        match q.poll(r, k) {
+            Progress::Ready(g) => {
+                if waited_at_all {
+                    count_wait(att, &g, start.elapsed());
+                }
+                return Waited::Granted(g);
+            }
+            Progress::Waiting { bucket, pos } => {
+                let now = Instant::now();
+                if now >= deadline {
+                    let reason = q.cancel(r);
+                    return Waited::Refused(Refused { reason, waited: now - start });
+                }
+                if !agent_alive(att) {
+                    let _ = q.cancel(r);
+                    return Waited::FailOpen;
+                }
+                waited_at_all = true;
+                r.bucket(bucket).wait_for(pos, (deadline - now).min(LIVENESS_CHECK));
+            }
+        }
+    }
+}
+
+fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
+    let b = g.cell.and_then(|(c, _)| att.admission.keyspace_cell(c)).map_or(att.admission.bucket(crate::region::GLOBAL), |x| x.0);
+    b.count(counter::WAITED, 1);
+    b.count(counter::WAIT_US, waited.as_micros() as u64);
+}
+
+impl Client {
+    /// Admits one request of `keyspace`, or refuses it (after waiting in line
+    /// for CPU tokens until the demand's deadline, if it has one).
+    pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket, Refused> {
+        match self.begin(keyspace, &demand)? {
+            Begin::Done(t) => Ok(t),
+            Begin::Queued { att, record: idx, q, k } => {
+                let deadline = demand.deadline.expect("queued only with a deadline");
+                match wait_in_line(&att, &k, q, deadline) {
+                    Waited::Granted(g) => Ok(self.granted(att, idx, g, demand.deadline)),
+                    Waited::Refused(r) => {
+                        record(&att, idx).state.store(TICKET_FREE, Ordering::Release);
+                        Err(r)
+                    }
+                    Waited::FailOpen => {
+                        record(&att, idx).state.store(TICKET_FREE, Ordering::Release);
+                        Ok(self.fail_open(keyspace, Some(&att)))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Everything up to the wait: the fast path, or a place in line.
+    pub(crate) fn begin(&self, keyspace: u32, demand: &Demand) -> Result<Begin, Refused> {
+        let att = self.attachment();
+        if !att.alive() {
+            return Ok(Begin::Done(self.fail_open(keyspace, None)));
+        }
+        let cell = match att.cell_of(keyspace) {
+            Ok(c) => Some(c),
+            // No cell (the table is full): the request passes unthrottled.
+            Err(ClientError::Refused { .. }) => None,
+            Err(_) => return Ok(Begin::Done(self.fail_open(keyspace, None))),
+        };
+        let k = att.admission.header().knobs.snapshot();
+        let Some(idx) = claim(&att) else {
+            return Err(Refused { reason: Refusal::TooManyTickets { limit: att.ledger.len() }, waited: Duration::ZERO });
+        };
+        let d = demand.policy();
+        let free = |att: &Attachment| record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+        match demand.deadline {
+            Some(deadline) if deadline > Instant::now() => match policy::acquire_queued(&att.admission, &k, keyspace, cell, &d) {
+                Ok(q) => Ok(Begin::Queued { att, record: idx, q, k }),
+                Err(reason) => {
+                    free(&att);
+                    Err(Refused { reason, waited: Duration::ZERO })
+                }
+            },
+            _ => match policy::acquire(&att.admission, &k, keyspace, cell, &d) {
+                Ok(g) => Ok(Begin::Done(self.granted(att, idx, g, demand.deadline))),
+                Err(reason) => {
+                    free(&att);
+                    // A refusal from buckets nobody refills any more is no refusal.
+                    if reason.is_cpu() && !agent_alive(&att) {
+                        return Ok(Begin::Done(self.fail_open(keyspace, Some(&att))));
+                    }
+                    Err(Refused { reason, waited: Duration::ZERO })
+                }
+            },
+        }
+    }
+
+    pub(crate) fn granted(&self, att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket {
+        write_record(&att, idx, &g);
+        Ticket { att: Some(att), record: idx, grant: g, consumed_ns: 0, checked_ns: 0, topup_due: false, deadline }
+    }
+
+    pub(crate) fn fail_open(&self, keyspace: u32, att: Option<&Attachment>) -> Ticket {
+        self.inner.fail_open.fetch_add(1, Ordering::Relaxed);
+        if let Some(att) = att {
+            att.admission.bucket(crate::region::GLOBAL).count(counter::FAIL_OPEN, 1);
+        }
+        Ticket {
+            att: None,
+            record: 0,
+            grant: Grant::unchecked(keyspace, None),
+            consumed_ns: 0,
+            checked_ns: 0,
+            topup_due: false,
+            deadline: None,
+        }
+    }
+}
+
+/// Where [`Client::begin`] left a request.
+pub(crate) enum Begin {
+    Done(Ticket),
+    Queued { att: Arc<Attachment>, record: u32, q: Queued, k: Knobs },
+}
+
+impl Ticket {
+    pub fn keyspace(&self) -> u32 {
+        self.grant.keyspace()
+    }
+
+    /// CPU µs this ticket holds (its estimate plus top-ups).
+    pub fn granted_us(&self) -> u64 {
+        self.grant.granted_us()
+    }
+
+    /// CPU the ticket's work consumed so far, ns (the measurement
+    /// protocol's own count, not wall time).
+    pub fn consumed_ns(&self) -> u64 {
+        self.consumed_ns
+    }
+
+    /// Admitted without a check because no agent answered.
+    pub fn is_fail_open(&self) -> bool {
+        self.att.is_none()
+    }
+
+    /// The grant behind the ticket.
+    pub fn grant(&self) -> &Grant {
+        &self.grant
+    }
+
+    /// Runs the ticket's work on this thread until the guard drops: the
+    /// thread's CPU is charged to the keyspace (and to this ticket).
+    pub fn enter(&mut self) -> TicketGuard<'_> {
+        let tag = self.grant.cell().map(tag_for_cell);
+        let epoch = self.att.as_ref().map(|a| a.epoch);
+        // On this client's current registration, tag and read the thread
+        // clock in one step; elsewhere (unregistered thread, fail-open
+        // ticket) just read the kernel's clock.
+        let tagged = match (tag, epoch) {
+            (Some(tag), Some(epoch)) => super::with_ctx(|ctx| {
+                (ctx.att.epoch == epoch).then(|| {
+                    let th = ctx.thread();
+                    let (old, t) = th.switch_tag(tag);
+                    (old, if t == 0 { th.clock() } else { t })
+                })
+            })
+            .ok()
+            .flatten()
+            .flatten(),
+            _ => None,
+        };
+        let (prev_tag, t0) = match tagged {
+            Some((old, t)) => (Some(old), t),
+            None => (None, sys::thread_cputime_ns()),
+        };
+        TicketGuard { ticket: self, prev_tag, t0, _not_send: std::marker::PhantomData }
+    }
+
+    /// Records CPU consumed by a finished stretch of work, and tops up if the
+    /// ticket ran past its share (without waiting: a refusal is kept for the
+    /// next [`Ticket::checkpoint`]).
+    pub(crate) fn add_consumed(&mut self, ns: u64) {
+        self.consumed_ns = self.consumed_ns.saturating_add(ns);
+        let Some(att) = self.att.clone() else { return };
+        record(&att, self.record).consumed_ns.store(self.consumed_ns, Ordering::Relaxed);
+        let k = att.admission.header().knobs.snapshot();
+        if !k.has(KNOB_RUNTIME_TOPUP) {
+            return;
+        }
+        if self.consumed_ns.saturating_sub(self.checked_ns) < k.runtime_check_interval_us.saturating_mul(1000) {
+            return;
+        }
+        self.checked_ns = self.consumed_ns;
+        for _ in 0..64 {
+            if !self.grant.needs_top_up(self.consumed_ns / 1000, k.topup_threshold_milli) {
+                return;
+            }
+            if policy::top_up(&att.admission, &k, &mut self.grant, k.per_allocation_us).is_err() {
+                self.topup_due = true;
+                return;
+            }
+            write_record(&att, self.record, &self.grant);
+        }
+    }
+
+    /// Whether the ticket must top up before running more work.
+    pub(crate) fn needs_top_up(&self, k: &Knobs) -> bool {
+        self.topup_due
+            || (k.has(KNOB_RUNTIME_TOPUP) && self.grant.needs_top_up(self.consumed_ns / 1000, k.topup_threshold_milli))
+    }
+
+    /// Between two stretches of a long request's work: if it ran past its
+    /// share, tops up, waiting in line until the ticket's deadline (a ticket
+    /// without one is refused at once). A refusal says the request should
+    /// stop; the ticket still holds what it had.
+    pub fn checkpoint(&mut self) -> Result<(), Refused> {
+        let Some(att) = self.att.clone() else { return Ok(()) };
+        let k = att.admission.header().knobs.snapshot();
+        for _ in 0..1024 {
+            if !self.needs_top_up(&k) {
+                self.topup_due = false;
+                return Ok(());
+            }
+            let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us);
+            let deadline = self.deadline.unwrap_or_else(Instant::now);
+            match wait_in_line(&att, &k, q, deadline) {
+                Waited::Granted(part) => {
+                    self.grant.absorb(part);
+                    write_record(&att, self.record, &self.grant);
+                    self.topup_due = false;
+                }
+                Waited::Refused(r) => return Err(r),
+                Waited::FailOpen => {
+                    self.topup_due = false;
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The ticket's record and the top-up knobs, for the async waiter.
+    pub(crate) fn parts(&self) -> Option<(Arc<Attachment>, u32)> {
+        self.att.clone().map(|a| (a, self.record))
+    }
+
+    pub(crate) fn store_grant(&mut self) {
+        if let Some(att) = &self.att {
+            write_record(att, self.record, &self.grant);
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let Some(att) = self.att.take() else { return };
+        policy::release(&att.admission, &self.grant, self.consumed_ns / 1000);
+        record(&att, self.record).state.store(TICKET_FREE, Ordering::Release);
+    }
+}
+
+/// Work of a ticket running on this thread. Not `Send`: it tags the thread
+/// that entered it.
+#[must_use = "the ticket's work runs until the guard drops"]
+pub struct TicketGuard<'a> {
+    ticket: &'a mut Ticket,
+    /// The tag to restore, when the thread was tagged.
+    prev_tag: Option<u64>,
+    t0: u64,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl TicketGuard<'_> {
+    /// CPU this stretch of work consumed so far, ns.
+    pub fn consumed_ns(&self) -> u64 {
+        let now = match self.prev_tag {
+            Some(_) => super::thread_cpu_ns().unwrap_or(self.t0),
+            None => sys::thread_cputime_ns(),
+        };
+        now.saturating_sub(self.t0)
+    }
+}
+
+impl Drop for TicketGuard<'_> {
+    fn drop(&mut self) {
+        let t1 = match self.prev_tag {
+            Some(prev) => super::with_ctx(|ctx| {
+                let th = ctx.thread();
+                let (_, t) = th.switch_tag(prev);
+                if t == 0 { th.clock() } else { t }
+            })
+            .ok()
+            .flatten()
+            .unwrap_or(self.t0),
+            None => sys::thread_cputime_ns(),
+        };
+        self.ticket.add_consumed(t1.saturating_sub(self.t0));
+    }
+}

@@ -1,0 +1,316 @@
+//! Atomic mirrors of the admission layouts, and the keyspace directory.
+
+use super::measure::same_layout;
+use super::{RegionError, Table, FIRST_KEYSPACE};
+use governor_common::admission::{
+    counter, dir_key, AgentCell, BucketCell, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
+};
+use governor_common::{probe_start, HeaderCell};
+use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// Atomic mirror of [`HeaderCell`]: the TSC clock mapping.
+#[repr(C)]
+pub struct ClockView {
+    pub clock_seq: AtomicU64,
+    pub tsc_base: AtomicU64,
+    pub ns_base: AtomicU64,
+    pub mult: AtomicU64,
+    pub clock_valid: AtomicU64,
+    _pad: [u64; 3],
+}
+
+/// Atomic mirror of [`AgentCell`].
+#[repr(C)]
+pub struct AgentView {
+    pub instance: AtomicU64,
+    pub heartbeat_ns: AtomicU64,
+    pub now_ms: AtomicU64,
+    pub refills: AtomicU64,
+    pub stopping: AtomicU64,
+    _pad: [u64; 3],
+}
+
+/// Atomic mirror of [`KnobsCell`].
+#[repr(C)]
+pub struct KnobsView {
+    pub flags: AtomicU64,
+    pub refill_interval_us: AtomicU64,
+    pub default_estimate_us: AtomicU64,
+    pub topup_threshold_milli: AtomicU64,
+    pub per_allocation_us: AtomicU64,
+    pub runtime_check_interval_us: AtomicU64,
+    pub pending_write_threshold: AtomicU64,
+    pub max_concurrent_per_tenant: AtomicU64,
+}
+
+/// Atomic mirror of [`governor_common::admission::HeaderPage`].
+#[repr(C)]
+pub struct HeaderView {
+    pub clock: ClockView,
+    pub agent: AgentView,
+    pub knobs: KnobsView,
+}
+
+/// Atomic mirror of [`BucketCell`]. The token operations live in
+/// `policy::bucket`.
+#[repr(C)]
+pub struct BucketView {
+    pub tail_us: AtomicU64,
+    pub head_us: AtomicU64,
+    pub wake_seq: AtomicU32,
+    pub sleepers: AtomicU32,
+    pub inflight_us: AtomicU64,
+    pub inflight_requests: AtomicU64,
+    pub pending_write_bytes: AtomicU64,
+    pub last_used_ms: AtomicU64,
+    pub burst_budget_us: AtomicI64,
+    pub counters: [AtomicU64; counter::COUNT],
+}
+
+impl BucketView {
+    /// Adds one to counter `c` (a `counter::*` index).
+    #[inline]
+    pub fn count(&self, c: usize, n: u64) {
+        self.counters[c].fetch_add(n, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub fn counter(&self, c: usize) -> u64 {
+        self.counters[c].load(Ordering::Relaxed)
+    }
+}
+
+/// Atomic mirror of [`ParamsCell`].
+#[repr(C)]
+pub struct ParamsView {
+    pub key: AtomicU64,
+    pub generation: AtomicU64,
+    pub capacity_us: AtomicU64,
+    pub refill_us: AtomicU64,
+    pub estimate_us: AtomicU64,
+    pub max_debt_us: AtomicU64,
+    pub flags: AtomicU64,
+    _pad: u64,
+}
+
+impl KnobsView {
+    /// A copy of the knobs; `flags` read with Acquire, so the values the
+    /// agent stored before publishing a flag are seen with it.
+    #[inline]
+    pub fn snapshot(&self) -> KnobsCell {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        KnobsCell {
+            flags: self.flags.load(Ordering::Acquire),
+            refill_interval_us: l(&self.refill_interval_us),
+            default_estimate_us: l(&self.default_estimate_us),
+            topup_threshold_milli: l(&self.topup_threshold_milli),
+            per_allocation_us: l(&self.per_allocation_us),
+            runtime_check_interval_us: l(&self.runtime_check_interval_us),
+            pending_write_threshold: l(&self.pending_write_threshold),
+            max_concurrent_per_tenant: l(&self.max_concurrent_per_tenant),
+        }
+    }
+}
+
+impl ParamsView {
+    /// (directory state, keyspace id).
+    #[inline]
+    pub fn entry(&self) -> (u32, u32) {
+        let k = self.key.load(Ordering::Acquire);
+        ((k >> 32) as u32, k as u32)
+    }
+
+    #[inline]
+    pub fn has(&self, flag: u64) -> bool {
+        self.flags.load(Ordering::Relaxed) & flag != 0
+    }
+}
+
+/// Atomic mirror of [`TicketRecord`].
+#[repr(C)]
+pub struct TicketView {
+    pub state: AtomicU32,
+    pub cell: AtomicU32,
+    pub generation: AtomicU64,
+    pub tenant_us: AtomicU64,
+    pub global_us: AtomicU64,
+    pub burst_us: AtomicU64,
+    pub write_bytes: AtomicU64,
+    pub flags: AtomicU64,
+    pub consumed_ns: AtomicU64,
+}
+
+same_layout!(ClockView, HeaderCell, clock_seq, tsc_base, ns_base, mult, clock_valid);
+same_layout!(AgentView, AgentCell, instance, heartbeat_ns, now_ms, refills, stopping);
+same_layout!(
+    KnobsView,
+    KnobsCell,
+    flags,
+    refill_interval_us,
+    default_estimate_us,
+    topup_threshold_milli,
+    per_allocation_us,
+    runtime_check_interval_us,
+    pending_write_threshold,
+    max_concurrent_per_tenant
+);
+same_layout!(HeaderView, governor_common::admission::HeaderPage, clock, agent, knobs);
+same_layout!(
+    BucketView,
+    BucketCell,
+    tail_us,
+    head_us,
+    wake_seq,
+    sleepers,
+    inflight_us,
+    inflight_requests,
+    pending_write_bytes,
+    last_used_ms,
+    burst_budget_us,
+    counters
+);
+same_layout!(ParamsView, ParamsCell, key, generation, capacity_us, refill_us, estimate_us, max_debt_us, flags);
+same_layout!(TicketView, TicketRecord, state, cell, generation, tenant_us, global_us, burst_us, write_bytes, flags, consumed_ns);
+
+/// The keyspace directory: open addressing on the keyspace id over the
+/// parameter region's keys (entry `c + FIRST_KEYSPACE` names keyspace cell
+/// `c`). Only the
+/// agent inserts and evicts; anyone may look up. Probes stop at an empty
+/// entry and never visit more than the table, so a lookup is bounded
+/// whatever the memory holds.
+pub struct Directory<'a> {
+    params: &'a Table<ParamsView>,
+    len: u32,
+}
+
+impl<'a> Directory<'a> {
+    pub fn new(params: &'a Table<ParamsView>) -> Self {
+        Directory { params, len: params.len().saturating_sub(FIRST_KEYSPACE) }
+    }
+
+    /// Keyspace cells in the table.
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[inline]
+    fn entry(&self, cell: u32) -> &'a ParamsView {
+        self.params.get(cell + FIRST_KEYSPACE).expect("cell masked to the table")
+    }
+
+    /// (cell, generation) of `keyspace_id`, if present.
+    #[inline]
+    pub fn find(&self, keyspace_id: u32) -> Option<(u32, u64)> {
+        if self.len == 0 {
+            return None;
+        }
+        let mask = self.len - 1;
+        let mut c = probe_start(keyspace_id, self.len);
+        for _ in 0..self.len {
+            let p = self.entry(c);
+            match p.entry() {
+                (DIR_EMPTY, _) => return None,
+                (DIR_LIVE, id) if id == keyspace_id => return Some((c, p.generation.load(Ordering::Acquire))),
+                _ => {}
+            }
+            c = (c + 1) & mask;
+        }
+        None
+    }
+
+    /// Agent only: the cell of `keyspace_id`, giving it a free one (the
+    /// first empty or evicted entry on its probe path) when absent. The
+    /// parameters are set by `init` before the entry becomes visible.
+    /// Returns (cell, generation, inserted).
+    pub fn insert(&self, keyspace_id: u32, init: impl FnOnce(&ParamsView)) -> Result<(u32, u64, bool), RegionError> {
+        if let Some((c, g)) = self.find(keyspace_id) {
+            return Ok((c, g, false));
+        }
+        let mask = self.len.checked_sub(1).ok_or(RegionError::KeyspaceTableFull { capacity: 0 })?;
+        let mut c = probe_start(keyspace_id, self.len);
+        for _ in 0..self.len {
+            let p = self.entry(c);
+            if p.entry().0 != DIR_LIVE {
+                let generation = p.generation.load(Ordering::Relaxed) + 1;
+                p.generation.store(generation, Ordering::Relaxed);
+                init(p);
+                p.key.store(dir_key(keyspace_id, DIR_LIVE), Ordering::Release);
+                return Ok((c, generation, true));
+            }
+            c = (c + 1) & mask;
+        }
+        Err(RegionError::KeyspaceTableFull { capacity: self.len })
+    }
+
+    /// Agent only: takes `cell` from its keyspace; lookups skip it from now on
+    /// and a later insert may reuse it.
+    pub fn evict(&self, cell: u32) {
+        if cell < self.len {
+            let p = self.entry(cell);
+            let (_, id) = p.entry();
+            p.flags.store(0, Ordering::Relaxed);
+            p.key.store(dir_key(id, governor_common::admission::DIR_TOMBSTONE), Ordering::Release);
+        }
+    }
+
+    /// Every live entry: (keyspace id, cell).
+    pub fn live(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        (0..self.len).filter_map(move |c| match self.entry(c).entry() {
+            (DIR_LIVE, id) => Some((id, c)),
+            _ => None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    fn params(cells: u32) -> (std::os::fd::OwnedFd, Table<ParamsView>) {
+        let fd = crate::sys::memfd("params", (cells + FIRST_KEYSPACE) as usize * 64).unwrap();
+        let t = Table::map("parameter", fd.as_raw_fd(), cells + FIRST_KEYSPACE).unwrap();
+        (fd, t)
+    }
+
+    #[test]
+    fn insert_find_evict_and_reuse() {
+        let (_fd, t) = params(256);
+        let d = Directory::new(&t);
+        let mut cells = std::collections::HashSet::new();
+        for id in 0..200u32 {
+            let (c, g, new) = d.insert(id * 7, |p| p.capacity_us.store(id as u64, Ordering::Relaxed)).unwrap();
+            assert!(new && g == 1 && cells.insert(c), "cell {c} handed out twice");
+        }
+        assert_eq!(d.live().count(), 200);
+        let (c, _) = d.find(14).unwrap();
+        assert_eq!(t.get(c + FIRST_KEYSPACE).unwrap().capacity_us.load(Ordering::Relaxed), 2);
+        assert_eq!(d.insert(14, |_| panic!("no init for a present keyspace")).unwrap(), (c, 1, false));
+        d.evict(c);
+        assert_eq!(d.find(14), None);
+        // Keyspaces probing past the evicted entry are still found.
+        assert!((0..200u32).filter(|id| *id != 2).all(|id| d.find(id * 7).is_some()));
+        let (c2, g2, new) = d.insert(14, |_| {}).unwrap();
+        assert!(new && c2 == c && g2 == 2, "the evicted cell is reused with a new generation");
+    }
+
+    #[test]
+    fn a_full_table_is_a_typed_error_and_garbage_keys_cannot_hang_a_lookup() {
+        let (_fd, t) = params(8);
+        let d = Directory::new(&t);
+        for id in 0..8 {
+            d.insert(id, |_| {}).unwrap();
+        }
+        assert!(matches!(d.insert(99, |_| {}), Err(RegionError::KeyspaceTableFull { capacity: 8 })));
+        // Every entry live under foreign ids: a lookup still ends.
+        for c in 0..8 {
+            t.get(c + FIRST_KEYSPACE).unwrap().key.store(dir_key(1000 + c, 77), Ordering::Relaxed);
+        }
+        assert_eq!(d.find(5), None);
+    }
+}

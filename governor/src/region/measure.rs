@@ -1,0 +1,73 @@
+//! Atomic mirrors of the measurement layouts, and the charge step.
+
+use super::MeasureRegions;
+use governor_common::{cell_of_tag, CpuCell, KeyspaceCell, ThreadSlot};
+use std::mem::{offset_of, size_of};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Atomic mirror of [`CpuCell`].
+#[repr(C)]
+pub struct CpuView {
+    pub seq: AtomicU64,
+    pub last_switch_ns: AtomicU64,
+    pub owner: AtomicU64,
+    pub base_ns: AtomicU64,
+    pub mono_offset_ns: AtomicU64,
+    pub resample: AtomicU64,
+    pub offset_valid: AtomicU64,
+    _pad: [u64; 1],
+}
+
+/// Atomic mirror of [`ThreadSlot`].
+#[repr(C)]
+pub struct SlotView {
+    pub oncpu_ns: AtomicU64,
+    pub charged_ns: AtomicU64,
+    pub tag: AtomicU64,
+    pub generation: AtomicU64,
+    pub tid: AtomicU32,
+    pub state: AtomicU32,
+    pub tgid: AtomicU32,
+    _pad0: u32,
+    pub self_charged_ns: AtomicU64,
+    _pad: [u64; 1],
+}
+
+/// Atomic mirror of [`KeyspaceCell`].
+#[repr(C)]
+pub struct KeyspaceView {
+    pub cpu_ns: AtomicU64,
+    _pad: [u64; 7],
+}
+
+macro_rules! same_layout {
+    ($view:ty, $cell:ty, $($f:ident),*) => {
+        const _: () = assert!(size_of::<$view>() == size_of::<$cell>());
+        $(const _: () = assert!(offset_of!($view, $f) == offset_of!($cell, $f));)*
+    };
+}
+pub(super) use same_layout;
+
+same_layout!(CpuView, CpuCell, seq, last_switch_ns, owner, base_ns, mono_offset_ns, resample, offset_valid);
+same_layout!(SlotView, ThreadSlot, oncpu_ns, charged_ns, tag, generation, tid, state, tgid, self_charged_ns);
+same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
+
+impl MeasureRegions {
+    /// One attempt at the protocol's charge: move `slot.charged_ns` from
+    /// `from` (as the caller read it) to `to` with one CAS and, on success,
+    /// add the interval to the keyspace of the slot's tag. `None`: another
+    /// party (kernel, thread or agent) moved `charged_ns` first; read again.
+    /// `Some(true)` when a keyspace was charged, `Some(false)` when the slot
+    /// was untagged. The tag is read before the CAS, so it is the tag the
+    /// interval ran under whoever charges.
+    #[inline]
+    pub fn try_charge(&self, slot: &SlotView, from: u64, to: u64) -> Option<bool> {
+        let tag = slot.tag.load(Ordering::Acquire);
+        slot.charged_ns.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).ok()?;
+        let cell = cell_of_tag(tag).and_then(|i| self.keyspaces.get(i));
+        if let Some(cell) = cell {
+            cell.cpu_ns.fetch_add(to - from, Ordering::Relaxed);
+        }
+        Some(cell.is_some())
+    }
+}

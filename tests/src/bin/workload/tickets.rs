@@ -1,0 +1,184 @@
+//! Workloads that take tickets: a greedy tenant, a process that holds
+//! tickets on command, and a hostile process that scribbles on the regions.
+
+use super::{arg, burn, socket};
+use anyhow::{bail, Context, Result};
+use governor::client::{self, Client, Demand};
+use governor::sys;
+use serde_json::json;
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Burns `us` µs of this thread's CPU.
+fn work_us(us: u64) {
+    let end = sys::thread_cputime_ns() + us * 1000;
+    while sys::thread_cputime_ns() < end {
+        burn(5);
+    }
+}
+
+/// `workload tickets --keyspace K --threads N --seconds S --work-us W
+/// [--timeout-ms T]`: N registered threads run requests of keyspace K as
+/// fast as they are admitted, each W µs of CPU under its ticket. Prints
+/// `started` once every thread is registered, then one JSON line.
+pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
+    let keyspace: u32 = arg(args, "--keyspace", 1);
+    let threads: usize = arg(args, "--threads", 8);
+    let seconds: f64 = arg(args, "--seconds", 5.0);
+    let work: u64 = arg(args, "--work-us", 1000);
+    let timeout = Duration::from_millis(arg(args, "--timeout-ms", 1000));
+    let client = Client::connect(socket(args))?;
+    let (granted, refused, fail_open) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // Σ of what tickets were charged, and of the thread CPU clock over the
+    // same stretches of work (measured inside each ticket, independently).
+    let (charged, ran) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let ready = Arc::new(std::sync::Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (client, granted, refused, fail_open, ready) =
+                (client.clone(), granted.clone(), refused.clone(), fail_open.clone(), ready.clone());
+            let (charged, ran) = (charged.clone(), ran.clone());
+            std::thread::spawn(move || -> Result<u64> {
+                client.register_current_thread()?;
+                ready.wait();
+                let end = Instant::now() + Duration::from_secs_f64(seconds);
+                let cpu0 = sys::thread_cputime_ns();
+                while Instant::now() < end {
+                    match client.acquire(keyspace, Demand::new().timeout(timeout)) {
+                        Ok(mut t) => {
+                            if t.is_fail_open() {
+                                fail_open.fetch_add(1, Ordering::Relaxed);
+                            }
+                            let mut inside = 0;
+                            {
+                                let _g = t.enter();
+                                let c0 = sys::thread_cputime_ns();
+                                work_us(work);
+                                inside += sys::thread_cputime_ns() - c0;
+                            }
+                            charged.fetch_add(t.consumed_ns(), Ordering::Relaxed);
+                            ran.fetch_add(inside, Ordering::Relaxed);
+                            granted.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(_) => {
+                            refused.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                Ok(sys::thread_cputime_ns() - cpu0)
+            })
+        })
+        .collect();
+    ready.wait();
+    println!("started");
+    std::io::stdout().flush()?;
+    let mut cpu = 0;
+    for h in handles {
+        cpu += h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
+    }
+    Ok(json!({
+        "granted": granted.load(Ordering::Relaxed),
+        "refused": refused.load(Ordering::Relaxed),
+        "fail_open": fail_open.load(Ordering::Relaxed),
+        "thread_cpu_ns": cpu,
+        "ticket_consumed_ns": charged.load(Ordering::Relaxed),
+        "work_cpu_ns": ran.load(Ordering::Relaxed),
+    }))
+}
+
+/// `workload hold`: takes commands on stdin, one per line, and answers each
+/// with one JSON line:
+/// - `acquire KS [WRITE_BYTES [ESTIMATE_US]]` → `{"ok":true}` or `{"refused":code,"message":..}`
+/// - `held` → `{"held":n}`
+/// - `release` → drops every ticket held, `{"released":n}`
+/// - `exit`
+pub fn hold(args: &[String]) -> Result<serde_json::Value> {
+    let client = Client::connect(socket(args))?;
+    let mut held = Vec::new();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    for line in stdin.lock().lines() {
+        let line = line?;
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let reply = match w.as_slice() {
+            ["acquire", ks, rest @ ..] => {
+                let ks: u32 = ks.parse().context("keyspace")?;
+                let mut d = Demand::new();
+                if let Some(b) = rest.first() {
+                    d = d.write_bytes(b.parse().context("write bytes")?);
+                }
+                if let Some(e) = rest.get(1) {
+                    d = d.estimate_us(e.parse().context("estimate")?);
+                }
+                match client.acquire(ks, d) {
+                    Ok(t) => {
+                        held.push(t);
+                        json!({"ok": true})
+                    }
+                    Err(r) => json!({"refused": r.code(), "message": r.to_string()}),
+                }
+            }
+            ["held"] => json!({"held": held.len()}),
+            ["release"] => {
+                let n = held.len();
+                held.clear();
+                json!({"released": n})
+            }
+            ["exit"] => break,
+            _ => bail!("unknown command {line:?}"),
+        };
+        writeln!(out, "{reply}")?;
+        out.flush()?;
+    }
+    Ok(json!({"held": held.len()}))
+}
+
+/// `workload corrupt --seconds S`: connects like a client, then writes
+/// random bytes into every region it can map writable, for S seconds.
+/// What a hostile local process with the socket's permission can do.
+pub fn corrupt(args: &[String]) -> Result<serde_json::Value> {
+    let seconds: f64 = arg(args, "--seconds", 10.0);
+    let path = socket(args);
+    let stream = std::os::unix::net::UnixStream::connect(&path)?;
+    (&stream).write_all(b"{\"op\":\"hello\"}\n")?;
+    let mut buf = vec![0u8; 4096];
+    use std::os::fd::AsRawFd;
+    let (_, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, 16)?;
+    let mut maps = Vec::new();
+    let mut refused = 0;
+    for f in &fds {
+        let len = sys::region_len(f.as_raw_fd()).unwrap_or(0);
+        if len == 0 {
+            continue;
+        }
+        match sys::Mapping::map(f.as_raw_fd(), len) {
+            Ok(m) => maps.push((m, len)),
+            Err(_) => refused += 1,
+        }
+    }
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ std::process::id() as u64;
+    let mut writes = 0u64;
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    while Instant::now() < end {
+        for (m, len) in &maps {
+            for _ in 0..64 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let at = (x as usize % (len / 8)) * 8;
+                #[allow(unsafe_code)]
+                // SAFETY: `at` is an aligned offset inside a shared mapping of
+                // `len` bytes; scribbling on it is the point of this program.
+                unsafe {
+                    std::ptr::write_volatile(m.as_ptr().add(at) as *mut u64, x);
+                }
+                writes += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let _ = client::thread_cpu_ns();
+    Ok(json!({"regions_writable": maps.len(), "regions_refused": refused, "writes": writes}))
+}
