@@ -1,10 +1,13 @@
-//! Builds governor-ebpf for the BPF target (through aya-build, with the
-//! nightly toolchain and bpf-linker that `cargo xtask setup` installs) and
-//! leaves the object in OUT_DIR for `include_bytes_aligned!`.
-use anyhow::Context as _;
-use std::path::PathBuf;
+//! With the `agent` feature: builds governor-ebpf for the BPF target
+//! (through aya-build, with the nightly toolchain and bpf-linker that
+//! `cargo xtask setup` installs) and leaves the object in OUT_DIR for
+//! `include_bytes_aligned!`. The client alone needs none of it.
 
+#[cfg(feature = "agent")]
 fn main() -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::path::PathBuf;
+
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
     let root = manifest.parent().context("governor/ has no parent")?;
     let ebpf_dir = root.join("governor-ebpf");
@@ -17,4 +20,9 @@ fn main() -> anyhow::Result<()> {
         aya_build::Toolchain::default(),
     )
     .context("building governor-ebpf (run `cargo xtask setup` first)")
+}
+
+#[cfg(not(feature = "agent"))]
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
 }

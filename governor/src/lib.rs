@@ -15,12 +15,25 @@
 //! - [`cli`]: the operator verbs.
 //! - [`tsc`]: CLOCK_MONOTONIC from the TSC, calibrated by the agent.
 //! - `sys`: the syscall seam (the only other place with `unsafe`).
+//!
+//! # Features
+//!
+//! - `client`: what a storage server links (`client`, and the admission
+//!   fast path of `policy`); stable Rust, no eBPF toolchain, aya, tokio or
+//!   clap: `governor = { default-features = false, features = ["client"] }`.
+//! - `agent` (default): the daemon, the CLI, the configuration, the
+//!   measurement backends and the whole policy; builds the eBPF programs.
 #![deny(unsafe_code)]
 
+#[cfg(feature = "agent")]
 pub mod agent;
+#[cfg(feature = "agent")]
 pub mod cli;
+#[cfg(feature = "client")]
 pub mod client;
+#[cfg(feature = "agent")]
 pub mod config;
+#[cfg(feature = "agent")]
 pub mod measure;
 pub mod policy;
 pub mod proto;
@@ -29,6 +42,7 @@ pub mod sys;
 pub mod tsc;
 
 /// The eBPF object built from governor-ebpf by build.rs.
+#[cfg(feature = "agent")]
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/governor-programs"));
 
 /// "a: b: c" from an error and its sources, for one-line logs.

@@ -1,7 +1,8 @@
 //! The control-socket protocol: one JSON object per line, each way. The
 //! reply to `hello` carries the region descriptors (SCM_RIGHTS, in
 //! `region::fd` order) in the same message as its line. A connection that
-//! never says `hello` may only ask for `status`.
+//! never says `hello` may only ask for `status`, and admit over the socket
+//! (`acquire` / `release`).
 
 use crate::region::RegionSizes;
 use serde::{Deserialize, Serialize};
@@ -43,6 +44,20 @@ pub enum Request {
     Watch { instance: u64 },
     /// Measurement status for operators.
     Status,
+    /// Admission over the socket, for clients that cannot map the regions
+    /// (and as the benchmark's baseline): the same decision as the shared
+    /// memory fast path, never waiting. The grant is the connection's until
+    /// `release`, or until the connection closes.
+    Acquire {
+        keyspace: u32,
+        /// CPU µs expected; absent: the keyspace's published estimate.
+        #[serde(default)]
+        estimate_us: Option<u64>,
+        #[serde(default)]
+        write_bytes: u64,
+    },
+    /// Closes a grant with the CPU the request consumed.
+    Release { ticket: u64, consumed_us: u64 },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,6 +68,10 @@ pub enum Reply {
     Keyspace { cell: u32, generation: u64 },
     Unregistered,
     Status(Box<StatusReport>),
+    Granted { ticket: u64, granted_us: u64 },
+    /// `reason` is the refusal's code (`tenant_cap_exhausted`, …).
+    Refused { reason: String, message: String },
+    Released,
     Error { message: String },
 }
 

@@ -146,6 +146,20 @@ impl Agent {
         Ok(self.status()?.keyspaces.iter().find(|k| k.keyspace_id == keyspace_id).map_or(0.0, |k| k.cpu_seconds))
     }
 
+    /// Samples a keyspace's charged CPU about every second for `n` windows:
+    /// the CPU per wall second (cores) of each window.
+    pub fn sample_rates(&self, keyspace: u32, n: usize) -> Result<Vec<f64>> {
+        let mut rates = Vec::new();
+        let mut last = (Instant::now(), self.keyspace_seconds(keyspace)?);
+        for _ in 0..n {
+            std::thread::sleep(Duration::from_secs(1));
+            let now = (Instant::now(), self.keyspace_seconds(keyspace)?);
+            rates.push((now.1 - last.1) / (now.0 - last.0).as_secs_f64());
+            last = now;
+        }
+        Ok(rates)
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -200,6 +214,16 @@ pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, Bu
         bail!("workload said {line:?} instead of started");
     }
     Ok((child, out))
+}
+
+/// The Essential profile (tenant-cpu-cap.md §4.1) with a tenant cap of
+/// `ratio` of the node's cores.
+pub fn essential_config(ratio: f64) -> String {
+    format!(
+        "[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nenabled = true\n\
+         enforce-global-limit = true\ntenant-max-cpu-ratio = {ratio}\nenable-burst = false\n\
+         enable-fair-allocation = false\nenable-dynamic-adjustment = false\n[agent]\nmax-threads = 256\n"
+    )
 }
 
 /// A `workload hold` process: a client that takes tickets on command, one

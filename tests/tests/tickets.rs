@@ -3,7 +3,7 @@
 //! by refunds in arrival order and leave at their deadline.
 
 use governor::client::{Client, Demand};
-use governor_tests::{spawn_workload_started, Agent};
+use governor_tests::{essential_config, spawn_workload_started, Agent};
 use std::io::BufRead;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -18,42 +18,19 @@ fn cores() -> f64 {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64
 }
 
-/// The Essential profile with a tenant cap of `ratio` of the node's cores.
-fn essential(ratio: f64) -> String {
-    format!(
-        "[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nenabled = true\n\
-         enforce-global-limit = true\ntenant-max-cpu-ratio = {ratio}\nenable-burst = false\n\
-         enable-fair-allocation = false\nenable-dynamic-adjustment = false\n[agent]\nmax-threads = 256\n"
-    )
-}
-
-/// Samples a keyspace's charged CPU about every second for `n` windows:
-/// (CPU per wall second) of each window.
-fn sample_rates(agent: &Agent, keyspace: u32, n: usize) -> Vec<f64> {
-    let mut rates = Vec::new();
-    let mut last = (Instant::now(), agent.keyspace_seconds(keyspace).unwrap());
-    for _ in 0..n {
-        std::thread::sleep(Duration::from_secs(1));
-        let now = (Instant::now(), agent.keyspace_seconds(keyspace).unwrap());
-        rates.push((now.1 - last.1) / (now.0 - last.0).as_secs_f64());
-        last = now;
-    }
-    rates
-}
-
 #[test]
 fn a_greedy_tenant_is_held_to_its_cap_in_every_second() {
     let _s = serial();
     // 0.5 core on this 2-core machine (0.25 × cores elsewhere).
     let ratio = 0.5 / cores();
-    let agent = Agent::start("ebpf", &essential(ratio)).unwrap();
+    let agent = Agent::start("ebpf", &essential_config(ratio)).unwrap();
     let (mut child, mut out) = spawn_workload_started(
         &agent.socket,
         &["tickets", "--keyspace", "1", "--threads", "8", "--seconds", "12", "--work-us", "1000"],
     )
     .unwrap();
     // The first window warms up (estimates, the bucket's initial fill).
-    let mut rates = sample_rates(&agent, 1, 11);
+    let mut rates = agent.sample_rates(1, 11).unwrap();
     rates.remove(0);
     let mut last = String::new();
     out.read_line(&mut last).unwrap();
@@ -125,7 +102,7 @@ fn burst_gives_an_idle_node_to_one_keyspace() {
     )
     .unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    let rates = sample_rates(&agent, 9, 3);
+    let rates = agent.sample_rates(9, 3).unwrap();
     let mut last = String::new();
     out.read_line(&mut last).unwrap();
     assert!(child.wait().unwrap().success());

@@ -3,8 +3,9 @@
 //! # Layout
 //!
 //! - `setup`: installs what a bare machine lacks (idempotent).
-//! - `test`: setup, then every test: host tests (real eBPF included) and the
-//!   aarch64 cross build with its pure unit tests under qemu-user.
+//! - `test`: setup, then every test: host tests (real eBPF included), the
+//!   light client on stable (its tests, and no agent crate in its tree), and
+//!   the aarch64 cross build with its pure unit tests under qemu-user.
 //! - `demo`: the agent measuring a noisy-neighbour workload.
 //! - `bench`: the benchmark harness; `--json` prints one JSON object.
 
@@ -70,9 +71,45 @@ fn test(host_only: bool) -> Result<()> {
     build_release()?;
     // Host: unit, config, policy and end-to-end tests (real eBPF).
     run(cargo().args(["test", "--release"]))?;
+    light_client()?;
     if !host_only {
         cross_aarch64()?;
     }
+    Ok(())
+}
+
+/// Crates the light client (`--no-default-features --features client`)
+/// must not pull in: the eBPF toolchain's, and the agent's.
+const AGENT_ONLY_CRATES: &[&str] =
+    &["aya", "aya-build", "aya-log", "aya-obj", "clap", "dashmap", "env_logger", "procfs", "prometheus", "tokio", "toml"];
+
+/// The light client builds and passes its unit tests on stable Rust, and
+/// its dependency tree (build dependencies included) holds none of
+/// [`AGENT_ONLY_CRATES`].
+fn light_client() -> Result<()> {
+    let features = ["-p", "governor", "--no-default-features", "--features", "client"];
+    let stable = || {
+        let mut c = Command::new("rustup");
+        c.args(["run", "stable", "cargo"]);
+        c
+    };
+    run(stable().args(["test", "--release", "--lib"]).args(features))?;
+    let mut tree = stable();
+    tree.args(["tree", "-e", "normal,build", "--prefix", "none"]).args(features).current_dir(root());
+    let out = tree.output().context("running cargo tree")?;
+    if !out.status.success() {
+        bail!("cargo tree failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let found: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| AGENT_ONLY_CRATES.contains(name))
+        .collect();
+    if !found.is_empty() {
+        bail!("the light client depends on {found:?}:\n{text}");
+    }
+    eprintln!("light client: {} crates, none of {AGENT_ONLY_CRATES:?}", text.lines().collect::<std::collections::BTreeSet<_>>().len());
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! The control socket: newline-delimited JSON requests, one task per
 //! connection. `hello` is answered with the region descriptors attached and
 //! opens the connection's ticket ledger; when the connection closes, the
-//! client's thread slots and tickets come back.
+//! client's thread slots and tickets (ledger and socket grants) come back.
 //!
 //! It holds under abuse: a line longer than [`MAX_LINE`] closes the
 //! connection, at most [`MAX_CONNECTIONS`] are served at once (the rest wait
@@ -9,7 +9,10 @@
 //! and registration's `/proc` reads run off the runtime's thread.
 
 use super::{AgentError, Shared};
+use crate::policy::{Demand, Grant};
 use crate::proto::{Reply, Request};
+use governor_common::admission::LEDGER_LEN;
+use std::collections::HashMap;
 use crate::region::fd;
 use crate::sys;
 use std::os::fd::{AsRawFd, RawFd};
@@ -97,6 +100,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
     let mut said_hello = false;
+    let mut grants = SocketGrants::default();
     loop {
         line.clear();
         match (&mut reader).take(MAX_LINE as u64 + 1).read_line(&mut line).await {
@@ -130,6 +134,10 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 hello(&shared, conn)
             }
             Request::Status => (Reply::Status(Box::new(shared.status())), None),
+            Request::Acquire { keyspace, estimate_us, write_bytes } => {
+                (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
+            }
+            Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {
                 let s = shared.clone();
@@ -163,6 +171,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
         let mut m = shared.lock_measurement();
         shared.lock_slots().drop_connection(&mut m, conn);
     }
+    grants.close(&shared);
     let back = shared.lock_ledgers().reclaim(conn, &shared.policy);
     if back.tickets > 0 {
         log::info!(
@@ -171,6 +180,48 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             back.write_bytes,
             back.requests
         );
+    }
+}
+
+/// Grants a connection holds through `acquire` over the socket: at most
+/// [`LEDGER_LEN`], like a ledger, and released when the connection closes.
+#[derive(Default)]
+struct SocketGrants {
+    next: u64,
+    held: HashMap<u64, Grant>,
+}
+
+impl SocketGrants {
+    fn acquire(&mut self, shared: &Shared, keyspace: u32, demand: Demand) -> Reply {
+        if self.held.len() >= LEDGER_LEN as usize {
+            return Reply::Error { message: format!("this connection already holds {LEDGER_LEN} grants") };
+        }
+        match shared.policy.admit(keyspace, &demand, super::now_us()) {
+            Ok(g) => {
+                self.next += 1;
+                let granted_us = g.granted_us();
+                self.held.insert(self.next, g);
+                Reply::Granted { ticket: self.next, granted_us }
+            }
+            Err(r) => Reply::Refused { reason: r.reason().to_string(), message: r.to_string() },
+        }
+    }
+
+    fn release(&mut self, shared: &Shared, ticket: u64, consumed_us: u64) -> Reply {
+        match self.held.remove(&ticket) {
+            Some(g) => {
+                shared.policy.release(g, consumed_us);
+                Reply::Released
+            }
+            None => Reply::Error { message: format!("no grant {ticket} on this connection") },
+        }
+    }
+
+    /// The connection closed: what it still held comes back, unconsumed.
+    fn close(&mut self, shared: &Shared) {
+        for (_, g) in self.held.drain() {
+            shared.policy.release(g, 0);
+        }
     }
 }
 

@@ -1,8 +1,9 @@
-//! `governor status`: the measurement backend and per-keyspace CPU.
+//! `governor status`: the measurement backend, admission, and per-keyspace
+//! CPU and tickets.
 
 use super::CliError;
 use crate::client;
-use crate::proto::{Reply, Request, StatusReport};
+use crate::proto::{AdmissionStatus, Reply, Request, StatusReport};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -25,12 +26,51 @@ pub fn render(s: &StatusReport) -> String {
         "threads      {} registered / {} slots ({} handed out, {} reclaimed, {} refused)",
         s.threads.registered, s.threads.capacity, s.threads.handed_out, s.threads.reclaimed, s.threads.exhausted
     );
-    let _ = writeln!(out, "window       {:.1} s\n", s.window_seconds);
-    let _ = writeln!(out, "{:>12} {:>14} {:>14}", "keyspace", "cpu seconds", "window ratio");
+    let _ = writeln!(out, "window       {:.1} s", s.window_seconds);
+    let a = &s.admission;
+    let _ = writeln!(out, "admission    {}", admission_line(a));
+    let g = &a.global;
+    let _ = writeln!(
+        out,
+        "global       {} / {} µs available, refill {} µs, {} µs in flight, monitor ratio {:.1}% (of cores × max-read-cpu-ratio × window-size)",
+        g.available_us,
+        g.capacity_us,
+        g.refill_us,
+        g.inflight_us,
+        a.global_ratio * 100.0
+    );
+    let _ = writeln!(
+        out,
+        "tickets      {} granted, {} refused, {} waited, {} fail-open, {} reclaimed",
+        a.granted, a.refused, a.waited, a.fail_open, a.reclaimed
+    );
+    let _ = writeln!(out, "cells        {} / {} keyspace cells in use\n", a.cells_in_use, a.cells);
+    let _ = writeln!(
+        out,
+        "{:>12} {:>12} {:>8} {:>10} {:>23} {:>10} {:>9} {:>9}",
+        "keyspace", "cpu seconds", "of node", "bucket", "available / capacity µs", "granted", "refused", "waited"
+    );
     for k in &s.keyspaces {
-        let _ = writeln!(out, "{:>12} {:>14.3} {:>13.1}%", k.keyspace_id, k.cpu_seconds, k.window_ratio * 100.0);
+        let (source, tokens) = match &k.bucket {
+            Some(b) => (b.source.as_str(), format!("{} / {}", b.available_us, b.capacity_us)),
+            None => ("-", "-".to_string()),
+        };
+        let _ = writeln!(
+            out,
+            "{:>12} {:>12.3} {:>7.1}% {:>10} {:>23} {:>10} {:>9} {:>9}",
+            k.keyspace_id,
+            k.cpu_seconds,
+            k.window_ratio * 100.0,
+            source,
+            tokens,
+            k.granted,
+            k.refused,
+            k.waited
+        );
     }
-    if !s.programs.is_empty() {
+    if !s.programs.is_empty() && s.programs.iter().all(|p| p.run_count == 0) {
+        let _ = writeln!(out, "\nprograms     {} attached; run times need sysctl kernel.bpf_stats_enabled=1", s.programs.len());
+    } else if !s.programs.is_empty() {
         let _ = writeln!(out, "\n{:>18} {:>14} {:>12} {:>10}", "program", "run time ns", "runs", "ns/run");
         for p in &s.programs {
             let per = if p.run_count == 0 { 0.0 } else { p.run_time_ns as f64 / p.run_count as f64 };
@@ -38,4 +78,17 @@ pub fn render(s: &StatusReport) -> String {
         }
     }
     out
+}
+
+/// "cpu-throttle on, tenant cap 25% of the node, concurrency monitor".
+fn admission_line(a: &AdmissionStatus) -> String {
+    if !a.enabled {
+        return "off (resource-control.enabled = false): everything admitted".into();
+    }
+    let mut parts = vec![if a.throttle { "cpu-throttle on" } else { "cpu-throttle off" }.to_string()];
+    if a.throttle && a.tenant_max_cpu_ratio > 0.0 {
+        parts.push(format!("tenant cap {:.1}% of the node", a.tenant_max_cpu_ratio * 100.0));
+    }
+    parts.push(format!("concurrency {}", a.admission_mode));
+    parts.join(", ")
 }

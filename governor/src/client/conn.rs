@@ -148,6 +148,16 @@ impl Attachment {
 
     /// Whether the agent behind it is still the one that answered `hello`.
     #[inline]
+    /// The agent behind it went away: marks it so, and wakes every thread
+    /// waiting on its buckets, so they admit now (fail-open) instead of at
+    /// their next liveness check.
+    pub(crate) fn detach(&self) {
+        self.detached.store(true, Ordering::Release);
+        for (_, bucket) in self.admission.buckets.iter() {
+            bucket.notify();
+        }
+    }
+
     pub(crate) fn alive(&self) -> bool {
         !self.detached.load(Ordering::Relaxed)
             && self.admission.header().agent.instance.load(Ordering::Relaxed) == self.instance
@@ -332,7 +342,7 @@ fn watch_loop(client: Weak<Inner>, mut watch: UnixStream) {
             return;
         }
         let old = inner.current.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        old.detached.store(true, Ordering::Release);
+        old.detach();
         log::warn!("governor agent at {} went away; admitting without checks until one is back", inner.path.display());
         let path = inner.path.clone();
         drop(inner);

@@ -16,39 +16,56 @@
 //! - `window`, `fair`, `dynamic`, `estimate` — pure functions and small state machines.
 //! - `settings`, `error`, `snapshot` — inputs (from the configuration only), refusals, outputs.
 //!
+//! Only `admit`, `bucket` and `error` are built for the light client
+//! (feature `client`); the rest is the agent's.
+//!
 //! Every time-dependent function takes `now_us`, so tests drive it with a
 //! simulated clock.
 
 mod admit;
-mod agent;
 mod bucket;
-mod dynamic;
 mod error;
+#[cfg(feature = "agent")]
+mod agent;
+#[cfg(feature = "agent")]
+mod dynamic;
+#[cfg(feature = "agent")]
 mod estimate;
+#[cfg(feature = "agent")]
 mod fair;
+#[cfg(feature = "agent")]
 mod hot;
+#[cfg(feature = "agent")]
 mod keyspace;
+#[cfg(feature = "agent")]
 mod manager;
+#[cfg(feature = "agent")]
 mod pd;
+#[cfg(feature = "agent")]
 mod settings;
+#[cfg(feature = "agent")]
 mod snapshot;
+#[cfg(feature = "agent")]
 mod window;
 
 pub use admit::{
     acquire, acquire_queued, release, top_up, top_up_queued, Demand, Grant, Knobs, Progress, Queued,
     KEYSPACE_PENDING_WRITE_RATIO,
 };
-pub use agent::TickReport;
-pub use dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR};
 pub use error::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
-pub use estimate::{ema, EstimateTracker};
-pub use fair::{fair_allocate, FairInput, FairShare};
-pub use keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource};
-pub use manager::{Policy, DEFAULT_CELLS};
-pub use pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracker};
-pub use settings::{millicores_to_us_per_interval, Settings};
-pub use snapshot::{KeyspaceSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot};
-pub use window::{MonitorWindow, UsageSample};
+#[cfg(feature = "agent")]
+pub use {
+    agent::TickReport,
+    dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR},
+    estimate::{ema, EstimateTracker},
+    fair::{fair_allocate, FairInput, FairShare},
+    keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource},
+    manager::{Policy, DEFAULT_CELLS},
+    pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracker},
+    settings::{millicores_to_us_per_interval, Settings},
+    snapshot::{KeyspaceSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot},
+    window::{MonitorWindow, UsageSample},
+};
 
 use serde::{Deserialize, Serialize};
 

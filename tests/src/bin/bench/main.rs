@@ -1,6 +1,7 @@
 //! `cargo xtask bench`: the measurement and policy benchmarks, as ratios
 //! from one run on this machine. `--json` prints one JSON object.
 mod switch;
+mod tickets;
 
 use anyhow::{Context, Result};
 use governor::client::{self, Client};
@@ -119,6 +120,9 @@ fn main() -> Result<()> {
     let policy = policy_allocate_release_ns();
     drop(client);
     drop(agent);
+    let admission = tickets::fast_path()?;
+    let (cap_error, cap_rates) = tickets::cap_error_pct()?;
+    let fail_open = tickets::fail_open_ms()?;
     // Agent up and down alternate: measured last, on its own.
     let overhead = switch::overhead(9)?;
 
@@ -146,6 +150,17 @@ fn main() -> Result<()> {
         "sleepy_thread_error_pct": round3(sleepy.abs()),
         "sleepy_thread_signed_error_pct": round3(sleepy),
         "policy_allocate_release_ns": round(policy),
+        "ticket_acquire_release_ns": round(admission.uncontended_ns),
+        "ticket_acquire_release_contended_ns": round(admission.contended_ns),
+        "baseline_mutex_bucket_ns": round(admission.mutex_ns),
+        "baseline_mutex_bucket_contended_ns": round(admission.mutex_contended_ns),
+        "baseline_socket_rpc_ns": round(admission.rpc_ns),
+        "ticket_vs_mutex": round3(admission.uncontended_ns / admission.mutex_ns),
+        "ticket_vs_mutex_contended": round3(admission.contended_ns / admission.mutex_contended_ns),
+        "ticket_vs_rpc": round3(admission.uncontended_ns / admission.rpc_ns),
+        "cap_error_pct": round2(cap_error),
+        "cap_window_cores": cap_rates.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
+        "fail_open_ms": round2(fail_open),
         "logical_cores": sys::logical_cores(),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
     });

@@ -1,0 +1,199 @@
+//! Admission: the shared-memory ticket path against the two designs it
+//! replaces (a tenant and a global bucket behind one mutex; a round trip to
+//! the agent per acquire and per release), the tenant cap held on real CPU,
+//! and how soon a dead agent stops holding anyone back.
+
+use anyhow::{bail, Context, Result};
+use governor::client::{Client, Demand};
+use governor_tests::{essential_config, spawn_workload_started, Agent};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{best, per_op};
+
+/// µs each benchmarked request asks for: far below what the buckets hold,
+/// so every acquire succeeds and every release refunds it all.
+const ESTIMATE_US: u64 = 10;
+
+pub struct FastPath {
+    pub uncontended_ns: f64,
+    pub contended_ns: f64,
+    pub mutex_ns: f64,
+    pub mutex_contended_ns: f64,
+    pub rpc_ns: f64,
+}
+
+fn cores() -> f64 {
+    governor::sys::logical_cores() as f64
+}
+
+/// Per-op ns of `op` run `n` times on each of `threads` threads at once:
+/// the mean over the threads of (their elapsed time / n).
+fn concurrent(threads: usize, n: u64, op: impl Fn() + Sync) -> f64 {
+    let start = Barrier::new(threads);
+    let per: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (start, op) = (&start, &op);
+                s.spawn(move || {
+                    start.wait();
+                    per_op(n, |_| op())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("bench thread")).collect()
+    });
+    per.iter().sum::<f64>() / per.len() as f64
+}
+
+/// The baseline: the seed's decision (tenant then global bucket, nothing
+/// taken on refusal) and its refund, under one `std::sync::Mutex`.
+struct MutexBuckets {
+    inner: Mutex<(i64, i64)>,
+}
+
+impl MutexBuckets {
+    fn acquire(&self, us: i64) -> bool {
+        let mut b = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if b.0 < us || b.1 < us {
+            return false;
+        }
+        b.0 -= us;
+        b.1 -= us;
+        true
+    }
+
+    fn release(&self, us: i64) {
+        let mut b = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        b.0 += us;
+        b.1 += us;
+    }
+}
+
+/// One acquire and one release as round trips on the agent's socket.
+struct Rpc {
+    stream: UnixStream,
+    reader: BufReader<UnixStream>,
+    line: String,
+}
+
+impl Rpc {
+    fn connect(socket: &std::path::Path) -> Result<Rpc> {
+        let stream = UnixStream::connect(socket)?;
+        let reader = BufReader::new(stream.try_clone()?);
+        Ok(Rpc { stream, reader, line: String::new() })
+    }
+
+    fn call(&mut self, request: &str) -> Result<serde_json::Value> {
+        self.stream.write_all(request.as_bytes())?;
+        self.line.clear();
+        self.reader.read_line(&mut self.line)?;
+        Ok(serde_json::from_str(&self.line)?)
+    }
+
+    fn acquire_release(&mut self, keyspace: u32) -> Result<()> {
+        let granted = self.call(&format!("{{\"op\":\"acquire\",\"keyspace\":{keyspace},\"estimate_us\":{ESTIMATE_US}}}\n"))?;
+        let ticket = granted["ticket"].as_u64().with_context(|| format!("not granted: {granted}"))?;
+        let released = self.call(&format!("{{\"op\":\"release\",\"ticket\":{ticket},\"consumed_us\":0}}\n"))?;
+        if released["reply"] != "released" {
+            bail!("release: {released}");
+        }
+        Ok(())
+    }
+}
+
+/// The fast path and its baselines, on an agent in tenant-cap mode (the
+/// full decision: tenant bucket, global bucket, ledger record).
+pub fn fast_path() -> Result<FastPath> {
+    let agent = Agent::start("ebpf", &essential_config(0.5 / cores()))?;
+    let client = Client::connect(&agent.socket)?;
+    let demand = Demand::new().estimate_us(ESTIMATE_US);
+    let ticket = || {
+        let t = client.acquire(1, demand).expect("tokens available");
+        drop(std::hint::black_box(t));
+    };
+    ticket();
+    let uncontended_ns = best(5, || per_op(1_000_000, |_| ticket()));
+    let contended_ns = best(5, || concurrent(2, 500_000, ticket));
+    let buckets = MutexBuckets { inner: Mutex::new((1_000_000, 1_000_000)) };
+    let mutex = || {
+        assert!(buckets.acquire(ESTIMATE_US as i64));
+        buckets.release(ESTIMATE_US as i64);
+    };
+    let mutex_ns = best(5, || per_op(1_000_000, |_| mutex()));
+    let mutex_contended_ns = best(5, || concurrent(2, 500_000, mutex));
+    let mut rpc = Rpc::connect(&agent.socket)?;
+    rpc.acquire_release(1)?;
+    let mut failed = None;
+    let rpc_ns = best(3, || {
+        per_op(5_000, |_| {
+            if let Err(e) = rpc.acquire_release(1) {
+                failed.get_or_insert(e);
+            }
+        })
+    });
+    if let Some(e) = failed {
+        return Err(e.context("acquire over the socket"));
+    }
+    Ok(FastPath { uncontended_ns, contended_ns, mutex_ns, mutex_contended_ns, rpc_ns })
+}
+
+/// The cap test of `tests/tickets.rs`: one tenant capped at 0.5 core runs 8
+/// threads of 1 ms tickets as fast as it can; the worst of ten 1 s windows
+/// after the first, as |CPU − cap| / cap in %, and the windows (cores).
+pub fn cap_error_pct() -> Result<(f64, Vec<f64>)> {
+    let ratio = 0.5 / cores();
+    let agent = Agent::start("ebpf", &essential_config(ratio))?;
+    let (mut child, _out) = spawn_workload_started(
+        &agent.socket,
+        &["tickets", "--keyspace", "1", "--threads", "8", "--seconds", "12", "--work-us", "1000"],
+    )?;
+    let mut rates = agent.sample_rates(1, 11)?;
+    rates.remove(0);
+    if !child.wait()?.success() {
+        bail!("the tickets workload failed");
+    }
+    let cap = ratio * cores();
+    Ok((rates.iter().map(|r| (r - cap).abs() / cap * 100.0).fold(0.0, f64::max), rates))
+}
+
+/// kill -9 the agent while four threads wait in line for a tenant capped at
+/// 0.05 core: ms from the kill to the first acquire admitted.
+pub fn fail_open_ms() -> Result<f64> {
+    let ratio = 0.05 / cores();
+    let mut agent = Agent::start("ebpf", &essential_config(ratio))?;
+    let client = Client::connect(&agent.socket)?;
+    let stop = AtomicBool::new(false);
+    let died: Mutex<Option<Instant>> = Mutex::new(None);
+    let first: Mutex<Option<Instant>> = Mutex::new(None);
+    std::thread::scope(|s| -> Result<()> {
+        for _ in 0..4 {
+            let (client, stop, died, first) = (&client, &stop, &died, &first);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let r = client.acquire(3, Demand::new().estimate_us(5_000).timeout(Duration::from_secs(10)));
+                    let at = Instant::now();
+                    // Only admissions without the agent count (a refill just
+                    // before the kill could grant one normally).
+                    if r.as_ref().is_ok_and(|t| t.is_fail_open()) && died.lock().unwrap().is_some_and(|d| at > d) {
+                        first.lock().unwrap().get_or_insert(at);
+                    }
+                    // Hold each grant a little, as a request would.
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        *died.lock().unwrap() = Some(Instant::now());
+        let killed = agent.kill9();
+        std::thread::sleep(Duration::from_secs(1));
+        stop.store(true, Ordering::Relaxed);
+        killed
+    })?;
+    let (d, f) = (died.lock().unwrap().context("killed")?, *first.lock().unwrap());
+    let f = f.context("no acquire was admitted within 1 s of the agent's death")?;
+    Ok((f - d).as_secs_f64() * 1e3)
+}
