@@ -69,13 +69,16 @@ pub const T_COUNTED: u64 = 1 << 0;
 /// Tickets one client connection can hold at once.
 pub const LEDGER_LEN: u32 = 8192;
 
-/// Indexes into `BucketCell::counters`.
+/// Indexes into `BucketCell::counters`. Every ticket updates the first
+/// [`HOT`](counter::HOT): those live in the cell's per-thread shards
+/// ([`BucketCell::hot`]), not in `counters`.
 pub mod counter {
+    /// Counters below this index are sharded.
+    pub const HOT: usize = 3;
     pub const GRANTED: usize = 0;
-    /// Refused by a uniform tenant-cap bucket.
-    pub const REFUSED_CAP: usize = 1;
-    /// Refused by the global bucket (on the low-priority bucket: by itself).
-    pub const REFUSED_GLOBAL: usize = 2;
+    pub const RELEASED: usize = 1;
+    /// Measured CPU of released tickets, µs.
+    pub const CONSUMED_US: usize = 2;
     pub const REFUSED_WRITE_KEYSPACE: usize = 3;
     pub const REFUSED_WRITE_GLOBAL: usize = 4;
     pub const REFUSED_CONCURRENCY: usize = 5;
@@ -85,9 +88,10 @@ pub mod counter {
     pub const BURST_US: usize = 8;
     pub const TOPUP_GRANTED: usize = 9;
     pub const TOPUP_REFUSED: usize = 10;
-    /// Measured CPU of released tickets, µs.
-    pub const CONSUMED_US: usize = 11;
-    pub const RELEASED: usize = 12;
+    /// Refused by a uniform tenant-cap bucket.
+    pub const REFUSED_CAP: usize = 11;
+    /// Refused by the global bucket (on the low-priority bucket: by itself).
+    pub const REFUSED_GLOBAL: usize = 12;
     /// Estimated µs asked for (granted or not): fair allocation's demand.
     pub const DEMAND_US: usize = 13;
     /// Acquires that had to wait, and how long they waited in all, µs.
@@ -97,8 +101,7 @@ pub mod counter {
     pub const FAIL_OPEN: usize = 16;
     /// Overrun charged as debt, µs.
     pub const DEBT_US: usize = 17;
-    /// Unused tokens given back, µs.
-    pub const REFUNDED_US: usize = 18;
+    // 18: free (refunds are derived from `head_us` by the agent).
     /// Overrun beyond the bucket's debt bound, not charged, µs.
     pub const DEBT_FORGIVEN_US: usize = 19;
     /// Admitted with no bucket (no quota, no cap): legacy skip-throttle.
@@ -181,6 +184,12 @@ impl KnobsCell {
 /// its place with one fetch-add on `tail_us` and is served when `head_us`
 /// passes it, so waiters of one keyspace are served in arrival order, and a
 /// newcomer cannot overtake them: it sees nothing available.
+///
+/// What every ticket counts (grants, releases, consumed µs, µs in flight)
+/// is spread over [`HOT_SHARDS`] cache lines, one per group of threads:
+/// two threads admitting on one keyspace then share only the rovers' line,
+/// not the counters'. Readers sum the shards (wrapping: a ticket may be
+/// granted on one shard and released on another).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct BucketCell {
@@ -189,8 +198,6 @@ pub struct BucketCell {
     /// Futex word: bumped when `head_us` moves while `sleepers > 0`.
     pub wake_seq: u32,
     pub sleepers: u32,
-    /// µs granted to tickets not yet released.
-    pub inflight_us: u64,
     /// Requests counted in flight (admission control).
     pub inflight_requests: u64,
     /// Pending write bytes (global in cell 0).
@@ -199,8 +206,17 @@ pub struct BucketCell {
     pub last_used_ms: u64,
     /// Global cell only: burst tokens left this refill interval.
     pub burst_budget_us: i64,
+    pub _pad: u64,
+    /// Per-thread-group shards: `[counter::GRANTED, RELEASED, CONSUMED_US,
+    /// HOT_INFLIGHT_US, unused…]`.
+    pub hot: [[u64; 8]; HOT_SHARDS],
     pub counters: [u64; counter::COUNT],
 }
+
+/// Cache lines the hot counters are spread over.
+pub const HOT_SHARDS: usize = 4;
+/// Index of the µs granted to tickets not yet released, in a hot shard.
+pub const HOT_INFLIGHT_US: usize = 3;
 
 impl Default for BucketCell {
     fn default() -> Self {
@@ -209,11 +225,12 @@ impl Default for BucketCell {
             head_us: 0,
             wake_seq: 0,
             sleepers: 0,
-            inflight_us: 0,
             inflight_requests: 0,
             pending_write_bytes: 0,
             last_used_ms: 0,
             burst_budget_us: 0,
+            _pad: 0,
+            hot: [[0; 8]; HOT_SHARDS],
             counters: [0; counter::COUNT],
         }
     }
@@ -269,7 +286,7 @@ pub const fn dir_key(keyspace_id: u32, state: u32) -> u64 {
 const _: () = assert!(size_of::<AgentCell>() == 64);
 const _: () = assert!(size_of::<KnobsCell>() == 64);
 const _: () = assert!(size_of::<HeaderPage>() == 192);
-const _: () = assert!(size_of::<BucketCell>() == 320);
+const _: () = assert!(size_of::<BucketCell>() == 576);
 const _: () = assert!(size_of::<ParamsCell>() == 64);
 const _: () = assert!(size_of::<TicketRecord>() == 64);
 const _: () = assert!(align_of::<BucketCell>() == 8);
@@ -283,7 +300,8 @@ mod tests {
         // Clients and agents of the same release share these; a change is
         // an ABI change of the regions.
         assert_eq!(core::mem::offset_of!(BucketCell, wake_seq), 16);
-        assert_eq!(core::mem::offset_of!(BucketCell, counters), 64);
+        assert_eq!(core::mem::offset_of!(BucketCell, hot), 64);
+        assert_eq!(core::mem::offset_of!(BucketCell, counters), 320);
         assert_eq!(core::mem::offset_of!(HeaderPage, agent), 64);
         assert_eq!(core::mem::offset_of!(HeaderPage, knobs), 128);
         assert_eq!(core::mem::offset_of!(TicketRecord, consumed_ns), 56);

@@ -200,8 +200,7 @@ async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
         } else {
             None
         };
-        let pinned = shared.pinned_cells();
-        shared.policy.tick_with(now_us(), sample.as_ref(), &pinned);
+        shared.policy.tick_with(now_us(), sample.as_ref(), || shared.pinned_cells());
         header.agent.heartbeat_ns.store(sys::monotonic_ns(), Ordering::Release);
     }
 }

@@ -89,7 +89,7 @@ impl Shared {
                     available_us: snap.global.available_us,
                     capacity_us: snap.global.capacity_us.max(0) as u64,
                     refill_us: snap.global.refill_us,
-                    inflight_us: g.inflight_us.load(Ordering::Relaxed),
+                    inflight_us: g.inflight_us(),
                     debt_us: (-snap.global.available_us).max(0) as u64,
                 },
                 global_ratio: snap.global_ratio,

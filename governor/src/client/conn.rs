@@ -11,12 +11,16 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 /// How long a call to the agent may take.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Agents one client attaches to in its life (each restart of the agent is
+/// one more); past that it stays detached and admits without checks.
+const MAX_ATTACHMENTS: usize = 1024;
 
 /// Longest pause between two attempts to attach to a new agent.
 const REATTACH_MAX_BACKOFF: Duration = Duration::from_secs(1);
@@ -83,8 +87,6 @@ pub(crate) struct Attachment {
     pub(crate) admission: AdmissionRegions,
     /// This client's own ticket ledger.
     pub(crate) ledger: Table<TicketView>,
-    /// Where the next free-record search starts.
-    pub(crate) ledger_hint: AtomicU32,
     /// The agent's instance at `hello`.
     pub(crate) instance: u64,
     /// This client's count of attachments so far (1 for the first).
@@ -134,7 +136,6 @@ impl Attachment {
             measure,
             admission,
             ledger,
-            ledger_hint: AtomicU32::new(0),
             instance,
             epoch,
             detached: AtomicBool::new(false),
@@ -182,10 +183,11 @@ pub(crate) struct Inner {
     /// The process that connected: a forked child shares the sockets and
     /// must not talk on them.
     pid: u32,
-    /// Unique per client in this process (the per-thread caches key on it).
-    pub(crate) id: u64,
-    current: Mutex<Arc<Attachment>>,
-    /// Bumped when `current` changes; threads compare it with what they cached.
+    /// Every attachment so far, in order; entry `epoch − 1` is in force.
+    /// They live as long as the client, so a ticket borrows its attachment
+    /// instead of counting a reference on the fast path.
+    attachments: Box<[OnceLock<Arc<Attachment>>]>,
+    /// How many attachments are set; published after the entry is.
     pub(crate) epoch: AtomicU64,
     /// Tickets admitted without a check because no agent answered.
     pub(crate) fail_open: AtomicU64,
@@ -204,16 +206,16 @@ pub struct Client {
 impl Client {
     /// Connects to the agent's control socket and maps its regions.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client, ClientError> {
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let path = path.as_ref().to_path_buf();
         let attachment = Arc::new(Attachment::open(&path, 1)?);
         let watch = watch_connection(&path, attachment.instance)?;
         super::install_fork_handler();
+        let attachments: Box<[OnceLock<Arc<Attachment>>]> = (0..MAX_ATTACHMENTS).map(|_| OnceLock::new()).collect();
+        let _ = attachments[0].set(attachment);
         let inner = Arc::new(Inner {
             path,
             pid: std::process::id(),
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            current: Mutex::new(attachment),
+            attachments,
             epoch: AtomicU64::new(1),
             fail_open: AtomicU64::new(0),
             watch: Mutex::new(Some(watch.try_clone()?)),
@@ -226,14 +228,10 @@ impl Client {
         Ok(Client { inner })
     }
 
-    /// The attachment now in force.
-    pub(crate) fn attachment(&self) -> Arc<Attachment> {
-        super::cache::attachment(self)
-    }
-
-    pub(crate) fn current_slow(&self) -> (u64, Arc<Attachment>) {
-        let guard = self.inner.current.lock().unwrap_or_else(|p| p.into_inner());
-        (self.inner.epoch.load(Ordering::Acquire), guard.clone())
+    /// The attachment now in force: two loads, no lock, no reference count.
+    #[inline]
+    pub(crate) fn attachment(&self) -> &Arc<Attachment> {
+        self.inner.current()
     }
 
     /// Which backend measures this client.
@@ -270,7 +268,7 @@ impl Client {
         if super::is_registered() {
             return Err(ClientError::AlreadyRegistered);
         }
-        let ctx = self.register_on(self.attachment())?;
+        let ctx = self.register_on(self.attachment().clone())?;
         super::CURRENT.with(|c| *c.borrow_mut() = Some(ctx));
         Ok(())
     }
@@ -309,6 +307,14 @@ impl Client {
     }
 }
 
+impl Inner {
+    #[inline]
+    fn current(&self) -> &Arc<Attachment> {
+        let epoch = self.epoch.load(Ordering::Acquire) as usize;
+        self.attachments[epoch - 1].get().expect("an attachment is set before its epoch is published")
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         // Ends the watch thread's blocking read.
@@ -341,8 +347,7 @@ fn watch_loop(client: Weak<Inner>, mut watch: UnixStream) {
         if std::process::id() != inner.pid {
             return;
         }
-        let old = inner.current.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        old.detach();
+        inner.current().detach();
         log::warn!("governor agent at {} went away; admitting without checks until one is back", inner.path.display());
         let path = inner.path.clone();
         drop(inner);
@@ -351,9 +356,17 @@ fn watch_loop(client: Weak<Inner>, mut watch: UnixStream) {
             std::thread::sleep(backoff);
             let Some(inner) = client.upgrade() else { return };
             let epoch = inner.epoch.load(Ordering::Acquire) + 1;
+            let Some(entry) = inner.attachments.get(epoch as usize - 1) else {
+                log::error!(
+                    "the governor agent at {} restarted {MAX_ATTACHMENTS} times under this client; \
+                     it admits without checks from now on (reconnect to be governed again)",
+                    path.display()
+                );
+                return;
+            };
             match Attachment::open(&path, epoch).and_then(|a| Ok((watch_connection(&path, a.instance)?, a))) {
                 Ok((w, a)) => {
-                    *inner.current.lock().unwrap_or_else(|p| p.into_inner()) = Arc::new(a);
+                    let _ = entry.set(Arc::new(a));
                     inner.epoch.store(epoch, Ordering::Release);
                     if let Ok(clone) = w.try_clone() {
                         *inner.watch.lock().unwrap_or_else(|p| p.into_inner()) = Some(clone);

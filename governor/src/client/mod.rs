@@ -26,7 +26,6 @@
 //! # Ok::<(), governor::client::ClientError>(())
 //! ```
 
-mod cache;
 mod clock;
 mod conn;
 mod future;
@@ -84,7 +83,7 @@ pub(crate) fn with_ctx<R>(f: impl FnOnce(&conn::ThreadCtx) -> R) -> Result<Optio
             };
             if let Some(client) = stale {
                 // One round trip, once per thread per new agent.
-                if let Ok(fresh) = client.register_on(client.attachment())
+                if let Ok(fresh) = client.register_on(client.attachment().clone())
                     && let Ok(mut b) = c.try_borrow_mut() {
                         *b = Some(fresh);
                     }
@@ -103,8 +102,9 @@ pub(crate) fn with_ctx<R>(f: impl FnOnce(&conn::ThreadCtx) -> R) -> Result<Optio
 /// On an unregistered thread it does nothing (that time is charged to no
 /// keyspace). While no agent answers it reports [`ClientError::AgentGone`].
 pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
-    let cell = with_ctx(|ctx| ctx.att.cell_of(keyspace_id))?.transpose()?;
-    Ok(TagGuard::new(cell.and_then(|(cell, _)| set_raw_tag(tag_for_cell(cell)))))
+    // One visit to the thread's context: find the cell, switch to it.
+    let previous = with_ctx(|ctx| ctx.att.cell_of(keyspace_id).map(|(cell, _)| ctx.switch(tag_for_cell(cell))))?;
+    Ok(TagGuard::new(previous.transpose()?))
 }
 
 /// Switches the calling thread to `keyspace_id` with no guard: for

@@ -96,9 +96,10 @@ impl Refused {
 /// One admitted request. Tag its work with [`Ticket::enter`] or
 /// [`Ticket::run`]; drop it when the request is done.
 #[must_use = "a ticket admits work: drop it when the work is done"]
-pub struct Ticket {
+pub struct Ticket<'c> {
     /// `None`: admitted without a check (no agent answered); holds nothing.
-    pub(crate) att: Option<Arc<Attachment>>,
+    /// Borrowed from the client, which keeps every attachment it made.
+    pub(crate) att: Option<&'c Arc<Attachment>>,
     record: u32,
     pub(crate) grant: Grant,
     pub(crate) consumed_ns: u64,
@@ -109,7 +110,7 @@ pub struct Ticket {
     pub(crate) deadline: Option<Instant>,
 }
 
-impl std::fmt::Debug for Ticket {
+impl std::fmt::Debug for Ticket<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ticket")
             .field("keyspace", &self.grant.keyspace())
@@ -120,18 +121,35 @@ impl std::fmt::Debug for Ticket {
     }
 }
 
-/// Claims a free record of the client's ledger (bounded scan from a hint).
+thread_local! {
+    /// Where this thread looks for a free ledger record first: the record
+    /// it used last (freed again when its ticket dropped, and still in this
+    /// CPU's cache). Threads start far apart, so they claim records on
+    /// different cache lines.
+    static LEDGER_HINT: std::cell::Cell<u32> = const { std::cell::Cell::new(u32::MAX) };
+}
+
+/// Claims a free record of the client's ledger (bounded scan from the
+/// thread's hint).
 fn claim(att: &Attachment) -> Option<u32> {
+    static SPREAD: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let len = att.ledger.len();
-    let start = att.ledger_hint.load(Ordering::Relaxed);
-    for i in 0..len {
-        let idx = (start + i) % len;
+    if len == 0 {
+        return None;
+    }
+    let hint = LEDGER_HINT.try_with(|h| h.get()).unwrap_or(0);
+    let mut idx = if hint < len { hint } else { SPREAD.fetch_add(61, Ordering::Relaxed) % len };
+    for _ in 0..len {
         let r = att.ledger.get(idx)?;
         if r.state.load(Ordering::Relaxed) == TICKET_FREE
             && r.state.compare_exchange(TICKET_FREE, TICKET_CLAIMED, Ordering::AcqRel, Ordering::Relaxed).is_ok()
         {
-            att.ledger_hint.store(idx + 1, Ordering::Relaxed);
+            let _ = LEDGER_HINT.try_with(|h| h.set(idx));
             return Some(idx);
+        }
+        idx += 1;
+        if idx == len {
+            idx = 0;
         }
     }
     None
@@ -214,20 +232,20 @@ fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
 impl Client {
     /// Admits one request of `keyspace`, or refuses it (after waiting in line
     /// for CPU tokens until the demand's deadline, if it has one).
-    pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket, Refused> {
+    pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket<'_>, Refused> {
         match self.begin(keyspace, &demand)? {
             Begin::Done(t) => Ok(t),
             Begin::Queued { att, record: idx, q, k } => {
                 let deadline = demand.deadline.expect("queued only with a deadline");
-                match wait_in_line(&att, &k, q, deadline) {
+                match wait_in_line(att, &k, q, deadline) {
                     Waited::Granted(g) => Ok(self.granted(att, idx, g, demand.deadline)),
                     Waited::Refused(r) => {
-                        record(&att, idx).state.store(TICKET_FREE, Ordering::Release);
+                        record(att, idx).state.store(TICKET_FREE, Ordering::Release);
                         Err(r)
                     }
                     Waited::FailOpen => {
-                        record(&att, idx).state.store(TICKET_FREE, Ordering::Release);
-                        Ok(self.fail_open(keyspace, Some(&att)))
+                        record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+                        Ok(self.fail_open(keyspace, Some(att)))
                     }
                 }
             }
@@ -235,7 +253,7 @@ impl Client {
     }
 
     /// Everything up to the wait: the fast path, or a place in line.
-    pub(crate) fn begin(&self, keyspace: u32, demand: &Demand) -> Result<Begin, Refused> {
+    pub(crate) fn begin(&self, keyspace: u32, demand: &Demand) -> Result<Begin<'_>, Refused> {
         let att = self.attachment();
         if !att.alive() {
             return Ok(Begin::Done(self.fail_open(keyspace, None)));
@@ -247,7 +265,7 @@ impl Client {
             Err(_) => return Ok(Begin::Done(self.fail_open(keyspace, None))),
         };
         let k = att.admission.header().knobs.snapshot();
-        let Some(idx) = claim(&att) else {
+        let Some(idx) = claim(att) else {
             return Err(Refused { reason: Refusal::TooManyTickets { limit: att.ledger.len() }, waited: Duration::ZERO });
         };
         let d = demand.policy();
@@ -256,17 +274,17 @@ impl Client {
             Some(deadline) if deadline > Instant::now() => match policy::acquire_queued(&att.admission, &k, keyspace, cell, &d) {
                 Ok(q) => Ok(Begin::Queued { att, record: idx, q, k }),
                 Err(reason) => {
-                    free(&att);
+                    free(att);
                     Err(Refused { reason, waited: Duration::ZERO })
                 }
             },
             _ => match policy::acquire(&att.admission, &k, keyspace, cell, &d) {
                 Ok(g) => Ok(Begin::Done(self.granted(att, idx, g, demand.deadline))),
                 Err(reason) => {
-                    free(&att);
+                    free(att);
                     // A refusal from buckets nobody refills any more is no refusal.
-                    if reason.is_cpu() && !agent_alive(&att) {
-                        return Ok(Begin::Done(self.fail_open(keyspace, Some(&att))));
+                    if reason.is_cpu() && !agent_alive(att) {
+                        return Ok(Begin::Done(self.fail_open(keyspace, Some(att))));
                     }
                     Err(Refused { reason, waited: Duration::ZERO })
                 }
@@ -274,12 +292,12 @@ impl Client {
         }
     }
 
-    pub(crate) fn granted(&self, att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket {
-        write_record(&att, idx, &g);
+    pub(crate) fn granted<'c>(&'c self, att: &'c Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket<'c> {
+        write_record(att, idx, &g);
         Ticket { att: Some(att), record: idx, grant: g, consumed_ns: 0, checked_ns: 0, topup_due: false, deadline }
     }
 
-    pub(crate) fn fail_open(&self, keyspace: u32, att: Option<&Attachment>) -> Ticket {
+    pub(crate) fn fail_open(&self, keyspace: u32, att: Option<&Attachment>) -> Ticket<'_> {
         self.inner.fail_open.fetch_add(1, Ordering::Relaxed);
         if let Some(att) = att {
             att.admission.bucket(crate::region::GLOBAL).count(counter::FAIL_OPEN, 1);
@@ -297,12 +315,12 @@ impl Client {
 }
 
 /// Where [`Client::begin`] left a request.
-pub(crate) enum Begin {
-    Done(Ticket),
-    Queued { att: Arc<Attachment>, record: u32, q: Queued, k: Knobs },
+pub(crate) enum Begin<'c> {
+    Done(Ticket<'c>),
+    Queued { att: &'c Arc<Attachment>, record: u32, q: Queued, k: Knobs },
 }
 
-impl Ticket {
+impl<'c> Ticket<'c> {
     pub fn keyspace(&self) -> u32 {
         self.grant.keyspace()
     }
@@ -330,7 +348,7 @@ impl Ticket {
 
     /// Runs the ticket's work on this thread until the guard drops: the
     /// thread's CPU is charged to the keyspace (and to this ticket).
-    pub fn enter(&mut self) -> TicketGuard<'_> {
+    pub fn enter(&mut self) -> TicketGuard<'_, 'c> {
         let tag = self.grant.cell().map(tag_for_cell);
         let epoch = self.att.as_ref().map(|a| a.epoch);
         // On this client's current registration, tag and read the thread
@@ -361,8 +379,8 @@ impl Ticket {
     /// next [`Ticket::checkpoint`]).
     pub(crate) fn add_consumed(&mut self, ns: u64) {
         self.consumed_ns = self.consumed_ns.saturating_add(ns);
-        let Some(att) = self.att.clone() else { return };
-        record(&att, self.record).consumed_ns.store(self.consumed_ns, Ordering::Relaxed);
+        let Some(att) = self.att else { return };
+        record(att, self.record).consumed_ns.store(self.consumed_ns, Ordering::Relaxed);
         let k = att.admission.header().knobs.snapshot();
         if !k.has(KNOB_RUNTIME_TOPUP) {
             return;
@@ -379,7 +397,7 @@ impl Ticket {
                 self.topup_due = true;
                 return;
             }
-            write_record(&att, self.record, &self.grant);
+            write_record(att, self.record, &self.grant);
         }
     }
 
@@ -394,7 +412,7 @@ impl Ticket {
     /// without one is refused at once). A refusal says the request should
     /// stop; the ticket still holds what it had.
     pub fn checkpoint(&mut self) -> Result<(), Refused> {
-        let Some(att) = self.att.clone() else { return Ok(()) };
+        let Some(att) = self.att else { return Ok(()) };
         let k = att.admission.header().knobs.snapshot();
         for _ in 0..1024 {
             if !self.needs_top_up(&k) {
@@ -403,10 +421,10 @@ impl Ticket {
             }
             let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us);
             let deadline = self.deadline.unwrap_or_else(Instant::now);
-            match wait_in_line(&att, &k, q, deadline) {
+            match wait_in_line(att, &k, q, deadline) {
                 Waited::Granted(part) => {
                     self.grant.absorb(part);
-                    write_record(&att, self.record, &self.grant);
+                    write_record(att, self.record, &self.grant);
                     self.topup_due = false;
                 }
                 Waited::Refused(r) => return Err(r),
@@ -421,7 +439,7 @@ impl Ticket {
 
     /// The ticket's record and the top-up knobs, for the async waiter.
     pub(crate) fn parts(&self) -> Option<(Arc<Attachment>, u32)> {
-        self.att.clone().map(|a| (a, self.record))
+        self.att.map(|a| (a.clone(), self.record))
     }
 
     pub(crate) fn store_grant(&mut self) {
@@ -431,26 +449,26 @@ impl Ticket {
     }
 }
 
-impl Drop for Ticket {
+impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         let Some(att) = self.att.take() else { return };
         policy::release(&att.admission, &self.grant, self.consumed_ns / 1000);
-        record(&att, self.record).state.store(TICKET_FREE, Ordering::Release);
+        record(att, self.record).state.store(TICKET_FREE, Ordering::Release);
     }
 }
 
 /// Work of a ticket running on this thread. Not `Send`: it tags the thread
 /// that entered it.
 #[must_use = "the ticket's work runs until the guard drops"]
-pub struct TicketGuard<'a> {
-    ticket: &'a mut Ticket,
+pub struct TicketGuard<'a, 'c> {
+    ticket: &'a mut Ticket<'c>,
     /// The tag to restore, when the thread was tagged.
     prev_tag: Option<u64>,
     t0: u64,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl TicketGuard<'_> {
+impl TicketGuard<'_, '_> {
     /// CPU this stretch of work consumed so far, ns.
     pub fn consumed_ns(&self) -> u64 {
         let now = match self.prev_tag {
@@ -461,7 +479,7 @@ impl TicketGuard<'_> {
     }
 }
 
-impl Drop for TicketGuard<'_> {
+impl Drop for TicketGuard<'_, '_> {
     fn drop(&mut self) {
         let t1 = match self.prev_tag {
             Some(prev) => super::with_ctx(|ctx| {

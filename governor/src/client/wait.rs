@@ -215,28 +215,29 @@ impl Drop for Line {
 }
 
 /// [`Client::acquire_async`]'s future.
-pub struct AcquireFuture {
-    client: Client,
+pub struct AcquireFuture<'c> {
+    client: &'c Client,
     keyspace: u32,
     deadline: Option<Instant>,
-    state: AcquireState,
+    state: AcquireState<'c>,
 }
 
-enum AcquireState {
-    Ready(Option<Result<Ticket, Refused>>),
-    Waiting { line: Line, record: u32 },
+enum AcquireState<'c> {
+    Ready(Option<Result<Ticket<'c>, Refused>>),
+    Waiting { att: &'c Arc<Attachment>, line: Line, record: u32 },
 }
 
 impl Client {
     /// Like [`Client::acquire`], but waits for CPU tokens without blocking
     /// the executor's thread.
-    pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture {
+    pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture<'_> {
         let state = match self.begin(keyspace, &demand) {
             Ok(Begin::Done(t)) => AcquireState::Ready(Some(Ok(t))),
             Err(r) => AcquireState::Ready(Some(Err(r))),
             Ok(Begin::Queued { att, record, q, k }) => AcquireState::Waiting {
+                att,
                 line: Line {
-                    att,
+                    att: att.clone(),
                     q: Some(q),
                     k,
                     deadline: demand.deadline.expect("queued only with a deadline"),
@@ -247,31 +248,30 @@ impl Client {
                 record,
             },
         };
-        AcquireFuture { client: self.clone(), keyspace, deadline: demand.deadline, state }
+        AcquireFuture { client: self, keyspace, deadline: demand.deadline, state }
     }
 }
 
-impl Future for AcquireFuture {
-    type Output = Result<Ticket, Refused>;
+impl<'c> Future for AcquireFuture<'c> {
+    type Output = Result<Ticket<'c>, Refused>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         match &mut this.state {
             AcquireState::Ready(r) => Poll::Ready(r.take().expect("polled after completion")),
-            AcquireState::Waiting { line, record } => {
-                let idx = *record;
+            AcquireState::Waiting { att, line, record } => {
+                let (att, idx) = (*att, *record);
                 let res = std::task::ready!(line.poll(cx));
-                let att = line.att.clone();
                 let free = || att.ledger.get(idx).map(|r| r.state.store(governor_common::admission::TICKET_FREE, Ordering::Release));
                 let out = match res {
-                    LineResult::Granted(g) => Ok(this.client.granted(att.clone(), idx, g, this.deadline)),
+                    LineResult::Granted(g) => Ok(this.client.granted(att, idx, g, this.deadline)),
                     LineResult::Refused(r) => {
                         free();
                         Err(r)
                     }
                     LineResult::FailOpen => {
                         free();
-                        Ok(this.client.fail_open(this.keyspace, Some(&att)))
+                        Ok(this.client.fail_open(this.keyspace, Some(att)))
                     }
                 };
                 this.state = AcquireState::Ready(None);
@@ -281,12 +281,12 @@ impl Future for AcquireFuture {
     }
 }
 
-impl Drop for AcquireFuture {
+impl Drop for AcquireFuture<'_> {
     fn drop(&mut self) {
         // A future dropped while in line frees its ledger record (the line
         // itself gives its place back when it drops).
-        if let AcquireState::Waiting { line, record } = &self.state
-            && let Some(r) = line.att.ledger.get(*record) {
+        if let AcquireState::Waiting { att, record, .. } = &self.state
+            && let Some(r) = att.ledger.get(*record) {
                 r.state.store(governor_common::admission::TICKET_FREE, Ordering::Release);
             }
     }
@@ -296,20 +296,20 @@ impl Drop for AcquireFuture {
 /// ticket (tagged, charged to it); between polls, a ticket that ran past its
 /// share tops up, waiting in line without blocking. Resolves to the inner
 /// output, or to the refusal of a top-up the deadline cut short.
-pub struct TicketFuture<F> {
-    ticket: Option<Ticket>,
+pub struct TicketFuture<'c, F> {
+    ticket: Option<Ticket<'c>>,
     inner: Pin<Box<F>>,
     topup: Option<Line>,
 }
 
-impl Ticket {
+impl<'c> Ticket<'c> {
     /// Runs `fut` under this ticket; the ticket is released when it ends.
-    pub fn run<F: Future>(self, fut: F) -> TicketFuture<F> {
+    pub fn run<F: Future>(self, fut: F) -> TicketFuture<'c, F> {
         TicketFuture { ticket: Some(self), inner: Box::pin(fut), topup: None }
     }
 }
 
-impl<F: Future> Future for TicketFuture<F> {
+impl<F: Future> Future for TicketFuture<'_, F> {
     type Output = Result<F::Output, Refused>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -360,4 +360,4 @@ impl<F: Future> Future for TicketFuture<F> {
     }
 }
 
-impl<F> Unpin for TicketFuture<F> {}
+impl<F> Unpin for TicketFuture<'_, F> {}

@@ -181,6 +181,7 @@ fn take_burst(global: &BucketView, us: u64) -> bool {
 
 /// CPU tokens from the tenant bucket then the global bucket (rollback when
 /// the global refuses); burst outside cap mode. Returns (tenant µs, burst µs).
+#[inline]
 fn take_cpu(k: &Knobs, cells: &Cells, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
     let Some((tenant, params)) = cells.tenant else {
         return Err(Refusal::GlobalCpuExhausted { keyspace });
@@ -279,6 +280,7 @@ fn enter_writes(k: &Knobs, global: &BucketView, tenant: &BucketView, keyspace: u
 /// The estimate a request takes: its own, else the keyspace's published one,
 /// else the default; with runtime token management, at most a tenth of what
 /// the tenant and global buckets hold (it tops up as it runs).
+#[inline]
 fn estimate(k: &Knobs, cells: &Cells, demand: &Demand) -> u64 {
     let published = cells.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
     let mut est = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
@@ -302,6 +304,7 @@ enum Prep {
     Cpu { g: Grant, est: u64, throttled: bool },
 }
 
+#[inline]
 fn prepare(r: &AdmissionRegions, k: &Knobs, cells: &Cells, keyspace: u32, cell: Option<(u32, u64)>, demand: &Demand) -> Result<Prep, Refusal> {
     let mut g = Grant::unchecked(keyspace, cell);
     if !k.has(KNOB_ENABLED) {
@@ -374,6 +377,7 @@ fn undo(r: &AdmissionRegions, cells: &Cells, g: &Grant) {
 }
 
 /// Records a grant that got its CPU tokens.
+#[inline]
 fn finish(cells: &Cells, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64) -> Grant {
     g.tenant_us = tenant_us;
     g.burst_us = burst_us;
@@ -381,7 +385,7 @@ fn finish(cells: &Cells, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64) 
     match cells.tenant {
         Some((b, _)) => {
             if tenant_us > 0 {
-                b.inflight_us.fetch_add(tenant_us, Ordering::Relaxed);
+                b.add_inflight_us(tenant_us);
             }
             b.count(c::GRANTED, 1);
         }
@@ -407,6 +411,7 @@ fn take_global_only(k: &Knobs, cells: &Cells, keyspace: u32, us: u64) -> Result<
 
 /// Admits one request of `keyspace` (whose cell the caller looked up), or
 /// refuses it without waiting. Nothing is held after a refusal.
+#[inline]
 pub fn acquire(
     r: &AdmissionRegions,
     k: &Knobs,
@@ -571,7 +576,7 @@ impl Queued {
                         part.global_us = self.est;
                         let on = cells.tenant.map_or(cells.global, |t| t.0);
                         if self.tenant_us > 0 {
-                            on.inflight_us.fetch_add(self.tenant_us, Ordering::Relaxed);
+                            on.add_inflight_us(self.tenant_us);
                         }
                         on.count(c::TOPUP_GRANTED, 1);
                         return Progress::Ready(part);
@@ -649,7 +654,7 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
         Ok((tenant_us, burst_us)) => {
             if tenant_us > 0
                 && let Some((b, _)) = cells.tenant {
-                    b.inflight_us.fetch_add(tenant_us, Ordering::Relaxed);
+                    b.add_inflight_us(tenant_us);
                 }
             g.tenant_us += tenant_us;
             g.burst_us += burst_us;
@@ -664,12 +669,14 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
     }
 }
 
-/// Returns `us` to a bucket, counted as refunded (and as discarded what
-/// capacity did not let it keep).
+/// Returns `us` to a bucket, counting as discarded what capacity did not
+/// let it keep. (Refunds are not counted here: the agent derives them from
+/// `head_us`, see `BucketSnapshot::of`, which saves the fast path an atomic
+/// add per bucket.)
+#[inline]
 pub(crate) fn give_back(b: &BucketView, p: &ParamsView, us: u64) {
     // In shrink debt nothing comes back until in-flight drains.
     let kept = if p.has(P_SHRINK_DEBT) { 0 } else { b.give(us, p.capacity_us.load(Ordering::Relaxed)) };
-    b.count(c::REFUNDED_US, us);
     if kept < us {
         b.count(c::DISCARDED_US, us - kept);
     }
@@ -678,6 +685,7 @@ pub(crate) fn give_back(b: &BucketView, p: &ParamsView, us: u64) {
 /// Gives back `granted` µs of a bucket whose holder consumed `consumed`:
 /// refunds the unused part or charges the overrun as debt. Returns the debt
 /// charged.
+#[inline]
 fn settle(b: &BucketView, p: &ParamsView, granted: u64, consumed: u64) -> u64 {
     if consumed < granted {
         give_back(b, p, granted - consumed);
@@ -695,6 +703,7 @@ fn settle(b: &BucketView, p: &ParamsView, granted: u64, consumed: u64) -> u64 {
 /// Closes a grant with the CPU the request measurably consumed: unused
 /// tokens go back (waking waiters), an overrun becomes bounded debt, write
 /// bytes and the in-flight count are returned.
+#[inline]
 pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
     let cells = Cells::of(r, g.cell);
     let tenant = cells.tenant;
@@ -716,7 +725,7 @@ pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
     if let Some((b, p)) = tenant {
         if g.tenant_us > 0 {
             settle(b, p, g.tenant_us, consumed_us.saturating_sub(g.burst_us));
-            sub_saturating(&b.inflight_us, g.tenant_us);
+            b.sub_inflight_us(g.tenant_us);
         }
         if g.counted {
             sub_saturating(&b.inflight_requests, 1);

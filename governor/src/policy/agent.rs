@@ -36,7 +36,7 @@ impl Policy {
     /// intervals; with a `usage` sample (exactly once per stats interval),
     /// update the monitor window and everything derived from it; give up idle
     /// keyspace cells not in `pinned` (cells a thread is still tagged with).
-    pub fn tick_with(&self, now_us: u64, usage: Option<&UsageSample>, pinned: &HashSet<u32>) -> TickReport {
+    pub fn tick_with(&self, now_us: u64, usage: Option<&UsageSample>, pinned: impl FnOnce() -> HashSet<u32>) -> TickReport {
         self.regions().header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
         let mut report = TickReport { refill_intervals: self.refill(now_us), ..TickReport::default() };
         if let Some(sample) = usage {
@@ -52,7 +52,7 @@ impl Policy {
 
     /// [`Policy::tick_with`] with nothing pinned.
     pub fn tick(&self, now_us: u64, usage: Option<&UsageSample>) -> TickReport {
-        self.tick_with(now_us, usage, &HashSet::new())
+        self.tick_with(now_us, usage, HashSet::new)
     }
 
     /// Applies whole refill intervals elapsed since the last refill, waking
@@ -79,14 +79,14 @@ impl Policy {
         }
         // Burst allocations are capped by one interval's global refill.
         r.bucket(GLOBAL).burst_budget_us.store(i64::try_from(e.global.refill_us).unwrap_or(i64::MAX), Ordering::Release);
-        for (c, st) in e.cells.iter_mut().enumerate() {
-            let Some(st) = st.as_mut() else { continue };
+        for &c in &e.live {
+            let Some(st) = e.cells[c as usize].as_mut() else { continue };
             if st.source.is_none() {
                 continue;
             }
-            let Some((b, p)) = r.keyspace_cell(c as u32) else { continue };
+            let Some((b, p)) = r.keyspace_cell(c) else { continue };
             if st.book.debt_mode {
-                if b.inflight_us.load(Ordering::Acquire) > st.book.base_refill_us {
+                if b.inflight_us() > st.book.base_refill_us {
                     continue;
                 }
                 st.book.debt_mode = false;
@@ -206,22 +206,26 @@ impl Policy {
     /// with tokens in flight, requests or write bytes pending, waiters, debt
     /// still owed, or a thread tagged with it (`pinned`). Configured and PD
     /// quotas stay. Returns how many went.
-    pub fn evict_idle(&self, now_us: u64, pinned: &HashSet<u32>) -> usize {
+    /// `pinned` is asked (once) only if some cell is idle.
+    pub fn evict_idle(&self, now_us: u64, pinned: impl FnOnce() -> HashSet<u32>) -> usize {
         let ttl = self.settings().tenant_cap_idle_ttl_us;
         let r = self.regions();
         let mut e = self.engine();
         let now_ms = now_us / 1000;
         let mut evicted = 0;
-        for c in 0..e.cells.len() as u32 {
+        let mut pinned = Some(pinned);
+        let mut pinned_set = HashSet::new();
+        let live: Vec<u32> = e.live.iter().copied().collect();
+        for c in live {
             let Some(st) = e.cells[c as usize].as_ref() else { continue };
-            if matches!(st.source, Some(QuotaSource::Config) | Some(QuotaSource::Pd)) || pinned.contains(&c) {
+            if matches!(st.source, Some(QuotaSource::Config) | Some(QuotaSource::Pd)) {
                 continue;
             }
             let Some((b, _)) = r.keyspace_cell(c) else { continue };
             let last_ms = b.last_used_ms.load(Ordering::Relaxed).min(now_ms);
             let last_us = st.last_used_us.max(last_ms * 1000);
             let idle = now_us.saturating_sub(last_us) >= ttl
-                && b.inflight_us.load(Ordering::Acquire) == 0
+                && b.inflight_us() == 0
                 && b.inflight_requests.load(Ordering::Acquire) == 0
                 && b.pending_write_bytes.load(Ordering::Acquire) == 0
                 && b.sleepers.load(Ordering::Acquire) == 0
@@ -229,14 +233,21 @@ impl Policy {
             if !idle {
                 continue;
             }
+            if let Some(f) = pinned.take() {
+                pinned_set = f();
+            }
+            if pinned_set.contains(&c) {
+                continue;
+            }
             if st.source == Some(QuotaSource::TenantCap) {
                 e.cap_buckets_evicted += 1;
             }
-            for (i, v) in b.counters.iter().enumerate() {
-                e.retired[i] += v.load(Ordering::Relaxed);
+            for (i, v) in b.counter_values().into_iter().enumerate() {
+                e.retired[i] += v;
             }
             r.directory().evict(c);
             e.cells[c as usize] = None;
+            e.live.remove(&c);
             e.estimates.forget(c);
             e.last_demand.remove(&c);
             evicted += 1;

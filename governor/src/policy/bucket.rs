@@ -73,11 +73,10 @@ impl BucketView {
     }
 
     /// Leaves the line (or gives back a reservation): returns `us` to the
-    /// head, unclamped, so whoever queued behind moves up by as much.
+    /// head, unclamped, so whoever queued behind moves up by as much. (A
+    /// refund, as the agent derives refunds from the head.)
     pub fn cancel(&self, us: u64) {
         self.head_us.fetch_add(us, Ordering::SeqCst);
-        // Counted as a refund, so the bucket's ledger still adds up.
-        self.count(governor_common::admission::counter::REFUNDED_US, us);
         self.notify();
     }
 

@@ -81,16 +81,24 @@ impl BucketSnapshot {
     /// Reads the shared cell with the agent's record of it.
     pub fn of(b: &BucketView, book: &BucketBook) -> BucketSnapshot {
         let tail = b.tail_us.load(std::sync::atomic::Ordering::Acquire);
+        let head = b.head_us.load(std::sync::atomic::Ordering::Acquire);
         let debt = b.counter(c::DEBT_US);
+        // The head moves by what the agent added and dropped and by refunds
+        // (kept part); the rovers started equal at `tail_base_us`.
+        let refunded = head
+            .wrapping_sub(book.tail_base_us)
+            .wrapping_sub(book.refilled_us)
+            .wrapping_add(book.discarded_us)
+            .wrapping_add(b.counter(c::DISCARDED_US));
         BucketSnapshot {
             available_us: b.available_us(),
             capacity_us: i64::try_from(book.capacity_us).unwrap_or(i64::MAX),
             refill_us: book.refill_us,
             base_refill_us: book.base_refill_us,
-            inflight_us: b.inflight_us.load(std::sync::atomic::Ordering::Acquire),
+            inflight_us: b.inflight_us(),
             in_debt: book.debt_mode,
             taken_total_us: tail.wrapping_sub(book.tail_base_us).wrapping_sub(debt),
-            refunded_total_us: b.counter(c::REFUNDED_US),
+            refunded_total_us: refunded,
             debt_total_us: debt,
             refilled_total_us: book.refilled_us,
             discarded_total_us: book.discarded_us + b.counter(c::DISCARDED_US),

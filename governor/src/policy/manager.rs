@@ -5,7 +5,7 @@
 //! request, on the same memory. `allocate`/`release` here run that same fast
 //! path for the agent's own use and for tests.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 
@@ -33,6 +33,8 @@ pub const DEFAULT_CELLS: u32 = governor_common::DEFAULT_MAX_KEYSPACES;
 pub(crate) struct Engine {
     /// By keyspace cell.
     pub cells: Vec<Option<KeyspaceState>>,
+    /// The cells that are `Some` above: what the per-tick loops walk.
+    pub live: BTreeSet<u32>,
     pub global: BucketBook,
     pub low_priority: BucketBook,
     pub last_refill_us: u64,
@@ -79,6 +81,7 @@ impl Policy {
         let memory = AdmissionMemory::create(cells)?;
         let engine = Engine {
             cells: vec![None; cells as usize],
+            live: BTreeSet::new(),
             global: BucketBook::default(),
             low_priority: BucketBook::default(),
             last_refill_us: now_us,
@@ -246,6 +249,7 @@ impl Policy {
         })?;
         let (bucket, params) = r.keyspace_cell(cell).expect("cell from the directory");
         if inserted || e.cells[cell as usize].as_ref().is_none_or(|st| st.id != keyspace) {
+            e.live.insert(cell);
             e.cells[cell as usize] = Some(KeyspaceState {
                 id: keyspace,
                 generation,
@@ -260,9 +264,7 @@ impl Policy {
             });
             // Counters and tokens restart with the new keyspace (nothing was
             // in flight and nobody waited when the last holder went).
-            for c in &bucket.counters {
-                c.store(0, Ordering::Relaxed);
-            }
+            bucket.reset_counters();
             let tail = bucket.reset_tokens();
             e.cells[cell as usize].as_mut().expect("just set").book.tail_base_us = tail;
             e.last_demand.remove(&cell);
@@ -307,7 +309,7 @@ impl Policy {
                     let kept = bucket.give(capacity, capacity);
                     st.book.refilled_us += capacity;
                     st.book.discarded_us += capacity - kept;
-                } else if refill < old.base_refill_us && bucket.inflight_us.load(Ordering::Acquire) > refill {
+                } else if refill < old.base_refill_us && bucket.inflight_us() > refill {
                     st.book.debt_mode = true;
                     st.book.discarded_us += bucket.drop_available();
                 } else {

@@ -196,8 +196,8 @@ impl Policy {
                 continue;
             }
             let Some((b, _)) = r.keyspace_cell(c as u32) else { continue };
-            for (i, v) in b.counters.iter().enumerate() {
-                sum[i] += v.load(Ordering::Relaxed);
+            for (i, v) in b.counter_values().into_iter().enumerate() {
+                sum[i] += v;
             }
         }
         let g = r.bucket(GLOBAL);

@@ -3,11 +3,11 @@
 use super::measure::same_layout;
 use super::{RegionError, Table, FIRST_KEYSPACE};
 use governor_common::admission::{
-    counter, dir_key, AgentCell, BucketCell, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
+    counter, dir_key, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
 };
 use governor_common::{probe_start, HeaderCell};
 use std::mem::{offset_of, size_of};
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Atomic mirror of [`HeaderCell`]: the TSC clock mapping.
 #[repr(C)]
@@ -60,24 +60,78 @@ pub struct BucketView {
     pub head_us: AtomicU64,
     pub wake_seq: AtomicU32,
     pub sleepers: AtomicU32,
-    pub inflight_us: AtomicU64,
     pub inflight_requests: AtomicU64,
     pub pending_write_bytes: AtomicU64,
     pub last_used_ms: AtomicU64,
     pub burst_budget_us: AtomicI64,
+    pub _pad: AtomicU64,
+    pub hot: [[AtomicU64; 8]; HOT_SHARDS],
     pub counters: [AtomicU64; counter::COUNT],
 }
 
+thread_local! {
+    /// This thread's hot-counter shard, given out round-robin.
+    static SHARD: usize = {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        NEXT.fetch_add(1, Ordering::Relaxed) % HOT_SHARDS
+    };
+}
+
+#[inline]
+fn my_shard() -> usize {
+    SHARD.try_with(|s| *s).unwrap_or(0)
+}
+
 impl BucketView {
-    /// Adds one to counter `c` (a `counter::*` index).
+    /// Adds `n` to counter `c` (a `counter::*` index).
     #[inline]
     pub fn count(&self, c: usize, n: u64) {
-        self.counters[c].fetch_add(n, Ordering::Relaxed);
+        if c < counter::HOT {
+            self.hot[my_shard()][c].fetch_add(n, Ordering::Relaxed);
+        } else {
+            self.counters[c].fetch_add(n, Ordering::Relaxed);
+        }
     }
 
     #[inline]
     pub fn counter(&self, c: usize) -> u64 {
-        self.counters[c].load(Ordering::Relaxed)
+        if c < counter::HOT {
+            self.hot.iter().fold(0u64, |sum, s| sum.wrapping_add(s[c].load(Ordering::Relaxed)))
+        } else {
+            self.counters[c].load(Ordering::Relaxed)
+        }
+    }
+
+    /// Every counter, the hot ones summed over their shards.
+    pub fn counter_values(&self) -> [u64; counter::COUNT] {
+        std::array::from_fn(|c| self.counter(c))
+    }
+
+    /// Zeroes every counter (a cell given to a new keyspace).
+    pub fn reset_counters(&self) {
+        for v in self.counters.iter().chain(self.hot.iter().flatten()) {
+            v.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// µs granted to tickets not yet released (0 if the shards, which other
+    /// processes write, add up to less).
+    #[inline]
+    pub fn inflight_us(&self) -> u64 {
+        let sum = self.hot.iter().fold(0u64, |sum, s| sum.wrapping_add(s[HOT_INFLIGHT_US].load(Ordering::Acquire)));
+        (sum as i64).max(0) as u64
+    }
+
+    #[inline]
+    pub fn add_inflight_us(&self, us: u64) {
+        self.hot[my_shard()][HOT_INFLIGHT_US].fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// Takes `us` off the µs in flight (on this thread's shard, which may go
+    /// "negative": only the sum means anything).
+    #[inline]
+    pub fn sub_inflight_us(&self, us: u64) {
+        self.hot[my_shard()][HOT_INFLIGHT_US].fetch_sub(us, Ordering::Relaxed);
     }
 }
 
@@ -163,11 +217,11 @@ same_layout!(
     head_us,
     wake_seq,
     sleepers,
-    inflight_us,
     inflight_requests,
     pending_write_bytes,
     last_used_ms,
     burst_budget_us,
+    hot,
     counters
 );
 same_layout!(ParamsView, ParamsCell, key, generation, capacity_us, refill_us, estimate_us, max_debt_us, flags);
