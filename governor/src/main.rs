@@ -64,10 +64,21 @@ fn default_socket() -> PathBuf {
 }
 
 fn print<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(value).expect("serializable"));
-    } else {
-        print!("{}", text(value));
+    let body = if json { serde_json::to_string_pretty(value).expect("serializable") + "\n" } else { text(value) };
+    write_stdout(&body);
+}
+
+/// Writes to stdout; a reader that went away (`governor status | head -1`)
+/// ends the verb quietly, as it would any Unix filter.
+fn write_stdout(body: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = out.write_all(body.as_bytes()).and_then(|()| out.flush()) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("governor: writing the output: {e}");
+        std::process::exit(74); // EX_IOERR
     }
 }
 
@@ -83,7 +94,7 @@ fn fail(json: bool, e: &CliError) -> ! {
             }),
             other => serde_json::json!({ "error": governor::error_chain(other) }),
         };
-        println!("{}", serde_json::to_string_pretty(&body).expect("json"));
+        write_stdout(&(serde_json::to_string_pretty(&body).expect("json") + "\n"));
     } else {
         eprintln!("governor: {}", governor::error_chain(e));
     }

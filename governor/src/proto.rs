@@ -100,7 +100,11 @@ pub struct ThreadStats {
     /// Slots handed out since start (reuse shows as handed_out > capacity).
     pub handed_out: u64,
     pub reclaimed: u64,
+    /// Registrations refused: no slot free, or the uid's quota reached.
     pub exhausted: u64,
+    /// Slots a client overwrote in shared memory and the agent restored.
+    #[serde(default)]
+    pub repaired: u64,
 }
 
 /// The admission side of the node.

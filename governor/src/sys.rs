@@ -252,7 +252,18 @@ pub fn region_len(fd: RawFd) -> io::Result<usize> {
     if st.st_size > 0 {
         return Ok(st.st_size as usize);
     }
-    // Not a file with a size: ask for BPF map information.
+    // Not a file with a size: a BPF map's size from its information.
+    let info = bpf_map_info(fd)?;
+    Ok(info.max_entries as usize * (info.value_size as usize).div_ceil(8) * 8)
+}
+
+/// The head of `struct bpf_map_info`.
+struct BpfMapInfo {
+    value_size: u32,
+    max_entries: u32,
+}
+
+fn bpf_map_info(fd: RawFd) -> io::Result<BpfMapInfo> {
     #[repr(C)]
     struct InfoAttr {
         bpf_fd: u32,
@@ -270,8 +281,23 @@ pub fn region_len(fd: RawFd) -> io::Result<usize> {
         return Err(io::Error::last_os_error());
     }
     // struct bpf_map_info: type, id, key_size, value_size, max_entries, ...
-    let word = |at: usize| u32::from_ne_bytes(info[at..at + 4].try_into().expect("4 bytes")) as usize;
-    Ok(word(16) * word(12).div_ceil(8) * 8)
+    let word = |at: usize| u32::from_ne_bytes(info[at..at + 4].try_into().expect("4 bytes"));
+    Ok(BpfMapInfo { value_size: word(12), max_entries: word(16) })
+}
+
+/// Freezes the BPF map behind `fd` for user space: no update through the
+/// syscall and no writable mapping from now on, by anyone (the programs
+/// still write it). Fails while a writable mapping exists.
+pub fn bpf_map_freeze(fd: RawFd) -> io::Result<()> {
+    #[repr(C)]
+    struct FreezeAttr {
+        map_fd: u32,
+    }
+    const BPF_MAP_FREEZE: libc::c_long = 22;
+    let attr = FreezeAttr { map_fd: fd as u32 };
+    // SAFETY: attr is a valid bpf_attr prefix for this command.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_FREEZE, &attr as *const FreezeAttr, std::mem::size_of::<FreezeAttr>()) };
+    if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// Waits while the shared word at `word` still holds `expected`, at most

@@ -77,6 +77,10 @@ pub(crate) struct Shared {
     pub(crate) policy: Policy,
     ledgers: Mutex<ledgers::Ledgers>,
     usage: Mutex<usage::Usage>,
+    /// Who asked for each keyspace cell the agent gave out: (uid, the
+    /// cell's generation then), for `agent.max-keyspaces-per-uid`.
+    cell_owners: Mutex<std::collections::HashMap<u32, (u32, u64)>>,
+    keyspaces_per_uid: u32,
     /// Random, non-zero; published in the header.
     instance: u64,
     started: Instant,
@@ -98,6 +102,10 @@ impl Shared {
 
     fn lock_usage(&self) -> MutexGuard<'_, usage::Usage> {
         self.usage.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_cell_owners(&self) -> MutexGuard<'_, std::collections::HashMap<u32, (u32, u64)>> {
+        self.cell_owners.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Keyspace cells a registered thread is tagged with now: never evicted.
@@ -137,8 +145,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         opts.socket.display()
     );
     let shared = Arc::new(Shared {
-        slots: Mutex::new(slots::Slots::new(measurement.sizes.slots)),
+        slots: Mutex::new(slots::Slots::new(measurement.sizes.slots, opts.config.agent().max_threads_per_uid)),
         usage: Mutex::new(usage::Usage::new(&opts.config)),
+        cell_owners: Mutex::new(std::collections::HashMap::new()),
+        keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid,
         measurement: Mutex::new(measurement),
         policy,
         ledgers: Mutex::new(ledgers::Ledgers::default()),

@@ -5,7 +5,8 @@
 //!
 //! It holds under abuse: a line longer than [`MAX_LINE`] closes the
 //! connection, at most [`MAX_CONNECTIONS`] are served at once (the rest wait
-//! in the kernel's backlog), an accept error backs off instead of spinning,
+//! in the kernel's backlog) and at most [`MAX_CONNECTIONS_PER_UID`] for one
+//! non-root uid (more are closed at once), an accept error backs off instead of spinning,
 //! and registration's `/proc` reads run off the runtime's thread.
 
 use super::{AgentError, Shared};
@@ -28,6 +29,9 @@ use tokio::net::{UnixListener, UnixStream};
 pub const MAX_LINE: usize = 64 * 1024;
 /// Connections served at once.
 pub const MAX_CONNECTIONS: usize = 4096;
+/// Connections one non-root uid may have open at once: one account cannot
+/// take the others' share.
+pub const MAX_CONNECTIONS_PER_UID: usize = 1024;
 
 pub(super) fn bind(path: &Path) -> Result<UnixListener, AgentError> {
     let listen_err = |source| AgentError::Listen { path: path.to_path_buf(), source };
@@ -68,6 +72,7 @@ pub(super) async fn serve(
 ) -> Result<(), AgentError> {
     static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let per_uid: Arc<std::sync::Mutex<HashMap<u32, usize>>> = Arc::default();
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -78,10 +83,30 @@ pub(super) async fn serve(
             _ = &mut shutdown => return Ok(()),
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    let uid = sys::peer_cred(stream.as_raw_fd()).map_or(65534, |(_, uid, _)| uid);
+                    if uid != 0 {
+                        let mut open = per_uid.lock().unwrap_or_else(|p| p.into_inner());
+                        let n = open.entry(uid).or_insert(0);
+                        if *n >= MAX_CONNECTIONS_PER_UID {
+                            // Closed at once: the peer reads EOF.
+                            drop(stream);
+                            continue;
+                        }
+                        *n += 1;
+                    }
                     let id = NEXT_CONN.fetch_add(1, Ordering::Relaxed);
-                    let shared = shared.clone();
+                    let (shared, per_uid) = (shared.clone(), per_uid.clone());
                     tokio::spawn(async move {
                         connection(stream, id, shared).await;
+                        if uid != 0 {
+                            let mut open = per_uid.lock().unwrap_or_else(|p| p.into_inner());
+                            if let Some(n) = open.get_mut(&uid) {
+                                *n -= 1;
+                                if *n == 0 {
+                                    open.remove(&uid);
+                                }
+                            }
+                        }
                         drop(permit);
                     });
                 }
@@ -96,7 +121,8 @@ pub(super) async fn serve(
 }
 
 async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
-    let peer = sys::peer_pid(stream.as_raw_fd()).unwrap_or(0);
+    // A peer whose credentials cannot be read gets the least: uid nobody.
+    let (peer, uid) = sys::peer_cred(stream.as_raw_fd()).map_or((0, 65534), |(pid, uid, _)| (pid, uid));
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
     let mut said_hello = false;
@@ -143,8 +169,10 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 let s = shared.clone();
                 // Reads /proc: off the runtime's thread.
                 let r = tokio::task::spawn_blocking(move || {
+                    // /proc first, then the locks: status never waits on it.
+                    let task = super::slots::resolve(peer, tid)?;
                     let mut m = s.lock_measurement();
-                    s.lock_slots().register(&mut m, conn, peer, tid)
+                    s.lock_slots().register_resolved(&mut m, conn, uid, task)
                 })
                 .await;
                 match r {
@@ -160,7 +188,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                     Err(e) => (Reply::Error { message: e.to_string() }, None),
                 }
             }
-            Request::Keyspace { id } => keyspace(&shared, id),
+            Request::Keyspace { id } => keyspace(&shared, id, uid),
         };
         if let Err(e) = send(reader.get_mut(), &reply, fds).await {
             log::debug!("connection {conn}: {e}");
@@ -246,11 +274,37 @@ fn hello(shared: &Shared, conn: u64) -> (Reply, Option<Vec<RawFd>>) {
     (Reply::Hello { backend: m.kind, sizes, instance: shared.instance }, Some(fds))
 }
 
-fn keyspace(shared: &Shared, id: u32) -> (Reply, Option<Vec<RawFd>>) {
-    let before = shared.policy.regions().directory().find(id);
+/// The cell of keyspace `id`, given one if it has none, within the asking
+/// uid's quota of cells (root has none).
+fn keyspace(shared: &Shared, id: u32, uid: u32) -> (Reply, Option<Vec<RawFd>>) {
+    let r = shared.policy.regions();
+    let before = r.directory().find(id);
+    let mut owners = shared.lock_cell_owners();
+    if before.is_none() && uid != 0 {
+        // Cells evicted (or given to another keyspace) since count no more.
+        owners.retain(|&cell, &mut (_, generation)| {
+            r.keyspace_cell(cell).is_some_and(|(_, p)| {
+                p.generation.load(std::sync::atomic::Ordering::Acquire) == generation
+                    && p.entry().0 == governor_common::admission::DIR_LIVE
+            })
+        });
+        let held = owners.values().filter(|(u, _)| *u == uid).count();
+        if held >= shared.keyspaces_per_uid as usize {
+            return (
+                Reply::Error {
+                    message: format!(
+                        "uid {uid} already has {held} keyspace cells in use (agent.max-keyspaces-per-uid); \
+                         keyspace {id} gets none until some go idle"
+                    ),
+                },
+                None,
+            );
+        }
+    }
     match shared.policy.ensure_keyspace(id, super::now_us()) {
         Ok((cell, generation)) => {
             if before.is_none() {
+                owners.insert(cell, (uid, generation));
                 let m = shared.lock_measurement();
                 shared.lock_usage().note(&m, cell, id, generation);
             }

@@ -3,7 +3,7 @@
 
 use crate::measure::Measurement;
 use crate::proto::ThreadStats;
-use governor_common::{SLOT_DEAD, SLOT_FREE, SLOT_LIVE, TAG_NONE};
+use governor_common::{SLOT_FREE, SLOT_LIVE, TAG_NONE};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 
@@ -15,19 +15,27 @@ pub enum SlotError {
     NotYourThread { tid: u32, pid: u32 },
     #[error("thread {tid} is already registered (slot {slot})")]
     AlreadyRegistered { tid: u32, slot: u32 },
+    #[error("uid {uid} already holds {limit} thread slots (agent.max-threads-per-uid)")]
+    UidQuota { uid: u32, limit: u32 },
     #[error("slot {slot} (generation {generation}) is not held by this connection")]
     NotHeld { slot: u32, generation: u64 },
     #[error(transparent)]
     Measure(#[from] crate::measure::MeasureError),
 }
 
-/// Owner of a handed-out slot.
+/// Owner of a handed-out slot: the agent's own record, which decides; the
+/// copy in the shared slot is only what the kernel's program reads, and any
+/// client can write it.
 #[derive(Clone, Copy, Debug)]
 struct Holder {
     conn: u64,
     tid: u32,
     tgid: u32,
+    uid: u32,
     generation: u64,
+    /// The task's start time (clock ticks since boot): tells the thread
+    /// from a later one that reused its tid.
+    start: u64,
 }
 
 pub struct Slots {
@@ -35,31 +43,75 @@ pub struct Slots {
     free: VecDeque<u32>,
     held: HashMap<u32, Holder>,
     by_tid: HashMap<u32, u32>,
+    by_uid: HashMap<u32, u32>,
     capacity: u32,
+    per_uid: u32,
     handed_out: u64,
     reclaimed: u64,
     exhausted: u64,
+    repaired: u64,
+}
+
+/// A thread a client asked to register, as the agent sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Task {
+    tgid: u32,
+    /// In the agent's PID namespace.
+    tid: u32,
+    born: u64,
+}
+
+/// Finds the thread `client_tid` (as the client sees it, in its own PID
+/// namespace) of process `tgid`, and when it started. Reads /proc: call it
+/// without holding the agent's locks.
+pub fn resolve(tgid: u32, client_tid: u32) -> Result<Task, SlotError> {
+    let tid = host_tid(tgid, client_tid).ok_or(SlotError::NotYourThread { tid: client_tid, pid: tgid })?;
+    let (born, _) = task_start(tgid, tid).ok_or(SlotError::NotYourThread { tid, pid: tgid })?;
+    Ok(Task { tgid, tid, born })
+}
+
+/// Start time and state letter of a task, as the kernel reports them.
+fn task_start(tgid: u32, tid: u32) -> Option<(u64, char)> {
+    let task = procfs::process::Process::new(tgid as i32).ok()?.task_from_tid(tid as i32).ok()?;
+    let stat = task.stat().ok()?;
+    Some((stat.starttime, stat.state))
+}
+
+/// Whether the task that registered (same tid, same start time) still runs.
+fn still_running(h: &Holder) -> bool {
+    task_start(h.tgid, h.tid).is_some_and(|(start, state)| start == h.start && !matches!(state, 'Z' | 'X' | 'x'))
 }
 
 impl Slots {
-    pub fn new(capacity: u32) -> Slots {
+    /// `per_uid`: slots the threads of one non-root uid may hold.
+    pub fn new(capacity: u32, per_uid: u32) -> Slots {
         Slots {
             free: (0..capacity).collect(),
             held: HashMap::new(),
             by_tid: HashMap::new(),
+            by_uid: HashMap::new(),
             capacity,
+            per_uid,
             handed_out: 0,
             reclaimed: 0,
             exhausted: 0,
+            repaired: 0,
         }
     }
+
 
     /// Gives `tid` of process `tgid` a slot and starts measuring it. `tid`
     /// is as the client sees it (its own PID namespace); `tgid` as the agent
     /// sees it (SO_PEERCRED translates it).
-    pub fn register(&mut self, m: &mut Measurement, conn: u64, tgid: u32, tid: u32) -> Result<(u32, u64), SlotError> {
-        let client_tid = tid;
-        let tid = host_tid(tgid, client_tid).ok_or(SlotError::NotYourThread { tid: client_tid, pid: tgid })?;
+    pub fn register(&mut self, m: &mut Measurement, conn: u64, tgid: u32, uid: u32, tid: u32) -> Result<(u32, u64), SlotError> {
+        let task = resolve(tgid, tid)?;
+        self.register_resolved(m, conn, uid, task)
+    }
+
+    /// [`Slots::register`] for a task resolved beforehand (without the
+    /// agent's locks: resolving reads /proc).
+    pub fn register_resolved(&mut self, m: &mut Measurement, conn: u64, uid: u32, task: Task) -> Result<(u32, u64), SlotError> {
+        let Task { tgid, tid, born } = task;
         if let Some(&slot) = self.by_tid.get(&tid) {
             // A tid is reused only after its thread died: drop the stale holder.
             let live = m.regions.slots.get(slot).is_some_and(|v| v.state.load(Ordering::Acquire) == SLOT_LIVE);
@@ -68,6 +120,13 @@ impl Slots {
             }
             // A dead thread's tid came back before the reclaim pass: free it now.
             self.release(m, slot);
+        }
+        if uid != 0 && self.by_uid.get(&uid).copied().unwrap_or(0) >= self.per_uid {
+            self.reclaim(m);
+            if self.by_uid.get(&uid).copied().unwrap_or(0) >= self.per_uid {
+                self.exhausted += 1;
+                return Err(SlotError::UidQuota { uid, limit: self.per_uid });
+            }
         }
         if self.free.is_empty() {
             self.reclaim(m);
@@ -98,8 +157,9 @@ impl Slots {
             self.free.push_back(slot);
             return Err(e.into());
         }
-        self.held.insert(slot, Holder { conn, tid, tgid, generation });
+        self.held.insert(slot, Holder { conn, tid, tgid, uid, generation, start: born });
         self.by_tid.insert(tid, slot);
+        *self.by_uid.entry(uid).or_insert(0) += 1;
         self.handed_out += 1;
         Ok((slot, generation))
     }
@@ -128,6 +188,12 @@ impl Slots {
         if self.by_tid.get(&h.tid) == Some(&slot) {
             self.by_tid.remove(&h.tid);
         }
+        if let Some(n) = self.by_uid.get_mut(&h.uid) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_uid.remove(&h.uid);
+            }
+        }
         m.detach_thread(h.tid);
         if let Some(view) = m.regions.slots.get(slot) {
             view.state.store(SLOT_FREE, Ordering::Release);
@@ -136,20 +202,51 @@ impl Slots {
         self.reclaimed += 1;
     }
 
-    /// Frees the slots of threads that exited: marked dead at their final
-    /// switch (eBPF), or gone from /proc (fallback).
+    /// Frees the slots of threads that exited, and repairs the slots a
+    /// client tampered with. A slot whose shared copy no longer matches the
+    /// agent's record (marked dead, or its tid, process or generation
+    /// rewritten) is checked against the kernel: if the registered task still
+    /// runs, the record is written back (the kernel's next charge covers the
+    /// time it missed, as charges are differences of its own counter);
+    /// otherwise the slot is freed. On the fallback backend, where no program
+    /// marks exits, every slot's task is checked. Returns the slots freed.
     pub fn reclaim(&mut self, m: &mut Measurement) -> usize {
         let fallback = m.is_fallback();
-        let dead: Vec<u32> = self
-            .held
-            .iter()
-            .filter(|(slot, h)| {
-                let state = m.regions.slots.get(**slot).map(|v| v.state.load(Ordering::Acquire));
-                state == Some(SLOT_DEAD)
-                    || (fallback && !std::path::Path::new(&format!("/proc/{}/task/{}", h.tgid, h.tid)).exists())
-            })
-            .map(|(s, _)| *s)
-            .collect();
+        let mut dead = Vec::new();
+        let mut forged = Vec::new();
+        for (&slot, h) in &self.held {
+            let Some(v) = m.regions.slots.get(slot) else { continue };
+            let intact = v.state.load(Ordering::Acquire) == SLOT_LIVE
+                && v.tid.load(Ordering::Relaxed) == h.tid
+                && v.tgid.load(Ordering::Relaxed) == h.tgid
+                && v.generation.load(Ordering::Relaxed) == h.generation;
+            if intact && !fallback {
+                continue;
+            }
+            match (still_running(h), intact) {
+                (true, true) => {}
+                (true, false) => forged.push(slot),
+                (false, _) => dead.push(slot),
+            }
+        }
+        for &s in &forged {
+            let (Some(h), Some(v)) = (self.held.get(&s).copied(), m.regions.slots.get(s)) else { continue };
+            v.tid.store(h.tid, Ordering::Relaxed);
+            v.tgid.store(h.tgid, Ordering::Relaxed);
+            v.generation.store(h.generation, Ordering::Relaxed);
+            v.state.store(SLOT_LIVE, Ordering::Release);
+            // The tid table is the agent's alone, but write it again.
+            let _ = m.attach_thread(h.tid, s);
+            self.repaired += 1;
+            if self.repaired <= 10 || self.repaired.is_power_of_two() {
+                log::warn!(
+                    "slot {s} of thread {} (pid {}) was overwritten in shared memory; restored ({} so far)",
+                    h.tid,
+                    h.tgid,
+                    self.repaired
+                );
+            }
+        }
         for &s in &dead {
             self.release(m, s);
         }
@@ -168,6 +265,7 @@ impl Slots {
             handed_out: self.handed_out,
             reclaimed: self.reclaimed,
             exhausted: self.exhausted,
+            repaired: self.repaired,
         }
     }
 }

@@ -8,7 +8,7 @@ use crate::region::{fd, AdmissionRegions, MeasureRegions, RegionError, RegionSiz
 use crate::sys;
 use governor_common::{cpu_owner, TAG_NONE};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -79,6 +79,27 @@ pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
     Conn { reader: BufReader::new(stream) }.call(req)
 }
 
+/// Says `hello` on a fresh connection: the reply, the region descriptors
+/// that came with it (in `region::fd` order), and the connection for what
+/// follows. For tools that speak the protocol themselves; a server uses
+/// [`Client::connect`].
+pub fn handshake(stream: UnixStream) -> Result<(Reply, Vec<OwnedFd>, BufReader<UnixStream>), ClientError> {
+    let mut hello = serde_json::to_string(&Request::Hello).expect("serializes");
+    hello.push('\n');
+    (&stream).write_all(hello.as_bytes())?;
+    // The reply line arrives with the fds; read it byte-exactly so no
+    // later bytes are consumed outside the buffered reader.
+    let mut buf = vec![0u8; 4096];
+    let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, fd::COUNT)?;
+    let mut line = buf[..n].to_vec();
+    let mut reader = BufReader::new(stream);
+    if !line.ends_with(b"\n") {
+        reader.read_until(b'\n', &mut line)?;
+    }
+    let reply = serde_json::from_slice(&line).map_err(|e| ClientError::Protocol { detail: format!("hello reply: {e}") })?;
+    Ok((reply, fds, reader))
+}
+
 /// Everything a client holds of one agent.
 pub(crate) struct Attachment {
     pub(crate) backend: BackendKind,
@@ -104,20 +125,7 @@ impl Attachment {
         // thread exit): calls fail after this long instead.
         stream.set_read_timeout(Some(CALL_TIMEOUT))?;
         stream.set_write_timeout(Some(CALL_TIMEOUT))?;
-        let mut hello = serde_json::to_string(&Request::Hello).expect("serializes");
-        hello.push('\n');
-        (&stream).write_all(hello.as_bytes())?;
-        // The reply line arrives with the fds; read it byte-exactly so no
-        // later bytes are consumed outside the buffered reader.
-        let mut buf = vec![0u8; 4096];
-        let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, fd::COUNT)?;
-        let mut line = buf[..n].to_vec();
-        let mut reader = BufReader::new(stream);
-        if !line.ends_with(b"\n") {
-            reader.read_until(b'\n', &mut line)?;
-        }
-        let reply: Reply = serde_json::from_slice(&line)
-            .map_err(|e| ClientError::Protocol { detail: format!("hello reply: {e}") })?;
+        let (reply, fds, reader) = handshake(stream)?;
         let (backend, sizes, instance) = match reply {
             Reply::Hello { backend, sizes, instance } => (backend, sizes, instance),
             Reply::Error { message } => return Err(ClientError::Refused { message }),

@@ -32,7 +32,7 @@ mod future;
 mod ticket;
 mod wait;
 
-pub use conn::{request, Client, ClientError, CALL_TIMEOUT};
+pub use conn::{handshake, request, Client, ClientError, CALL_TIMEOUT};
 pub use future::{Tagged, TaggedExt};
 pub use ticket::{Demand, Refused, Ticket, TicketGuard};
 pub use wait::{AcquireFuture, TicketFuture};

@@ -144,6 +144,16 @@ pub struct RawAgent {
     /// Keyspace cells in the shared table. Restart-only for the same reason.
     /// Range 16..=1048576, default 4096.
     pub max_keyspaces: u32,
+    /// Thread slots the processes of one uid may hold at once, so one local
+    /// account cannot take them all. Root is not limited (it could stop the
+    /// agent anyway). Range 1..=max-threads; default half of `max-threads`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_threads_per_uid: Option<u32>,
+    /// Keyspace cells the connections of one uid may have created and still
+    /// in use (idle cells are evicted and count no more). Root is not
+    /// limited. Range 1..=max-keyspaces; default half of `max-keyspaces`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_keyspaces_per_uid: Option<u32>,
 }
 
 impl Default for RawAgent {
@@ -155,6 +165,8 @@ impl Default for RawAgent {
             timer_period: ConfigDuration::from_millis(10),
             max_threads: 16384,
             max_keyspaces: 4096,
+            max_threads_per_uid: None,
+            max_keyspaces_per_uid: None,
         }
     }
 }

@@ -308,9 +308,11 @@ mod tests {
     fn a_rejected_set_does_not_touch_the_running_config() {
         let running = ValidatedConfig::embedded_default();
         let rejected = running.apply_set("agent.max-threads", "8").unwrap_err();
+        // Restart-only, out of range, and below the embedded default's
+        // explicit per-uid quota (8192).
         assert_eq!(
             rejected.errors.keys(),
-            vec!["agent.max-threads", "agent.max-threads"]
+            vec!["agent.max-threads", "agent.max-threads-per-uid", "agent.max-threads"]
         );
         assert_eq!(running, ValidatedConfig::embedded_default());
     }

@@ -257,6 +257,15 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         16,
         1 << 20,
     );
+    // Per-uid quotas: checked when set; when absent, half the total.
+    if let Some(n) = a.max_threads_per_uid {
+        c.int("agent", "max-threads-per-uid", n.into(), 1, a.max_threads.into());
+    }
+    if let Some(n) = a.max_keyspaces_per_uid {
+        c.int("agent", "max-keyspaces-per-uid", n.into(), 1, a.max_keyspaces.into());
+    }
+    let threads_per_uid = a.max_threads_per_uid.unwrap_or(a.max_threads / 2).max(1);
+    let keyspaces_per_uid = a.max_keyspaces_per_uid.unwrap_or(a.max_keyspaces / 2).max(1);
 
     let validated = ValidatedConfig {
         resource_control: ResourceControl {
@@ -314,6 +323,8 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             timer_period: a.timer_period,
             max_threads: a.max_threads,
             max_keyspaces: a.max_keyspaces,
+            max_threads_per_uid: threads_per_uid,
+            max_keyspaces_per_uid: keyspaces_per_uid,
         },
     };
     c.errors.into_result(validated)
@@ -396,6 +407,20 @@ mod tests {
             errors.to_string(),
             "line 2: resource-control.cpu-throttle.enable-dynamic-adjustment: must be false while \
              tenant-max-cpu-ratio > 0 (essential tenant-cap mode) (not set in the file; its default conflicts)"
+        );
+    }
+
+    #[test]
+    fn per_uid_quotas_default_to_half_and_are_bounded_by_the_totals() {
+        let source = "[agent]\nmax-threads = 1000\nmax-keyspaces = 64\n";
+        let cfg = validate(&toml::from_str(source).unwrap(), &SourceMap::new(source)).unwrap();
+        assert_eq!((cfg.agent.max_threads_per_uid, cfg.agent.max_keyspaces_per_uid), (500, 32));
+        let source = "[agent]\nmax-threads = 1000\nmax-threads-per-uid = 1001\nmax-keyspaces-per-uid = 0\n";
+        let errors = validate(&toml::from_str(source).unwrap(), &SourceMap::new(source)).unwrap_err();
+        assert_eq!(
+            errors.to_string(),
+            "line 3: agent.max-threads-per-uid: must be between 1 and 1000, got 1001\n\
+             line 4: agent.max-keyspaces-per-uid: must be between 1 and 4096, got 0"
         );
     }
 }

@@ -136,6 +136,8 @@ pub struct AgentConfig {
     pub timer_period: ConfigDuration,
     pub max_threads: u32,
     pub max_keyspaces: u32,
+    pub max_threads_per_uid: u32,
+    pub max_keyspaces_per_uid: u32,
 }
 
 impl ValidatedConfig {
@@ -211,9 +213,17 @@ impl ValidatedConfig {
 
     /// Back to the raw form, e.g. to edit one key and validate again.
     pub fn to_raw(&self) -> RawConfig {
-        self.to_table()
-            .try_into()
-            .expect("validated config always parses back as raw")
+        let mut raw: RawConfig = self.to_table().try_into().expect("validated config always parses back as raw");
+        // Per-uid quotas at their derived default stay derived, so a change
+        // of the totals moves them along.
+        let a = &mut raw.agent;
+        if a.max_threads_per_uid == Some(a.max_threads / 2) {
+            a.max_threads_per_uid = None;
+        }
+        if a.max_keyspaces_per_uid == Some(a.max_keyspaces / 2) {
+            a.max_keyspaces_per_uid = None;
+        }
+        raw
     }
 }
 

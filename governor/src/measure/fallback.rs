@@ -28,8 +28,10 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     raw[fd::SLOTS] = fds[1].as_raw_fd();
     raw[fd::KEYSPACES] = fds[2].as_raw_fd();
     let regions = MeasureRegions::map(&raw, sizes, Access::ReadWrite)?;
-    for f in &fds {
-        crate::sys::seal(f.as_raw_fd(), false).map_err(|source| MeasureError::Region { what: "measurement", source })?;
+    // Clients write slots and keyspace cells (their own charges); the
+    // per-CPU table they only read.
+    for (i, f) in fds.iter().enumerate() {
+        crate::sys::seal(f.as_raw_fd(), i == 0).map_err(|source| MeasureError::Region { what: "measurement", source })?;
     }
     Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
 }

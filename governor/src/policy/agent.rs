@@ -145,7 +145,10 @@ impl Policy {
                 let consumed = b.counter(counter::CONSUMED_US);
                 let released = b.counter(counter::RELEASED);
                 if let Some(mean) = estimates.interval_mean(c, consumed, released) {
-                    st.estimate_us = ema(st.estimate_us, mean, s.adaptive_estimate_alpha);
+                    // Clients write these counters: no request used more CPU
+                    // than every core for the whole interval.
+                    let bound = (elapsed as f64 * s.cpu_cores.max(1.0)) as u64;
+                    st.estimate_us = ema(st.estimate_us, mean.clamp(1, bound.max(1)), s.adaptive_estimate_alpha);
                 }
             }
             p.estimate_us.store(st.estimate_us, Ordering::Relaxed);

@@ -1,6 +1,7 @@
 //! A tagged multi-threaded workload: a storage server's worker threads in
 //! miniature. It measures itself with CLOCK_THREAD_CPUTIME_ID so its own
 //! numbers can be set against what the agent charged. Prints one JSON line.
+mod attack;
 mod kinds;
 mod tickets;
 
@@ -227,6 +228,7 @@ fn main() -> Result<()> {
         "tickets" => tickets::tickets(&args),
         "hold" => tickets::hold(&args),
         "corrupt" => tickets::corrupt(&args),
+        "attack" => attack::attack(&args),
         "pingpong" => kinds::pingpong(&args),
         "pingpong-peer" => {
             kinds::pingpong_peer(&args)?;
