@@ -30,9 +30,8 @@
 //! A switch between two tasks that are not registered reads two tids and
 //! two tid-table entries and returns: no helper call, no clock. A registered
 //! task switched out reads its own runtime; one switched in reads its slice
-//! start (`se.exec_start`) and anchors its userspace thread clock there.
-//! The clock is read once per timer tick per CPU at most, to keep the
-//! offset between the kernel's task clock and CLOCK_MONOTONIC current.
+//! start (`se.exec_start`) and the clock, and anchors its userspace thread
+//! clock there.
 //!
 //! The charging protocol (docs/design.md §3): the kernel stores the task's
 //! runtime in `oncpu_ns` at switch-out and charges `runtime − charged_ns` to
@@ -54,7 +53,7 @@ use aya_ebpf::{
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use governor_common::{
     cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, ThreadSlot, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS,
-    DEFAULT_MAX_TIDS, MAX_CPUS, SLOT_DEAD, SLOT_LIVE, TASK_DEAD,
+    DEFAULT_MAX_TIDS, FRESH_OFFSET_NS, MAX_CPUS, SLOT_DEAD, SLOT_LIVE, TASK_DEAD,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -197,9 +196,11 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
 
 /// Anchors the clock of the registered thread being switched in: its slice
 /// starts at `exec_start` on the run queue's task clock, moved onto
-/// CLOCK_MONOTONIC by this CPU's offset between the two. The offset is
-/// measured (the only clock read) at the first voluntary switch after each
-/// timer tick; until the first measurement the anchor reads as absent.
+/// CLOCK_MONOTONIC by this CPU's offset between the two, measured now (see
+/// [`CpuCell`]). Every sample is at or above the true offset, so the thread
+/// clock never reads ahead of the kernel's count; where it reads behind
+/// (after a wakeup, by the wakeup's latency), the kernel charges the
+/// difference at switch-out.
 ///
 /// # Safety
 /// `cell` and `slot` are map value pointers; this CPU is the only writer of
@@ -208,25 +209,23 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
 unsafe fn anchor(cell: *mut CpuCell, exec_start: u64, runtime: u64, index: u32, slot: *mut ThreadSlot, fresh: bool) {
     // SAFETY: as the caller promises.
     unsafe {
-        let valid = read_volatile(addr_of_mut!((*cell).offset_valid)) != 0;
-        if read_volatile(addr_of_mut!((*cell).resample)) != 0 && (fresh || !valid) {
-            // A sample is never below the true offset (the clock update can
-            // only lag the switch), and the true offset only grows (as the
-            // hypervisor steals time): a lower sample replaces the estimate,
-            // a higher one moves it an eighth of the way.
-            let sample = bpf_ktime_get_ns().wrapping_sub(exec_start);
-            let old = read_volatile(addr_of_mut!((*cell).mono_offset_ns));
-            let rise = sample.wrapping_sub(old) as i64;
-            let offset = if !valid || rise < 0 { sample } else { old.wrapping_add((rise / 8) as u64) };
-            write_volatile(addr_of_mut!((*cell).mono_offset_ns), offset);
-            write_volatile(addr_of_mut!((*cell).offset_valid), 1);
-            write_volatile(addr_of_mut!((*cell).resample), 0);
-        }
-        let start = if read_volatile(addr_of_mut!((*cell).offset_valid)) != 0 {
-            exec_start.wrapping_add(read_volatile(addr_of_mut!((*cell).mono_offset_ns)))
+        let now = bpf_ktime_get_ns();
+        let sample = now.wrapping_sub(exec_start);
+        let offset = if fresh {
+            write_volatile(addr_of_mut!((*cell).fresh_ns), now);
+            sample
         } else {
-            0
+            let old = read_volatile(addr_of_mut!((*cell).mono_offset_ns));
+            let recent = now.wrapping_sub(read_volatile(addr_of_mut!((*cell).fresh_ns))) <= FRESH_OFFSET_NS;
+            if recent && read_volatile(addr_of_mut!((*cell).offset_valid)) != 0 && (old.wrapping_sub(sample) as i64) < 0 {
+                old
+            } else {
+                sample
+            }
         };
+        write_volatile(addr_of_mut!((*cell).mono_offset_ns), offset);
+        write_volatile(addr_of_mut!((*cell).offset_valid), 1);
+        let start = exec_start.wrapping_add(offset);
         let owner = cpu_owner(index, read_volatile(addr_of_mut!((*slot).generation)));
         write_volatile(addr_of_mut!((*cell).last_switch_ns), start);
         write_volatile(addr_of_mut!((*cell).base_ns), runtime);
@@ -253,17 +252,13 @@ pub fn gov_calibrate_clock(_ctx: BtfTracePointContext) -> i32 {
 }
 
 /// Charges a running registered task up to the runtime the kernel has
-/// counted so far (brought up to date at least every scheduler tick), and
-/// asks the next registered switch-in on this CPU to measure the clock
-/// offset again. The running thread's anchor is left alone.
+/// counted so far (brought up to date at least every scheduler tick). The
+/// running thread's anchor is left alone.
 #[perf_event]
 pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     // SAFETY: the helper returns the trusted current task; a timer (a
     // hardirq) cannot land inside the switch program, whose IRQs are off.
     unsafe {
-        if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
-            write_volatile(addr_of_mut!((*cell).resample), 1);
-        }
         let task = bpf_get_current_task_btf() as *const u8;
         if task.is_null() {
             return 0;

@@ -128,16 +128,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     raw[fd::CPUS] = fds[0].as_raw_fd();
     raw[fd::SLOTS] = fds[1].as_raw_fd();
     raw[fd::KEYSPACES] = fds[2].as_raw_fd();
-    {
-        // Every CPU measures its clock offset at its first registered
-        // switch-in. This is user space's only write to the per-CPU
-        // anchors: then the map is frozen, so no client (nor the agent) can
-        // map it writable; the programs still write it.
-        let cpus = Table::<crate::region::CpuView>::map("cpu", raw[fd::CPUS], sizes.cpus)?;
-        for (_, cell) in cpus.iter() {
-            cell.resample.store(1, Ordering::Release);
-        }
-    }
+    // Only the programs write the per-CPU anchors: frozen, the map can be
+    // mapped writable by no client, nor by the agent.
     crate::sys::bpf_map_freeze(raw[fd::CPUS]).map_err(|source| MeasureError::Region { what: "cpu map (freezing)", source })?;
     let regions = MeasureRegions::map(&raw, sizes, Access::ReadOnly)?;
     Ok(Measurement {
