@@ -25,6 +25,9 @@ enum Verb {
         /// Control socket path (overrides agent.control-socket).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Where /metrics listens (overrides agent.metrics-addr; port 0: any free port).
+        #[arg(long)]
+        metrics_addr: Option<std::net::SocketAddr>,
         /// Log as JSON lines.
         #[arg(long)]
         json: bool,
@@ -111,13 +114,13 @@ fn main() {
         }
     };
     match cli.verb {
-        Verb::Agent { config, measure, socket, json } => {
+        Verb::Agent { config, measure, socket, metrics_addr, json } => {
             init_logging(json);
             let cfg = match &config {
                 Some(p) => cli::load_config(p).unwrap_or_else(|e| fail(false, &e)),
                 None => ValidatedConfig::embedded_default(),
             };
-            if let Err(e) = run_agent(cfg, measure, socket) {
+            if let Err(e) = run_agent(cfg, measure, socket, metrics_addr) {
                 eprintln!("governor agent: {}", governor::error_chain(&e));
                 // EX_NOPERM when privileges are what is missing.
                 let code = match &e {
@@ -160,8 +163,12 @@ fn run_agent(
     cfg: ValidatedConfig,
     measure: Option<MeasureMode>,
     socket: Option<PathBuf>,
+    metrics_addr: Option<std::net::SocketAddr>,
 ) -> Result<(), governor::agent::AgentError> {
     let mut opts = governor::agent::AgentOptions::from_config(&cfg);
+    if let Some(a) = metrics_addr {
+        opts.metrics_addr = a;
+    }
     if let Some(m) = measure {
         opts.measure = m;
     }

@@ -91,6 +91,9 @@ pub struct StatusReport {
     pub keyspaces: Vec<KeyspaceStatus>,
     /// Kernel run-time statistics of the eBPF programs (bpf_stats_enabled).
     pub programs: Vec<ProgramStats>,
+    /// Where `/metrics` is served.
+    #[serde(default)]
+    pub metrics_addr: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

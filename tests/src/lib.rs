@@ -94,7 +94,9 @@ impl Agent {
 
     fn launch(measure: &str, socket: &Path, config: Option<&Path>, log: &Path) -> Result<Child> {
         let mut cmd = Command::new(governor_bin());
-        cmd.args(["agent", "--measure", measure, "--socket"]).arg(socket);
+        // /metrics on any free port: agents of different tests (and a
+        // demo running beside them) never collide; status says which.
+        cmd.args(["agent", "--measure", measure, "--metrics-addr", "127.0.0.1:0", "--socket"]).arg(socket);
         if let Some(cfg) = config {
             cmd.arg("--config").arg(cfg);
         }

@@ -152,7 +152,7 @@ fn ebpf_without_capabilities_fails_naming_them() {
     let out = std::process::Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
         .arg(governor_tests::governor_bin())
-        .args(["agent", "--measure", "ebpf", "--socket"])
+        .args(["agent", "--measure", "ebpf", "--metrics-addr", "127.0.0.1:0", "--socket"])
         .arg(&socket)
         .output()
         .expect("setpriv runs");
@@ -169,7 +169,7 @@ fn auto_without_capabilities_falls_back_and_says_so() {
     let mut child = std::process::Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"])
         .arg(governor_tests::governor_bin())
-        .args(["agent", "--measure", "auto", "--socket"])
+        .args(["agent", "--measure", "auto", "--metrics-addr", "127.0.0.1:0", "--socket"])
         .arg(&socket)
         .stderr(std::process::Stdio::piped())
         .spawn()

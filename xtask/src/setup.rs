@@ -17,7 +17,9 @@ fn output(cmd: &mut Command) -> Option<String> {
 pub fn setup(cross: bool) -> Result<()> {
     nightly_rust_src()?;
     bpf_linker()?;
-    let mut packages = vec![("util-linux", "/usr/bin/setpriv")];
+    // setpriv: attacks run as nobody; prometheus: a real server scrapes the
+    // agent, and promtool checks the exposition.
+    let mut packages = vec![("util-linux", "/usr/bin/setpriv"), ("prometheus", "/usr/bin/promtool")];
     if cross {
         packages.extend([
             ("gcc-aarch64-linux-gnu", "/usr/bin/aarch64-linux-gnu-gcc"),

@@ -17,6 +17,7 @@
 mod ledgers;
 mod server;
 pub mod slots;
+mod metrics;
 mod status;
 mod usage;
 
@@ -44,6 +45,8 @@ pub enum AgentError {
     AlreadyRunning { path: PathBuf },
     #[error("starting the async runtime failed")]
     Runtime(#[source] std::io::Error),
+    #[error("cannot serve /metrics on {addr} (agent.metrics-addr)")]
+    Metrics { addr: std::net::SocketAddr, #[source] source: std::io::Error },
 }
 
 /// What the agent runs with, from the configuration and the command line.
@@ -52,6 +55,8 @@ pub struct AgentOptions {
     pub socket: PathBuf,
     pub measure: MeasureMode,
     pub sizing: Sizing,
+    /// Where `/metrics` listens (port 0: any free port; status says which).
+    pub metrics_addr: std::net::SocketAddr,
     pub config: ValidatedConfig,
 }
 
@@ -66,6 +71,7 @@ impl AgentOptions {
                 max_keyspaces: a.max_keyspaces.next_power_of_two(),
                 timer_period_ns: a.timer_period.get().as_nanos() as u64,
             },
+            metrics_addr: a.metrics_addr,
             config: cfg.clone(),
         }
     }
@@ -81,6 +87,8 @@ pub(crate) struct Shared {
     /// cell's generation then), for `agent.max-keyspaces-per-uid`.
     cell_owners: Mutex<std::collections::HashMap<u32, (u32, u64)>>,
     keyspaces_per_uid: u32,
+    /// Where `/metrics` is served, as bound.
+    metrics_addr: Option<std::net::SocketAddr>,
     /// Random, non-zero; published in the header.
     instance: u64,
     started: Instant,
@@ -127,6 +135,10 @@ fn now_us() -> u64 {
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
     let listener = server::bind(&opts.socket)?;
+    let metrics_listener = tokio::net::TcpListener::bind(opts.metrics_addr)
+        .await
+        .map_err(|source| AgentError::Metrics { addr: opts.metrics_addr, source })?;
+    let metrics_addr = metrics_listener.local_addr().ok();
     server::raise_fd_limit();
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
     let cores = sys::logical_cores();
@@ -149,6 +161,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         usage: Mutex::new(usage::Usage::new(&opts.config)),
         cell_owners: Mutex::new(std::collections::HashMap::new()),
         keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid,
+        metrics_addr,
         measurement: Mutex::new(measurement),
         policy,
         ledgers: Mutex::new(ledgers::Ledgers::default()),
@@ -156,9 +169,14 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         started: Instant::now(),
         cores,
     });
+    if let Some(addr) = metrics_addr {
+        log::info!("serving /metrics on http://{addr}/metrics");
+    }
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
+    let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone(), opts.config.agent().metrics_max_keyspaces as usize));
     let result = server::serve(listener, shared.clone(), shutdown).await;
     background.abort();
+    exporter.abort();
     let header = shared.policy.regions().header();
     // Clients notice at once (their watch connection closes too) and admit
     // without checks until an agent is back; nobody extrapolates a clock

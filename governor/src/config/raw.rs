@@ -132,6 +132,10 @@ pub struct RawAgent {
     /// Where `/metrics` is served; a socket address, loopback by default so
     /// tenant ids are not exposed off-host. Default `127.0.0.1:9464`.
     pub metrics_addr: String,
+    /// Keyspaces with series of their own in `/metrics`; the ones with the
+    /// least CPU beyond that are summed into `keyspace_id="other"`.
+    /// Range 1..=100000, default 500.
+    pub metrics_max_keyspaces: u32,
     /// Measurement backend: `auto` (default), `ebpf` or `thread-clock`.
     /// Restart-only: the shared regions are laid out for one backend.
     pub measure: MeasureMode,
@@ -161,6 +165,7 @@ impl Default for RawAgent {
         Self {
             control_socket: PathBuf::from("/run/governor/governor.sock"),
             metrics_addr: "127.0.0.1:9464".to_string(),
+            metrics_max_keyspaces: 500,
             measure: MeasureMode::Auto,
             timer_period: ConfigDuration::from_millis(10),
             max_threads: 16384,

@@ -248,6 +248,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         );
         SocketAddr::from(([127, 0, 0, 1], 0))
     });
+    c.int("agent", "metrics-max-keyspaces", a.metrics_max_keyspaces.into(), 1, 100_000);
     c.duration("agent", "timer-period", a.timer_period, MS, SEC);
     c.int("agent", "max-threads", a.max_threads.into(), 64, 1 << 20);
     c.int(
@@ -319,6 +320,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         agent: AgentConfig {
             control_socket: a.control_socket.clone(),
             metrics_addr,
+            metrics_max_keyspaces: a.metrics_max_keyspaces,
             measure: a.measure,
             timer_period: a.timer_period,
             max_threads: a.max_threads,

@@ -132,6 +132,7 @@ fn limit_as_zero<S: serde::Serializer>(v: &Option<u32>, s: S) -> Result<S::Ok, S
 pub struct AgentConfig {
     pub control_socket: PathBuf,
     pub metrics_addr: SocketAddr,
+    pub metrics_max_keyspaces: u32,
     pub measure: MeasureMode,
     pub timer_period: ConfigDuration,
     pub max_threads: u32,

@@ -1,0 +1,303 @@
+//! `/metrics` on `agent.metrics-addr`: the Prometheus text format, built at
+//! each scrape from the agent's status and the policy's snapshot, so it
+//! always says what `governor status` says.
+//!
+//! Names and labels follow the seeds verbatim where they name a metric
+//! (`tikv_cpu_usage_monitor_*`, `tikv_cpu_throttle_*`, `tikv_cpu_token_*`,
+//! `cpu_throttle_tenant_cap_*`); what governor adds is `governor_*`.
+//! Per-keyspace series are bounded: past `agent.metrics-max-keyspaces`
+//! keyspaces, the ones with the least CPU are summed into
+//! `keyspace_id="other"`, and `governor_metrics_keyspaces_folded` says how
+//! many.
+//!
+//! The listener is small on purpose: HTTP/1.1 `GET /metrics` (and `/`),
+//! one response per connection, a request head of at most 8 KiB read within
+//! 5 s, at most 16 scrapes at once.
+
+use super::Shared;
+use crate::policy::{KeyspaceSnapshot, PolicySnapshot};
+use crate::proto::StatusReport;
+use prometheus::{CounterVec, Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Longest request head, bytes.
+const MAX_HEAD: usize = 8 * 1024;
+/// Scrapes served at once.
+const MAX_SCRAPES: usize = 16;
+/// Time a scraper has to send its request.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>, max_keyspaces: usize) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
+    loop {
+        let permit = permits.clone().acquire_owned().await.expect("never closed");
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = scrape(stream, &shared, max_keyspaces).await {
+                        log::debug!("metrics scrape: {e}");
+                    }
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                log::warn!("accept on the metrics listener: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+async fn scrape(mut stream: TcpStream, shared: &Shared, max_keyspaces: usize) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let read = tokio::time::timeout(READ_TIMEOUT, async {
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        Ok::<(), std::io::Error>(())
+    })
+    .await;
+    if !matches!(read, Ok(Ok(()))) {
+        return Ok(());
+    }
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+    let (status, content_type, body) = match (method, path) {
+        (b"GET", b"/metrics") | (b"GET", b"/") => {
+            ("200 OK", TextEncoder::new().format_type().to_string(), render(&shared.status(), &shared.policy.snapshot(), max_keyspaces))
+        }
+        (b"GET", _) => ("404 Not Found", "text/plain".into(), "only /metrics here\n".into()),
+        _ => ("405 Method Not Allowed", "text/plain".into(), "GET /metrics\n".into()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// Registers metric families on a registry made for one scrape.
+struct Families {
+    registry: Registry,
+}
+
+impl Families {
+    fn gauge(&self, name: &str, help: &str, value: f64) {
+        let g = Gauge::new(name, help).expect("valid metric name");
+        g.set(value);
+        self.registry.register(Box::new(g)).expect("registered once");
+    }
+
+    fn counter(&self, name: &str, help: &str, value: u64) {
+        let c = IntCounter::new(name, help).expect("valid metric name");
+        c.inc_by(value);
+        self.registry.register(Box::new(c)).expect("registered once");
+    }
+
+    fn gauges(&self, name: &str, help: &str, label: &str, values: &[(String, f64)]) {
+        let g = GaugeVec::new(Opts::new(name, help), &[label]).expect("valid metric name");
+        for (l, v) in values {
+            g.with_label_values(&[l.as_str()]).set(*v);
+        }
+        self.registry.register(Box::new(g)).expect("registered once");
+    }
+
+    fn counters(&self, name: &str, help: &str, label: &str, values: &[(String, u64)]) {
+        let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric name");
+        for (l, v) in values {
+            c.with_label_values(&[l.as_str()]).inc_by(*v);
+        }
+        self.registry.register(Box::new(c)).expect("registered once");
+    }
+}
+
+/// One keyspace's numbers, as the per-keyspace families show them.
+#[derive(Clone, Default)]
+struct Row {
+    cpu_seconds: f64,
+    ratio: f64,
+    bucket: Option<(f64, f64, f64, f64, f64)>,
+    fair: u64,
+    burst: u64,
+    burst_us: u64,
+    waited: u64,
+    granted: u64,
+    refused: u64,
+}
+
+impl Row {
+    fn add(&mut self, o: &Row) {
+        self.cpu_seconds += o.cpu_seconds;
+        self.ratio += o.ratio;
+        if let Some((a, c, r, i, d)) = o.bucket {
+            let (a0, c0, r0, i0, d0) = self.bucket.unwrap_or_default();
+            self.bucket = Some((a0 + a, c0 + c, r0 + r, i0 + i, d0 + d));
+        }
+        self.fair += o.fair;
+        self.burst += o.burst;
+        self.burst_us += o.burst_us;
+        self.waited += o.waited;
+        self.granted += o.granted;
+        self.refused += o.refused;
+    }
+}
+
+/// The exposition for one scrape.
+pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces: usize) -> String {
+    let f = Families { registry: Registry::new() };
+    let a = &status.admission;
+
+    // Monitor window and buckets (keyspace-cpu-throttle.md, Metrics).
+    f.gauge("tikv_cpu_usage_monitor_global_ratio", "CPU over the monitor window / (cores × max-read-cpu-ratio × window)", snap.global_ratio);
+    f.gauge("tikv_cpu_throttle_global_bucket_available_us", "Tokens in the node's global bucket (negative: debt or waiters)", a.global.available_us as f64);
+    f.gauge("tikv_cpu_throttle_global_bucket_capacity_us", "Capacity of the node's global bucket", a.global.capacity_us as f64);
+    f.gauge("tikv_cpu_throttle_global_refill_rate_us_per_interval", "Global refill per refill interval", a.global.refill_us as f64);
+    let c = &snap.counters;
+    let results = [
+        ("granted", c.granted.saturating_sub(c.skipped)),
+        ("skipped", c.skipped),
+        ("tenant_cap_exhausted", c.tenant_cap_exhausted),
+        ("keyspace_exhausted", c.keyspace_exhausted),
+        ("global_exhausted", c.global_exhausted),
+        ("low_priority_exhausted", c.low_priority_exhausted),
+    ];
+    f.counters(
+        "tikv_cpu_throttle_allocations_total",
+        "Token allocations by result",
+        "result",
+        &results.iter().map(|(l, v)| (l.to_string(), *v)).collect::<Vec<_>>(),
+    );
+    f.counters(
+        "tikv_cpu_token_runtime_allocations_total",
+        "Runtime top-ups of running requests by result",
+        "result",
+        &[("granted".into(), c.topup_granted), ("refused".into(), c.topup_refused)],
+    );
+
+    // Tenant cap (tenant-cpu-cap.md §5.4).
+    f.gauge("cpu_throttle_tenant_cap_ratio", "tenant-max-cpu-ratio in force (0: no uniform cap)", snap.tenant_max_cpu_ratio);
+    f.gauge("cpu_throttle_tenant_cap_quota_us", "Uniform tenant cap per refill interval, µs", snap.tenant_cap_refill_us as f64);
+
+    // Per keyspace, bounded.
+    let buckets: HashMap<u32, &KeyspaceSnapshot> = snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
+    let mut rows: Vec<(u32, Row)> = status
+        .keyspaces
+        .iter()
+        .map(|k| {
+            let b = buckets.get(&k.keyspace_id);
+            let row = Row {
+                cpu_seconds: k.cpu_seconds,
+                ratio: b.map_or(0.0, |b| b.ratio),
+                bucket: k.bucket.as_ref().map(|x| {
+                    (x.available_us as f64, x.capacity_us as f64, x.refill_us as f64, x.inflight_us as f64, x.debt_us as f64)
+                }),
+                fair: b.map_or(0, |b| b.fair_allocations),
+                burst: b.map_or(0, |b| b.counters.burst_granted),
+                burst_us: b.map_or(0, |b| b.counters.burst_tokens_us),
+                waited: k.waited,
+                granted: k.granted,
+                refused: k.refused,
+            };
+            (k.keyspace_id, row)
+        })
+        .collect();
+    rows.sort_by(|x, y| y.1.cpu_seconds.total_cmp(&x.1.cpu_seconds).then(x.0.cmp(&y.0)));
+    let folded = rows.len().saturating_sub(max_keyspaces);
+    let mut shown: Vec<(String, Row)> = rows.iter().take(max_keyspaces).map(|(id, r)| (id.to_string(), r.clone())).collect();
+    if folded > 0 {
+        let mut other = Row::default();
+        for (_, r) in &rows[max_keyspaces..] {
+            other.add(r);
+        }
+        shown.push(("other".into(), other));
+    }
+    f.gauge("governor_metrics_keyspaces_folded", "Keyspaces summed into keyspace_id=\"other\" (agent.metrics-max-keyspaces)", folded as f64);
+    let per = |pick: &dyn Fn(&Row) -> Option<f64>| -> Vec<(String, f64)> {
+        shown.iter().filter_map(|(l, r)| pick(r).map(|v| (l.clone(), v))).collect()
+    };
+    let per_count = |pick: &dyn Fn(&Row) -> u64| -> Vec<(String, u64)> { shown.iter().map(|(l, r)| (l.clone(), pick(r))).collect() };
+    const KS: &str = "keyspace_id";
+    f.gauges("tikv_cpu_usage_monitor_keyspace_ratio", "Keyspace CPU over the monitor window, same denominator as the global ratio", KS, &per(&|r| Some(r.ratio)));
+    f.gauges("tikv_cpu_throttle_keyspace_bucket_available_us", "Tokens in the keyspace's bucket", KS, &per(&|r| r.bucket.map(|b| b.0)));
+    f.gauges("tikv_cpu_throttle_keyspace_bucket_capacity_us", "Capacity of the keyspace's bucket", KS, &per(&|r| r.bucket.map(|b| b.1)));
+    f.gauges("tikv_cpu_throttle_keyspace_refill_rate_us_per_interval", "Keyspace refill per refill interval", KS, &per(&|r| r.bucket.map(|b| b.2)));
+    f.gauges("tikv_cpu_throttle_keyspace_inflight_us", "µs granted to the keyspace's requests still running", KS, &per(&|r| r.bucket.map(|b| b.3)));
+    f.gauges("tikv_cpu_throttle_keyspace_debt_us", "The keyspace bucket's debt", KS, &per(&|r| r.bucket.map(|b| b.4)));
+    f.counters("tikv_cpu_throttle_fair_allocations_total", "Refill intervals the keyspace's refill was set by fair allocation", KS, &per_count(&|r| r.fair));
+    f.counters("tikv_cpu_throttle_burst_total", "Requests admitted by bursting on global tokens", KS, &per_count(&|r| r.burst));
+    f.counters("tikv_cpu_throttle_burst_tokens_used_total", "Global tokens taken by bursting, µs", KS, &per_count(&|r| r.burst_us));
+    f.counters("tikv_cpu_token_allocation_retries_total", "Acquires that waited in line for tokens", KS, &per_count(&|r| r.waited));
+    let cpu = CounterVec::new(
+        Opts::new("governor_keyspace_cpu_seconds_total", "On-CPU time the kernel counted for the keyspace's tagged threads"),
+        &[KS],
+    )
+    .expect("valid metric name");
+    for (l, r) in &shown {
+        cpu.with_label_values(&[l.as_str()]).inc_by(r.cpu_seconds.max(0.0));
+    }
+    f.registry.register(Box::new(cpu)).expect("registered once");
+    f.counters("governor_keyspace_tickets_granted_total", "Tickets granted", KS, &per_count(&|r| r.granted));
+    f.counters("governor_keyspace_tickets_refused_total", "Tickets refused, every reason", KS, &per_count(&|r| r.refused));
+
+    // Write bytes (keyspace-write-quota.md) and admission control
+    // (tenant-admission-control.md).
+    f.gauge("governor_pending_write_bytes", "Pending write bytes held by tickets, node-wide", a.global_pending_write_bytes as f64);
+    f.counters(
+        "governor_write_refused_total",
+        "Requests refused for pending write bytes, by the limit that refused them",
+        "limit",
+        &[("keyspace".into(), c.write_refused_keyspace), ("global".into(), c.write_refused_global)],
+    );
+    f.counters(
+        "governor_admission_control_total",
+        "Requests over max-concurrent-per-tenant: refused (tenant_admission_control) or admitted in monitor mode",
+        "outcome",
+        &[("refused".into(), c.concurrency_refused), ("monitor_breach".into(), c.concurrency_monitor_breaches)],
+    );
+
+    // The agent itself.
+    f.counter("governor_tickets_fail_open_total", "Tickets admitted without a check while no agent answered (counted when it came back)", a.fail_open);
+    f.counter("governor_tickets_reclaimed_total", "Tickets the agent returned from clients that went away", a.reclaimed);
+    f.gauge("governor_keyspace_cells", "Keyspace cells in use", f64::from(a.cells_in_use));
+    f.gauge("governor_keyspace_cells_capacity", "Keyspace cells in the shared table", f64::from(a.cells));
+    let t = &status.threads;
+    f.gauge("governor_thread_slots", "Registered threads", f64::from(t.registered));
+    f.gauge("governor_thread_slots_capacity", "Thread slots in the shared region", f64::from(t.capacity));
+    f.counter("governor_thread_registrations_refused_total", "Registrations refused: no slot free, or the uid's quota reached", t.exhausted);
+    f.counter("governor_thread_slots_repaired_total", "Slots a client overwrote in shared memory and the agent restored", t.repaired);
+    f.counters(
+        "governor_ebpf_program_runs_total",
+        "Runs of each eBPF program (kernel statistics; 0 unless kernel.bpf_stats_enabled)",
+        "program",
+        &status.programs.iter().map(|p| (p.name.clone(), p.run_count)).collect::<Vec<_>>(),
+    );
+    let run_time = CounterVec::new(
+        Opts::new(
+            "governor_ebpf_program_run_time_seconds_total",
+            "Run time of each eBPF program (kernel statistics; 0 unless kernel.bpf_stats_enabled)",
+        ),
+        &["program"],
+    )
+    .expect("valid metric name");
+    for p in &status.programs {
+        run_time.with_label_values(&[p.name.as_str()]).inc_by(p.run_time_ns as f64 / 1e9);
+    }
+    f.registry.register(Box::new(run_time)).expect("registered once");
+    f.gauge("governor_uptime_seconds", "Seconds since the agent started", status.uptime_seconds);
+
+    let mut out = Vec::new();
+    TextEncoder::new().encode(&f.registry.gather(), &mut out).expect("text encoding");
+    String::from_utf8(out).expect("text format is UTF-8")
+}
