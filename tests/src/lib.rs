@@ -27,6 +27,16 @@ pub fn workload_bin() -> PathBuf {
     std::env::var_os("WORKLOAD_BIN").map(PathBuf::from).unwrap_or_else(|| profile_dir().join("workload"))
 }
 
+/// The `reader-server` binary of the governor-reader crate (READER_SERVER_BIN overrides).
+pub fn reader_server_bin() -> PathBuf {
+    std::env::var_os("READER_SERVER_BIN").map(PathBuf::from).unwrap_or_else(|| profile_dir().join("reader-server"))
+}
+
+/// The `demo` binary (DEMO_BIN overrides).
+pub fn demo_bin() -> PathBuf {
+    std::env::var_os("DEMO_BIN").map(PathBuf::from).unwrap_or_else(|| profile_dir().join("demo"))
+}
+
 /// A fresh scratch directory under /tmp, removed on drop.
 pub struct Scratch(pub PathBuf);
 
@@ -135,6 +145,32 @@ impl Agent {
         self.wait_ready()
     }
 
+    /// Stops the agent (SIGTERM, as an operator would) and starts it again
+    /// on the same socket with `config` (TOML text) as its configuration.
+    pub fn restart_with_config(&mut self, config: &str) -> Result<()> {
+        self.stop()?;
+        let cfg = self._dir.0.join("governor.toml");
+        std::fs::write(&cfg, config).with_context(|| format!("writing {}", cfg.display()))?;
+        self.config = Some(cfg);
+        self.child = Self::launch(&self.measure, &self.socket, self.config.as_deref(), &self.log)?;
+        self.wait_ready()
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within 5 s; reaps it.
+    fn stop(&mut self) -> Result<()> {
+        unsafe_kill(self.child.id() as i32, libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if self.child.try_wait()?.is_some() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        self.child.wait()?;
+        Ok(())
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -169,18 +205,8 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        let pid = self.child.id() as i32;
         // Ask politely first so it removes its socket, then make sure.
-        unsafe_kill(pid, libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = self.stop();
     }
 }
 
@@ -199,6 +225,23 @@ pub fn run_workload(socket: &Path, args: &[&str]) -> Result<serde_json::Value> {
     let text = String::from_utf8(out.stdout)?;
     let last = text.lines().last().context("workload printed nothing")?;
     Ok(serde_json::from_str(last)?)
+}
+
+/// Runs the demo binary with `--json` and `args`, drawing its SVG at
+/// `svg`; its JSON result. The error carries its progress and logs.
+pub fn run_demo(args: &[&str], svg: &Path) -> Result<serde_json::Value> {
+    let out = Command::new(demo_bin())
+        .arg("--json")
+        .args(args)
+        .arg("--svg")
+        .arg(svg)
+        .output()
+        .with_context(|| format!("running {}", demo_bin().display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        bail!("the demo failed with {}:\n{stderr}", out.status);
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("the demo's output is not JSON; it said:\n{stderr}"))
 }
 
 /// Starts the workload and returns it once it printed `started`.

@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | test | demo | bench [--json]`.
+//! Project tasks: `cargo xtask setup | test | demo [--json] [--short] | bench [--json]`.
 //!
 //! # Layout
 //!
@@ -6,7 +6,8 @@
 //! - `test`: setup, then every test: host tests (real eBPF included), the
 //!   light client on stable (its tests, and no agent crate in its tree), and
 //!   the aarch64 cross build with its pure unit tests under qemu-user.
-//! - `demo`: the agent measuring a noisy-neighbour workload.
+//! - `demo`: a noisy neighbour on the reader server, measured, then
+//!   governed: CPU per tenant, the light tenants' latency, an SVG.
 //! - `bench`: the benchmark harness; `--json` prints one JSON object.
 
 mod setup;
@@ -33,8 +34,16 @@ enum Task {
         #[arg(long)]
         host_only: bool,
     },
-    /// Setup, then run the demo.
-    Demo,
+    /// Setup, then run the demo: a noisy neighbour on a multi-tenant reader
+    /// server, with the agent measuring, then enforcing a tenant cap.
+    Demo {
+        /// Print one JSON object on stdout (progress goes to stderr).
+        #[arg(long)]
+        json: bool,
+        /// Shorter phases (8 s instead of 15 s).
+        #[arg(long)]
+        short: bool,
+    },
     /// Setup, then run the benchmarks.
     Bench {
         /// Print one JSON object on stdout (progress goes to stderr).
@@ -142,10 +151,17 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::setup(true),
         Task::Test { host_only } => test(host_only),
-        Task::Demo => {
+        Task::Demo { json, short } => {
             setup::setup(false)?;
             build_release()?;
-            run(&mut Command::new(tests_bin("demo")))
+            let mut cmd = Command::new(tests_bin("demo"));
+            if json {
+                cmd.arg("--json");
+            }
+            if short {
+                cmd.arg("--short");
+            }
+            run(&mut cmd)
         }
         Task::Bench { json } => {
             setup::setup(false)?;

@@ -123,6 +123,8 @@ fn main() -> Result<()> {
     let admission = tickets::fast_path()?;
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
+    let demo_dir = governor_tests::Scratch::new("bench-demo");
+    let demo = governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg"))?;
     // Agent up and down alternate: measured last, on its own.
     let overhead = switch::overhead(9)?;
 
@@ -161,6 +163,8 @@ fn main() -> Result<()> {
         "cap_error_pct": round2(cap_error),
         "cap_window_cores": cap_rates.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
         "fail_open_ms": round2(fail_open),
+        "demo_victim_p99_ratio": round3(demo["light_p99_ratio"]["enforcing"].as_f64().context("demo p99 ratio")?),
+        "demo_noisy_cap_error_pct": round2(demo["noisy_cap_error_pct"].as_f64().context("demo cap error")?),
         "logical_cores": sys::logical_cores(),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
     });

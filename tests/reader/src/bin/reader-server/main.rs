@@ -1,0 +1,165 @@
+//! `reader-server`: a multi-tenant reader over TCP, governed per keyspace.
+//!
+//! ```text
+//! reader-server [--listen 127.0.0.1:0] [--socket /run/governor/governor.sock]
+//!               [--keyspaces 101,102,103,900] [--rows 32768] [--chunk-blocks 2] [--workers N]
+//!               [--worker-slice-us 100]
+//! ```
+//!
+//! Generates each keyspace's rows, connects to the governor agent, starts a
+//! tokio runtime whose workers (one per core by default) register with the
+//! agent as they start, prints `listening <addr>` on stdout and serves until
+//! SIGINT or SIGTERM. If the agent restarts, the client attaches to the new
+//! one by itself (admitting without checks meanwhile) and the workers
+//! register again on their next request.
+//!
+//! Workers ask the kernel for a short scheduler slice (`--worker-slice-us`,
+//! 0 keeps the kernel's default): a worker deep in a long scan then holds
+//! its core against a wakeup (a light request arriving) for about that
+//! long, not for the default slice of a millisecond or more.
+#![forbid(unsafe_code)]
+
+mod serve;
+mod stats;
+
+use anyhow::{bail, Context, Result};
+use governor::client::Client;
+use governor_reader::store::{CostModel, KeyspaceData};
+use serve::Server;
+use std::io::Write;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+struct Args {
+    listen: String,
+    socket: String,
+    keyspaces: Vec<u32>,
+    rows: u64,
+    chunk_blocks: usize,
+    workers: usize,
+    worker_slice_us: u64,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        listen: "127.0.0.1:0".into(),
+        socket: "/run/governor/governor.sock".into(),
+        keyspaces: vec![101, 102, 103, 900],
+        rows: 32_768,
+        chunk_blocks: 2,
+        workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        worker_slice_us: 100,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--listen" => a.listen = value()?,
+            "--socket" => a.socket = value()?,
+            "--keyspaces" => {
+                a.keyspaces = value()?.split(',').map(|k| k.trim().parse().context("--keyspaces")).collect::<Result<_>>()?
+            }
+            "--rows" => a.rows = value()?.parse().context("--rows")?,
+            "--chunk-blocks" => a.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
+            "--workers" => a.workers = value()?.parse().context("--workers")?,
+            "--worker-slice-us" => a.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
+            other => bail!("unknown argument {other:?} (see the doc comment of reader-server)"),
+        }
+    }
+    if a.rows == 0 || a.workers == 0 || a.chunk_blocks == 0 || a.keyspaces.is_empty() {
+        bail!("--rows, --workers, --chunk-blocks and --keyspaces must not be zero or empty");
+    }
+    Ok(a)
+}
+
+/// Lines of the governor client's log (re-attachment, fail-open) on stderr.
+struct StderrLog;
+
+impl log::Log for StderrLog {
+    fn enabled(&self, m: &log::Metadata) -> bool {
+        m.level() <= log::Level::Info
+    }
+    fn log(&self, r: &log::Record) {
+        if self.enabled(r.metadata()) {
+            eprintln!("reader-server: {} {}: {}", r.level(), r.target(), r.args());
+        }
+    }
+    fn flush(&self) {}
+}
+
+static SERVER: OnceLock<Server> = OnceLock::new();
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    let _ = log::set_logger(&StderrLog).map(|()| log::set_max_level(log::LevelFilter::Info));
+    let t0 = Instant::now();
+    let data = args.keyspaces.iter().map(|&k| (k, KeyspaceData::generate(k, args.rows))).collect::<std::collections::BTreeMap<_, _>>();
+    for ks in data.values() {
+        eprintln!(
+            "reader-server: keyspace {}: {} rows in {} blocks ({:.1} MiB, {:.1} MiB stored)",
+            ks.id,
+            ks.rows,
+            ks.blocks(),
+            ks.raw_bytes as f64 / (1 << 20) as f64,
+            ks.stored_bytes() as f64 / (1 << 20) as f64
+        );
+    }
+    eprintln!("reader-server: data generated in {:.2?}", t0.elapsed());
+    let sample = data.values().next().context("no keyspace")?;
+    let costs = CostModel::measure(sample, 2000, governor::sys::thread_cputime_ns).context("measuring the cost model")?;
+    eprintln!("reader-server: a point get costs {:.1} µs, a scanned block {:.1} µs", costs.get_us, costs.scan_block_us);
+    let client = Client::connect(&args.socket).with_context(|| format!("connecting to the governor agent at {}", args.socket))?;
+    let server = SERVER.get_or_init(|| Server {
+        client,
+        stats: stats::Stats::new(data.keys().copied()),
+        data,
+        chunk_blocks: args.chunk_blocks,
+        costs,
+        estimate_margin: 1.25,
+        workers: args.workers,
+    });
+    let slice = std::time::Duration::from_micros(args.worker_slice_us);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.workers)
+        .enable_all()
+        .on_thread_start(move || {
+            if !slice.is_zero() {
+                if let Err(e) = governor::sys::set_thread_slice(slice) {
+                    log::warn!("asking the kernel for a {slice:?} scheduler slice: {e}");
+                }
+            }
+            let server = SERVER.get().expect("set before the runtime starts");
+            if let Err(e) = server.client.register_current_thread() {
+                log::warn!("registering a runtime thread with the governor agent: {e}");
+            }
+        })
+        .build()
+        .context("building the tokio runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        println!("listening {addr}");
+        std::io::stdout().flush()?;
+        eprintln!(
+            "reader-server: {} workers (scheduler slice {}), {} keyspaces, listening on {addr}",
+            args.workers,
+            if slice.is_zero() { "the kernel's default".to_string() } else { format!("{slice:?}") },
+            server.data.len()
+        );
+        serve::run(server, listener, shutdown_signal()).await;
+        anyhow::Ok(())
+    })?;
+    let s = server.stats.snapshot(&server.client, server.workers);
+    eprintln!("reader-server: stopped; {}", serde_json::to_string(&s)?);
+    Ok(())
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

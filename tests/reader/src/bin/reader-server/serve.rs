@@ -1,0 +1,196 @@
+//! Serving: the accept loop, one task per connection, and admission of
+//! every request through a ticket of its keyspace.
+//!
+//! A request asks for the CPU it expects to use (the store's cost model,
+//! measured at start: a block per point get, the blocks a scan opens), so
+//! a scan is admitted with what it needs and runs through without stopping
+//! to top up. It waits for those CPU tokens without holding a worker
+//! (`acquire_async`, until the deadline the client sent), then runs its
+//! work under the ticket (`Ticket::run`: every poll is tagged with the
+//! keyspace and charged to the ticket). A scan yields to the runtime every
+//! few blocks, so a heavy request never holds a worker for long and a
+//! ticket that ran past its share tops up between two steps (waiting in
+//! line, again without holding the worker). A refusal, before or during the
+//! work, becomes a busy reply carrying the governor's refusal code.
+
+use crate::stats::{Counters, Stats};
+use governor::client::{Client, Demand};
+use governor::sys::thread_cputime_ns;
+use governor_reader::proto::{Op, Reply, Request, MAX_FRAME};
+use governor_reader::store::{CostModel, KeyspaceData, Scan, StoreError};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+/// Connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 1024;
+
+/// Everything a request needs, alive for the whole process (tickets borrow
+/// the client, request futures borrow the data).
+pub struct Server {
+    pub client: Client,
+    pub data: BTreeMap<u32, KeyspaceData>,
+    pub stats: Stats,
+    /// What a get and a scanned block cost on this machine.
+    pub costs: CostModel,
+    /// Asked-for CPU = expected × this (a margin: work under contention
+    /// runs slower than the calibration; the unused rest is refunded).
+    pub estimate_margin: f64,
+    /// Blocks a scan reads between two yields.
+    pub chunk_blocks: usize,
+    pub workers: usize,
+}
+
+/// Accepts connections until `shutdown` completes.
+pub async fn run(server: &'static Server, listener: TcpListener, shutdown: impl Future) {
+    let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut backoff = Duration::from_millis(1);
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            p = limit.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = &mut shutdown => return,
+        };
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = &mut shutdown => return,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                backoff = Duration::from_millis(1);
+                tokio::spawn(async move {
+                    if let Err(e) = connection(server, stream).await {
+                        log::debug!("connection: {e}");
+                    }
+                    drop(permit);
+                });
+            }
+            Err(e) => {
+                // Out of fds, or a connection reset before accept: back off.
+                log::warn!("accept: {e}; retrying in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Serves one connection's requests in order until it closes.
+async fn connection(server: &'static Server, stream: TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::new(rd);
+    let (mut body, mut out) = (Vec::new(), Vec::new());
+    loop {
+        let len = match rd.read_u32().await {
+            Ok(len) => len,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if len > MAX_FRAME {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a frame of {len} bytes")));
+        }
+        body.resize(len as usize, 0);
+        rd.read_exact(&mut body).await?;
+        let reply = match Request::decode(&body) {
+            Ok(req) => server.handle(req).await,
+            Err(e) => Reply::Error(e.to_string()),
+        };
+        out.clear();
+        reply.encode(&mut out);
+        wr.write_all(&out).await?;
+    }
+}
+
+fn busy(c: &Counters, code: &'static str, waited: Duration) -> Reply {
+    c.busy(code);
+    Reply::Busy { code: code.to_string(), waited_us: waited.as_micros() as u64 }
+}
+
+impl Server {
+    async fn handle(&'static self, req: Request) -> Reply {
+        if req.op == Op::Stats {
+            let s = self.stats.snapshot(&self.client, self.workers);
+            return Reply::Stats(serde_json::to_vec(&s).expect("stats serialize"));
+        }
+        let (Some(ks), Some(c)) = (self.data.get(&req.keyspace), self.stats.keyspace(req.keyspace)) else {
+            return Reply::Error(format!("no keyspace {}", req.keyspace));
+        };
+        // Admission: wait in line for the keyspace's CPU tokens, at most
+        // until the client's deadline, without holding this worker.
+        let started = Instant::now();
+        let expected_us = match req.op {
+            Op::Get => self.costs.get_us,
+            _ => self.costs.scan_us(ks, u64::from(req.count)),
+        };
+        let demand = Demand::new()
+            .estimate_us((expected_us * self.estimate_margin).ceil().max(1.0) as u64)
+            .timeout(Duration::from_millis(u64::from(req.deadline_ms)));
+        let mut acquire = std::pin::pin!(self.client.acquire_async(req.keyspace, demand));
+        let mut pending = false;
+        let admitted = std::future::poll_fn(|cx| {
+            let p = acquire.as_mut().poll(cx);
+            pending |= p.is_pending();
+            p
+        })
+        .await;
+        let waited = started.elapsed();
+        Counters::add(&c.wait_us, waited.as_micros() as u64);
+        let ticket = match admitted {
+            Ok(t) => t,
+            Err(refused) => return busy(c, refused.code(), refused.waited),
+        };
+        if pending {
+            Counters::add(&c.waited, 1);
+        }
+        if ticket.is_fail_open() {
+            Counters::add(&c.fail_open, 1);
+        }
+        let done = match req.op {
+            Op::Get => {
+                Counters::add(&c.gets, 1);
+                ticket.run(get(ks, c, req.key)).await
+            }
+            _ => {
+                Counters::add(&c.scans, 1);
+                ticket.run(scan(ks, c, req.key, req.count, self.chunk_blocks)).await
+            }
+        };
+        match done {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => Reply::Error(e.to_string()),
+            // A top-up the deadline cut short: the rest of the scan is refused.
+            Err(refused) => busy(c, refused.code(), refused.waited),
+        }
+    }
+}
+
+/// Runs one stretch of work, adding its CPU by the thread's own clock to
+/// the keyspace's cross-check counter.
+fn timed<T>(c: &Counters, f: impl FnOnce() -> T) -> T {
+    let t0 = thread_cputime_ns();
+    let out = f();
+    Counters::add(&c.thread_cpu_ns, thread_cputime_ns().saturating_sub(t0));
+    out
+}
+
+async fn get(ks: &KeyspaceData, c: &Counters, row: u64) -> Result<Reply, StoreError> {
+    let value = timed(c, || ks.get(row))?;
+    Counters::add(&c.rows_read, 1);
+    Ok(Reply::Row(value))
+}
+
+async fn scan(ks: &KeyspaceData, c: &Counters, start: u64, count: u32, chunk_blocks: usize) -> Result<Reply, StoreError> {
+    let mut s = Scan::new(ks, start, u64::from(count));
+    while !timed(c, || s.step(ks, chunk_blocks))? {
+        // Let the worker serve others (and the ticket top up) between steps.
+        tokio::task::yield_now().await;
+    }
+    let summary = s.summary();
+    Counters::add(&c.rows_read, summary.rows);
+    Ok(Reply::Scanned(summary))
+}

@@ -1,0 +1,233 @@
+//! One phase of the demo: run the tenants' load for a fixed time, sample
+//! the agent and the server every second, and turn samples and latency
+//! histograms into the phase's numbers.
+
+use crate::load::{self, Light, Log, Noisy};
+use crate::server::ReaderServer;
+use crate::Progress;
+use anyhow::{Context, Result};
+use governor_reader::proto::ServerStats;
+use governor_tests::Agent;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// What a phase runs.
+pub struct Spec<'a> {
+    pub index: usize,
+    pub name: &'static str,
+    pub mode: String,
+    pub seconds: u64,
+    pub lights: &'a [Light],
+    pub noisy: Option<&'a Noisy>,
+    /// The noisy tenant's cap in cores (checked in every phase it runs in;
+    /// enforced only where the agent's configuration says so).
+    pub cap_cores: f64,
+    pub cores: f64,
+}
+
+/// The agent's and the server's counters at one moment.
+struct Sample {
+    at: Instant,
+    agent: BTreeMap<u32, governor::proto::KeyspaceStatus>,
+    server: ServerStats,
+}
+
+impl Sample {
+    fn take(agent: &Agent, server: &mut ReaderServer) -> Result<Sample> {
+        // The agent's counters are read somewhere within the call: take its
+        // middle as the sample's time.
+        let before = Instant::now();
+        let status = agent.status().context("agent status")?;
+        let after = Instant::now();
+        let at = before + (after - before) / 2;
+        let server = server.stats().context("server stats")?;
+        if std::env::var_os("DEMO_DEBUG").is_some() {
+            let n = status.keyspaces.iter().find(|k| k.keyspace_id == 900);
+            eprintln!("status took {:?}; noisy {:?}", after - before, n.map(|k| (k.cpu_seconds, &k.bucket, k.inflight_requests, k.estimate_us)));
+        }
+        Ok(Sample { at, agent: status.keyspaces.into_iter().map(|k| (k.keyspace_id, k)).collect(), server })
+    }
+
+    fn cpu_s(&self, ks: u32) -> f64 {
+        self.agent.get(&ks).map_or(0.0, |k| k.cpu_seconds)
+    }
+
+    fn agent_counts(&self, ks: u32) -> (u64, u64) {
+        self.agent.get(&ks).map_or((0, 0), |k| (k.waited, k.refused))
+    }
+
+    fn thread_s(&self, ks: u32) -> f64 {
+        self.server.keyspaces.get(&ks).map_or(0.0, |k| k.thread_cpu_ns as f64 / 1e9)
+    }
+}
+
+/// Latency percentiles, µs.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Latency {
+    pub requests: u64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+}
+
+impl Latency {
+    fn of(h: &Histogram<u64>) -> Latency {
+        Latency {
+            requests: h.len(),
+            p50_us: h.value_at_quantile(0.50),
+            p99_us: h.value_at_quantile(0.99),
+            p999_us: h.value_at_quantile(0.999),
+            max_us: h.max(),
+        }
+    }
+}
+
+/// One tenant in one phase.
+#[derive(Clone, Debug, Serialize)]
+pub struct TenantResult {
+    pub keyspace: u32,
+    pub role: &'static str,
+    /// Charged by the agent (eBPF), over the phase: cores, and % of the node.
+    pub cpu_cores: f64,
+    pub cpu_share_pct: f64,
+    /// The server's own count of the same work (thread CPU clock), cores.
+    pub thread_clock_cores: f64,
+    /// (agent − thread clock) / thread clock, over the phase and its tail.
+    pub cross_check_error_pct: f64,
+    /// Agent CPU of each 1 s window, cores.
+    pub windows_cores: Vec<f64>,
+    pub latency: Latency,
+    /// p99 of the requests sent in each second, µs (0: none answered).
+    pub p99_per_second_us: Vec<u64>,
+    pub busy: BTreeMap<String, u64>,
+    pub errors: u64,
+    pub late_sends: u64,
+    /// Admissions that waited in line (agent), refusals (agent), and the
+    /// server's mean time in admission.
+    pub waited: u64,
+    pub refused: u64,
+    pub mean_admission_wait_us: f64,
+    pub fail_open: u64,
+}
+
+/// The noisy tenant against its cap.
+#[derive(Clone, Debug, Serialize)]
+pub struct CapCheck {
+    pub cap_cores: f64,
+    pub cpu_cores: f64,
+    pub windows_cores: Vec<f64>,
+    /// Worst |window − cap| / cap over the windows after the first, %.
+    pub worst_window_error_pct: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PhaseResult {
+    pub name: &'static str,
+    pub mode: String,
+    pub seconds: f64,
+    pub tenants: BTreeMap<String, TenantResult>,
+    /// Every light tenant's requests together.
+    pub light: Latency,
+    /// The light tenants' p99 per second together, µs.
+    pub light_p99_per_second_us: Vec<u64>,
+    pub noisy: Option<CapCheck>,
+}
+
+fn merged<'a>(hs: impl Iterator<Item = &'a Histogram<u64>>) -> Histogram<u64> {
+    let mut m = Histogram::new(3).expect("3 significant digits");
+    for h in hs {
+        m.add(h).expect("auto-resizing histograms merge");
+    }
+    m
+}
+
+/// Runs one phase: load from now for `seconds`, a sample per second.
+pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut Progress) -> Result<PhaseResult> {
+    let start = Instant::now() + Duration::from_millis(50);
+    let run = load::start(server.addr, spec.lights, spec.noisy, start, spec.seconds as f64)?;
+    std::thread::sleep(start.saturating_duration_since(Instant::now()));
+    let mut samples = vec![Sample::take(agent, server)?];
+    let light_names: Vec<String> = spec.lights.iter().map(|l| l.name.clone()).collect();
+    for s in 1..=spec.seconds {
+        std::thread::sleep((start + Duration::from_secs(s)).saturating_duration_since(Instant::now()));
+        samples.push(Sample::take(agent, server)?);
+        let (a, b) = (&samples[samples.len() - 2], &samples[samples.len() - 1]);
+        let dt = (b.at - a.at).as_secs_f64();
+        let mut cpu: Vec<(String, f64)> =
+            spec.lights.iter().map(|l| (l.name.clone(), (b.cpu_s(l.keyspace) - a.cpu_s(l.keyspace)) / dt)).collect();
+        if let Some(n) = spec.noisy {
+            cpu.push((n.name.clone(), (b.cpu_s(n.keyspace) - a.cpu_s(n.keyspace)) / dt));
+        }
+        progress.second(spec, s, &cpu, run.p99_of_second(&light_names, s as usize - 1));
+    }
+    let logs = run.finish()?;
+    // After the stragglers: the cross-check covers every request's work.
+    let tail = Sample::take(agent, server)?;
+    Ok(summarize(spec, &samples, &tail, &logs))
+}
+
+fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<String, Log>) -> PhaseResult {
+    let (first, last) = (&samples[0], &samples[samples.len() - 1]);
+    let span = (last.at - first.at).as_secs_f64();
+    let windows = |ks: u32| -> Vec<f64> {
+        samples.windows(2).map(|w| (w[1].cpu_s(ks) - w[0].cpu_s(ks)) / (w[1].at - w[0].at).as_secs_f64()).collect()
+    };
+    let mut tenants = BTreeMap::new();
+    let roles = spec.lights.iter().map(|l| (&l.name, l.keyspace, "light")).chain(spec.noisy.map(|n| (&n.name, n.keyspace, "noisy")));
+    for (name, ks, role) in roles {
+        let log = &logs[name];
+        let cpu_cores = (last.cpu_s(ks) - first.cpu_s(ks)) / span;
+        let (agent_total, thread_total) = (tail.cpu_s(ks) - first.cpu_s(ks), tail.thread_s(ks) - first.thread_s(ks));
+        let (w0, r0) = first.agent_counts(ks);
+        let (w1, r1) = tail.agent_counts(ks);
+        let (s0, s1) = (first.server.keyspaces.get(&ks).cloned().unwrap_or_default(), tail.server.keyspaces.get(&ks).cloned().unwrap_or_default());
+        let admitted = (s1.gets + s1.scans).saturating_sub(s0.gets + s0.scans);
+        let busy_server: u64 = s1.busy.values().sum::<u64>() - s0.busy.values().sum::<u64>();
+        tenants.insert(
+            name.clone(),
+            TenantResult {
+                keyspace: ks,
+                role,
+                cpu_cores,
+                cpu_share_pct: cpu_cores / spec.cores * 100.0,
+                thread_clock_cores: (last.thread_s(ks) - first.thread_s(ks)) / span,
+                cross_check_error_pct: if thread_total > 0.0 { (agent_total - thread_total) / thread_total * 100.0 } else { 0.0 },
+                windows_cores: windows(ks),
+                latency: Latency::of(&log.latency),
+                p99_per_second_us: log.per_second.iter().map(|h| if h.is_empty() { 0 } else { h.value_at_quantile(0.99) }).collect(),
+                busy: log.busy.clone(),
+                errors: log.errors,
+                late_sends: log.late_sends,
+                waited: w1.saturating_sub(w0),
+                refused: r1.saturating_sub(r0),
+                mean_admission_wait_us: (s1.wait_us - s0.wait_us) as f64 / (admitted + busy_server).max(1) as f64,
+                fail_open: s1.fail_open - s0.fail_open,
+            },
+        );
+    }
+    let light_logs: Vec<&Log> = spec.lights.iter().map(|l| &logs[&l.name]).collect();
+    let seconds = light_logs.iter().map(|l| l.per_second.len()).max().unwrap_or(0);
+    let light_p99_per_second_us = (0..seconds)
+        .map(|s| {
+            let h = merged(light_logs.iter().filter_map(|l| l.per_second.get(s)));
+            if h.is_empty() { 0 } else { h.value_at_quantile(0.99) }
+        })
+        .collect();
+    let noisy = spec.noisy.map(|n| {
+        let t = &tenants[&n.name];
+        let worst = t.windows_cores.iter().skip(1).map(|w| (w - spec.cap_cores).abs() / spec.cap_cores * 100.0).fold(0.0, f64::max);
+        CapCheck { cap_cores: spec.cap_cores, cpu_cores: t.cpu_cores, windows_cores: t.windows_cores.clone(), worst_window_error_pct: worst }
+    });
+    PhaseResult {
+        name: spec.name,
+        mode: spec.mode.clone(),
+        seconds: span,
+        light: Latency::of(&merged(light_logs.iter().map(|l| &l.latency))),
+        light_p99_per_second_us,
+        tenants,
+        noisy,
+    }
+}

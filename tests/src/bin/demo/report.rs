@@ -1,0 +1,73 @@
+//! The demo's tables: per phase, each tenant's CPU (agent and thread clock),
+//! admissions and latency; the noisy tenant's 1 s windows against its cap.
+
+use crate::load::{Light, Noisy};
+use crate::phase::PhaseResult;
+
+/// µs as milliseconds for a table.
+pub fn ms(us: u64) -> String {
+    if us >= 10_000 { format!("{:.1} ms", us as f64 / 1e3) } else { format!("{:.2} ms", us as f64 / 1e3) }
+}
+
+pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64) {
+    for (i, p) in phases.iter().enumerate() {
+        println!("\nphase {}/{} {} ({:.1} s): {}", i + 1, phases.len(), p.name, p.seconds, p.mode);
+        println!(
+            "  {:<8} {:>4} | {:>9} {:>6} | {:>9} {:>7} | {:>6} {:>5} {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
+            "tenant", "ks", "agent cpu", "node", "thr clock", "diff", "ok", "busy", "waited", "refused", "mean wait", "p50", "p99", "p99.9"
+        );
+        println!("  {}", "-".repeat(124));
+        let names = lights.iter().map(|l| &l.name).chain(std::iter::once(&noisy.name));
+        for name in names {
+            let Some(t) = p.tenants.get(name) else { continue };
+            println!(
+                "  {:<8} {:>4} | {:>9.3} {:>5.1}% | {:>9.3} {:>+6.2}% | {:>6} {:>5} {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
+                name,
+                t.keyspace,
+                t.cpu_cores,
+                t.cpu_share_pct,
+                t.thread_clock_cores,
+                t.cross_check_error_pct,
+                t.latency.requests,
+                t.busy.values().sum::<u64>() + t.errors,
+                t.waited,
+                t.refused,
+                ms(t.mean_admission_wait_us as u64),
+                ms(t.latency.p50_us),
+                ms(t.latency.p99_us),
+                ms(t.latency.p999_us),
+            );
+        }
+        println!(
+            "  {:<13} | {:>9} {:>6} | {:>9} {:>7} | {:>6} {:>5} {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
+            "light, all",
+            "",
+            "",
+            "",
+            "",
+            p.light.requests,
+            "",
+            "",
+            "",
+            "",
+            ms(p.light.p50_us),
+            ms(p.light.p99_us),
+            ms(p.light.p999_us)
+        );
+        if let Some(n) = &p.noisy {
+            let w: Vec<String> = n.windows_cores.iter().map(|w| format!("{w:.3}")).collect();
+            println!(
+                "  noisy CPU per 1 s window (cores; cap {:.3} = {:.0}% of the node): {}",
+                n.cap_cores,
+                n.cap_cores / cores * 100.0,
+                w.join(" ")
+            );
+            println!("  worst window after the first: {:.1} % off the cap", n.worst_window_error_pct);
+        }
+    }
+    println!(
+        "\n(agent cpu: charged by the agent's eBPF measurement; thr clock: the server's own CLOCK_THREAD_CPUTIME_ID \
+         around each request's work; busy: busy replies; waited/refused: the agent's admission counters; \
+         mean wait: time in admission per request; latency from each request's intended send time)"
+    );
+}
