@@ -73,10 +73,11 @@ pub const SLOT_LIVE: u32 = 1;
 /// tid entry; the agent may reuse the slot.
 pub const SLOT_DEAD: u32 = 2;
 
-/// How long a fresh sample of a CPU's clock offset stays the estimate for
-/// the wakeups that follow it (see [`CpuCell`]): the offset grows by at
-/// most a few hundred ppm of wall time, a fraction of a microsecond here.
-pub const FRESH_OFFSET_NS: u64 = 1_000_000;
+/// How long, on a CPU's task clock, a fresh sample of its clock offset
+/// stands for the switch-ins that follow (see [`CpuCell`]): the offset
+/// drifts by a few hundred ppm at most (0.04 µs in this time), or jumps by
+/// what the hypervisor steals, which is bounded by this time too.
+pub const FRESH_OFFSET_NS: u64 = 250_000;
 
 /// Per-CPU switch record: the anchor of the registered thread running on
 /// this CPU, written by the kernel when it switches a registered thread in.
@@ -99,17 +100,19 @@ pub const FRESH_OFFSET_NS: u64 = 1_000_000;
 /// The anchor costs no clock read at a switch: it is the task's own
 /// `se.exec_start` (where the kernel starts counting the slice, on the run
 /// queue's task clock) moved onto CLOCK_MONOTONIC by `mono_offset_ns`, the
-/// difference between the two clocks on this CPU, measured at this very
-/// switch (one clock read, `ktime − exec_start`). That sample is never below
-/// the true offset and is exact within a microsecond where the scheduler
-/// brought the run queue's clock up to date for the switch (a task blocked:
-/// *fresh*); after a wakeup it reads high by the wakeup's latency, and a
-/// fresh sample less than [`FRESH_OFFSET_NS`] old is used instead when it is
-/// lower. The offset is not constant: it grows as the hypervisor steals
-/// time and as the task clock's rate differs from CLOCK_MONOTONIC's (100 µs
-/// a second and more on our VMs), so an estimate carried across slices
-/// would read the thread clock high, and a thread that charged past the
-/// kernel's count would take the excess from its next stretches.
+/// difference between the two clocks on this CPU. A sample (one clock read,
+/// `ktime − exec_start`) is never below the true offset; it is exact within
+/// a microsecond where the scheduler brought the run queue's clock up to
+/// date for the switch itself (a task blocked: *fresh*), and high by the
+/// wakeup's latency after a wakeup. A fresh sample stands for the
+/// switch-ins whose slices start within [`FRESH_OFFSET_NS`] of it on the
+/// task clock (no clock read; after a wakeup this anchors exactly where the
+/// kernel starts counting); other switch-ins sample. The offset is not
+/// constant: it grows as the hypervisor steals time and as the task clock's
+/// rate differs from CLOCK_MONOTONIC's (100 µs a second and more on our
+/// VMs), so an estimate carried longer would read the thread clock ahead of
+/// the kernel, and a thread that charged past the kernel's count would take
+/// the excess from its next stretches.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuCell {
@@ -120,8 +123,9 @@ pub struct CpuCell {
     pub base_ns: u64,
     /// CLOCK_MONOTONIC − the run queue's task clock, wrapping.
     pub mono_offset_ns: u64,
-    /// CLOCK_MONOTONIC of the last fresh sample of `mono_offset_ns`.
-    pub fresh_ns: u64,
+    /// The task clock (`exec_start`) of the last fresh sample of
+    /// `mono_offset_ns`.
+    pub fresh_task_ns: u64,
     /// Non-zero once `mono_offset_ns` has been measured.
     pub offset_valid: u64,
     pub _pad: [u64; 1],

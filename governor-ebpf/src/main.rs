@@ -196,11 +196,12 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
 
 /// Anchors the clock of the registered thread being switched in: its slice
 /// starts at `exec_start` on the run queue's task clock, moved onto
-/// CLOCK_MONOTONIC by this CPU's offset between the two, measured now (see
-/// [`CpuCell`]). Every sample is at or above the true offset, so the thread
-/// clock never reads ahead of the kernel's count; where it reads behind
-/// (after a wakeup, by the wakeup's latency), the kernel charges the
-/// difference at switch-out.
+/// CLOCK_MONOTONIC by this CPU's offset between the two (see [`CpuCell`]).
+/// The offset is sampled (the one clock read) unless a fresh sample was
+/// taken within [`FRESH_OFFSET_NS`] of this slice's start on the task
+/// clock. A sample never reads the thread clock ahead of the kernel's
+/// count; where it reads behind (a wakeup's sample, by the wakeup's
+/// latency), the kernel charges the difference at switch-out.
 ///
 /// # Safety
 /// `cell` and `slot` are map value pointers; this CPU is the only writer of
@@ -209,22 +210,18 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
 unsafe fn anchor(cell: *mut CpuCell, exec_start: u64, runtime: u64, index: u32, slot: *mut ThreadSlot, fresh: bool) {
     // SAFETY: as the caller promises.
     unsafe {
-        let now = bpf_ktime_get_ns();
-        let sample = now.wrapping_sub(exec_start);
-        let offset = if fresh {
-            write_volatile(addr_of_mut!((*cell).fresh_ns), now);
-            sample
+        let since_fresh = exec_start.wrapping_sub(read_volatile(addr_of_mut!((*cell).fresh_task_ns))) as i64;
+        let offset = if read_volatile(addr_of_mut!((*cell).offset_valid)) != 0 && since_fresh.unsigned_abs() <= FRESH_OFFSET_NS {
+            read_volatile(addr_of_mut!((*cell).mono_offset_ns))
         } else {
-            let old = read_volatile(addr_of_mut!((*cell).mono_offset_ns));
-            let recent = now.wrapping_sub(read_volatile(addr_of_mut!((*cell).fresh_ns))) <= FRESH_OFFSET_NS;
-            if recent && read_volatile(addr_of_mut!((*cell).offset_valid)) != 0 && (old.wrapping_sub(sample) as i64) < 0 {
-                old
-            } else {
-                sample
+            let sample = bpf_ktime_get_ns().wrapping_sub(exec_start);
+            if fresh {
+                write_volatile(addr_of_mut!((*cell).fresh_task_ns), exec_start);
+                write_volatile(addr_of_mut!((*cell).offset_valid), 1);
             }
+            write_volatile(addr_of_mut!((*cell).mono_offset_ns), sample);
+            sample
         };
-        write_volatile(addr_of_mut!((*cell).mono_offset_ns), offset);
-        write_volatile(addr_of_mut!((*cell).offset_valid), 1);
         let start = exec_start.wrapping_add(offset);
         let owner = cpu_owner(index, read_volatile(addr_of_mut!((*slot).generation)));
         write_volatile(addr_of_mut!((*cell).last_switch_ns), start);

@@ -13,7 +13,7 @@ pub struct CpuView {
     pub owner: AtomicU64,
     pub base_ns: AtomicU64,
     pub mono_offset_ns: AtomicU64,
-    pub fresh_ns: AtomicU64,
+    pub fresh_task_ns: AtomicU64,
     pub offset_valid: AtomicU64,
     _pad: [u64; 1],
 }
@@ -48,7 +48,7 @@ macro_rules! same_layout {
 }
 pub(super) use same_layout;
 
-same_layout!(CpuView, CpuCell, seq, last_switch_ns, owner, base_ns, mono_offset_ns, fresh_ns, offset_valid);
+same_layout!(CpuView, CpuCell, seq, last_switch_ns, owner, base_ns, mono_offset_ns, fresh_task_ns, offset_valid);
 same_layout!(SlotView, ThreadSlot, oncpu_ns, charged_ns, tag, generation, tid, state, tgid, self_charged_ns);
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
 
