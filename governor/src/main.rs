@@ -60,6 +60,25 @@ enum ConfigVerb {
         #[arg(long)]
         json: bool,
     },
+    /// Change one key of the running agent's configuration: KEY=VALUE, the
+    /// key dotted (resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25).
+    /// The whole configuration is validated again; refused (exit 64) with
+    /// every reason, the running one stays. Root or the agent's uid only.
+    Set {
+        assignment: String,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make the running agent re-read its --config file (as SIGHUP does);
+    /// refused whole (exit 64) with every reason on any error.
+    Reload {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn default_socket() -> PathBuf {
@@ -95,6 +114,7 @@ fn fail(json: bool, e: &CliError) -> ! {
                     "key": x.key(), "line": x.line(), "message": x.to_string()
                 })).collect::<Vec<_>>(),
             }),
+            CliError::Rejected { errors } => serde_json::json!({ "accepted": false, "errors": errors }),
             other => serde_json::json!({ "error": governor::error_chain(other) }),
         };
         write_stdout(&(serde_json::to_string_pretty(&body).expect("json") + "\n"));
@@ -120,7 +140,7 @@ fn main() {
                 Some(p) => cli::load_config(p).unwrap_or_else(|e| fail(false, &e)),
                 None => ValidatedConfig::embedded_default(),
             };
-            if let Err(e) = run_agent(cfg, measure, socket, metrics_addr) {
+            if let Err(e) = run_agent(cfg, config, measure, socket, metrics_addr) {
                 eprintln!("governor agent: {}", governor::error_chain(&e));
                 // EX_NOPERM when privileges are what is missing.
                 let code = match &e {
@@ -145,6 +165,18 @@ fn main() {
             Ok(c) => print(json, &c, |c| c.to_toml_string()),
             Err(e) => fail(json, &e),
         },
+        Verb::Config { verb: ConfigVerb::Set { assignment, socket, json } } => {
+            match cli::config_cmd::set(&socket.unwrap_or_else(default_socket), &assignment) {
+                Ok(a) => print(json, &a, cli::config_cmd::render_applied),
+                Err(e) => fail(json, &e),
+            }
+        }
+        Verb::Config { verb: ConfigVerb::Reload { socket, json } } => {
+            match cli::config_cmd::reload(&socket.unwrap_or_else(default_socket)) {
+                Ok(a) => print(json, &a, cli::config_cmd::render_applied),
+                Err(e) => fail(json, &e),
+            }
+        }
     }
 }
 
@@ -161,11 +193,14 @@ fn init_logging(json: bool) {
 
 fn run_agent(
     cfg: ValidatedConfig,
+    config_path: Option<PathBuf>,
     measure: Option<MeasureMode>,
     socket: Option<PathBuf>,
     metrics_addr: Option<std::net::SocketAddr>,
 ) -> Result<(), governor::agent::AgentError> {
     let mut opts = governor::agent::AgentOptions::from_config(&cfg);
+    // An absolute path: reloads read the same file whatever the cwd.
+    opts.config_path = config_path.map(|p| std::fs::canonicalize(&p).unwrap_or(p));
     if let Some(a) = metrics_addr {
         opts.metrics_addr = a;
     }

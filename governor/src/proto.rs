@@ -1,8 +1,9 @@
 //! The control-socket protocol: one JSON object per line, each way. The
 //! reply to `hello` carries the region descriptors (SCM_RIGHTS, in
 //! `region::fd` order) in the same message as its line. A connection that
-//! never says `hello` may only ask for `status`, and admit over the socket
-//! (`acquire` / `release`).
+//! never says `hello` may only ask for `status`, admit over the socket
+//! (`acquire` / `release`) and change the configuration (`config-reload`,
+//! `config-set`: root or the agent's uid only).
 
 use crate::region::RegionSizes;
 use serde::{Deserialize, Serialize};
@@ -58,6 +59,12 @@ pub enum Request {
     },
     /// Closes a grant with the CPU the request consumed.
     Release { ticket: u64, consumed_us: u64 },
+    /// Re-reads the agent's configuration file (as SIGHUP does). Root or the
+    /// agent's own uid only.
+    ConfigReload,
+    /// Changes one key of the running configuration (`value` is TOML, or a
+    /// bare string). Root or the agent's own uid only.
+    ConfigSet { key: String, value: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -72,7 +79,33 @@ pub enum Reply {
     /// `reason` is the refusal's code (`tenant_cap_exhausted`, …).
     Refused { reason: String, message: String },
     Released,
+    /// An accepted configuration change: every key it changed (none when
+    /// the new configuration equals the running one).
+    ConfigUpdated { changes: Vec<ConfigChange> },
+    /// A refused configuration change, with every reason; the running
+    /// configuration stays.
+    ConfigRejected { errors: Vec<String> },
     Error { message: String },
+}
+
+/// How an error reply that refuses the peer itself (its uid) begins.
+pub const NOT_PERMITTED: &str = "not permitted: ";
+
+/// One key an accepted configuration change changed; values as TOML.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConfigChange {
+    pub key: String,
+    pub old: String,
+    pub new: String,
+}
+
+/// Configuration changes the agent accepted and refused since it started.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConfigUpdates {
+    pub accepted: u64,
+    pub rejected: u64,
+    /// The file `config reload` and SIGHUP read; none on the embedded default.
+    pub path: Option<String>,
 }
 
 /// What `governor status` shows.
@@ -94,6 +127,8 @@ pub struct StatusReport {
     /// Where `/metrics` is served.
     #[serde(default)]
     pub metrics_addr: Option<String>,
+    #[serde(default)]
+    pub config_updates: ConfigUpdates,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

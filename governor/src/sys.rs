@@ -158,6 +158,12 @@ pub fn set_thread_slice(slice: std::time::Duration) -> io::Result<()> {
     }
 }
 
+/// The effective uid of this process.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    unsafe { libc::geteuid() }
+}
+
 /// Number of possible CPUs (the size of per-CPU tables).
 pub fn possible_cpus() -> io::Result<u32> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/possible")?;

@@ -175,6 +175,16 @@ impl Agent {
         self.child.id()
     }
 
+    /// The configuration file the agent was started with, if any.
+    pub fn config_path(&self) -> Option<&Path> {
+        self.config.as_deref()
+    }
+
+    /// Sends `signal` to the agent.
+    pub fn signal(&self, signal: i32) {
+        unsafe_kill(self.child.id() as i32, signal);
+    }
+
     pub fn status(&self) -> Result<StatusReport> {
         Ok(governor::cli::status::run(&self.socket)?)
     }

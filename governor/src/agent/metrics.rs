@@ -31,7 +31,7 @@ const MAX_SCRAPES: usize = 16;
 /// Time a scraper has to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>, max_keyspaces: usize) {
+pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
     loop {
         let permit = permits.clone().acquire_owned().await.expect("never closed");
@@ -39,7 +39,7 @@ pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>, max_keyspa
             Ok((stream, _)) => {
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = scrape(stream, &shared, max_keyspaces).await {
+                    if let Err(e) = scrape(stream, &shared).await {
                         log::debug!("metrics scrape: {e}");
                     }
                     drop(permit);
@@ -53,7 +53,8 @@ pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>, max_keyspa
     }
 }
 
-async fn scrape(mut stream: TcpStream, shared: &Shared, max_keyspaces: usize) -> std::io::Result<()> {
+async fn scrape(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+    let max_keyspaces = shared.metrics_max_keyspaces.load(std::sync::atomic::Ordering::Relaxed);
     let mut head = Vec::with_capacity(512);
     let read = tokio::time::timeout(READ_TIMEOUT, async {
         let mut buf = [0u8; 1024];
@@ -277,6 +278,13 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     f.gauge("governor_thread_slots_capacity", "Thread slots in the shared region", f64::from(t.capacity));
     f.counter("governor_thread_registrations_refused_total", "Registrations refused: no slot free, or the uid's quota reached", t.exhausted);
     f.counter("governor_thread_slots_repaired_total", "Slots a client overwrote in shared memory and the agent restored", t.repaired);
+    let u = &status.config_updates;
+    f.counters(
+        "governor_config_updates_total",
+        "Configuration changes (config set, config reload, SIGHUP) the agent applied or refused whole",
+        "result",
+        &[("accepted".to_string(), u.accepted), ("rejected".to_string(), u.rejected)],
+    );
     f.counters(
         "governor_ebpf_program_runs_total",
         "Runs of each eBPF program (kernel statistics; 0 unless kernel.bpf_stats_enabled)",

@@ -17,6 +17,7 @@
 mod ledgers;
 mod server;
 pub mod slots;
+mod live_config;
 mod metrics;
 mod status;
 mod usage;
@@ -58,6 +59,9 @@ pub struct AgentOptions {
     /// Where `/metrics` listens (port 0: any free port; status says which).
     pub metrics_addr: std::net::SocketAddr,
     pub config: ValidatedConfig,
+    /// The file the configuration came from: `config reload` and SIGHUP
+    /// read it again. None: the embedded default (`config set` still works).
+    pub config_path: Option<PathBuf>,
 }
 
 impl AgentOptions {
@@ -73,6 +77,7 @@ impl AgentOptions {
             },
             metrics_addr: a.metrics_addr,
             config: cfg.clone(),
+            config_path: None,
         }
     }
 }
@@ -86,7 +91,11 @@ pub(crate) struct Shared {
     /// Who asked for each keyspace cell the agent gave out: (uid, the
     /// cell's generation then), for `agent.max-keyspaces-per-uid`.
     cell_owners: Mutex<std::collections::HashMap<u32, (u32, u64)>>,
-    keyspaces_per_uid: u32,
+    keyspaces_per_uid: std::sync::atomic::AtomicU32,
+    /// `agent.metrics-max-keyspaces`, read at each scrape.
+    metrics_max_keyspaces: std::sync::atomic::AtomicUsize,
+    /// The running configuration and where it came from.
+    config: Mutex<live_config::Running>,
     /// Where `/metrics` is served, as bound.
     metrics_addr: Option<std::net::SocketAddr>,
     /// Random, non-zero; published in the header.
@@ -110,6 +119,10 @@ impl Shared {
 
     fn lock_usage(&self) -> MutexGuard<'_, usage::Usage> {
         self.usage.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_config(&self) -> MutexGuard<'_, live_config::Running> {
+        self.config.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn lock_cell_owners(&self) -> MutexGuard<'_, std::collections::HashMap<u32, (u32, u64)>> {
@@ -160,7 +173,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         slots: Mutex::new(slots::Slots::new(measurement.sizes.slots, opts.config.agent().max_threads_per_uid)),
         usage: Mutex::new(usage::Usage::new(&opts.config)),
         cell_owners: Mutex::new(std::collections::HashMap::new()),
-        keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid,
+        keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid.into(),
+        metrics_max_keyspaces: (opts.config.agent().metrics_max_keyspaces as usize).into(),
+        config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
         metrics_addr,
         measurement: Mutex::new(measurement),
         policy,
@@ -173,10 +188,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         log::info!("serving /metrics on http://{addr}/metrics");
     }
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
-    let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone(), opts.config.agent().metrics_max_keyspaces as usize));
+    let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
+    let reloader = tokio::spawn(live_config::on_sighup(shared.clone()));
     let result = server::serve(listener, shared.clone(), shutdown).await;
     background.abort();
     exporter.abort();
+    reloader.abort();
     let header = shared.policy.regions().header();
     // Clients notice at once (their watch connection closes too) and admit
     // without checks until an agent is back; nobody extrapolates a clock

@@ -164,6 +164,9 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
             }
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
+            // Operators' verbs: the peer's credentials decide.
+            Request::ConfigReload => (super::live_config::request(&shared, uid, None), None),
+            Request::ConfigSet { key, value } => (super::live_config::request(&shared, uid, Some((&key, &value))), None),
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {
                 let s = shared.clone();
@@ -289,7 +292,7 @@ fn keyspace(shared: &Shared, id: u32, uid: u32) -> (Reply, Option<Vec<RawFd>>) {
             })
         });
         let held = owners.values().filter(|(u, _)| *u == uid).count();
-        if held >= shared.keyspaces_per_uid as usize {
+        if held >= shared.keyspaces_per_uid.load(std::sync::atomic::Ordering::Relaxed) as usize {
             return (
                 Reply::Error {
                     message: format!(

@@ -83,6 +83,12 @@ fn still_running(h: &Holder) -> bool {
 }
 
 impl Slots {
+    /// A new `agent.max-threads-per-uid` (a configuration change): slots
+    /// already held stay; registrations past the limit are refused.
+    pub fn set_per_uid(&mut self, per_uid: u32) {
+        self.per_uid = per_uid;
+    }
+
     /// `per_uid`: slots the threads of one non-root uid may hold.
     pub fn new(capacity: u32, per_uid: u32) -> Slots {
         Slots {

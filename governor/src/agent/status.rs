@@ -114,6 +114,7 @@ impl Shared {
             keyspaces,
             programs: m.program_stats(),
             metrics_addr: self.metrics_addr.map(|a| a.to_string()),
+            config_updates: self.lock_config().counts(),
         }
     }
 }

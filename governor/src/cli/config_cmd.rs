@@ -1,8 +1,53 @@
-//! `governor config validate|show`.
+//! `governor config validate|show|set|reload`.
 
 use super::{load_config, CliError};
 use crate::config::ValidatedConfig;
+use crate::proto::{ConfigChange, Reply, Request};
+use std::fmt::Write as _;
 use std::path::Path;
+
+/// What an accepted change did.
+#[derive(Debug, serde::Serialize)]
+pub struct Applied {
+    pub accepted: bool,
+    /// Every key it changed, with both values as TOML.
+    pub changes: Vec<ConfigChange>,
+}
+
+fn applied(reply: Reply) -> Result<Applied, CliError> {
+    match reply {
+        Reply::ConfigUpdated { changes } => Ok(Applied { accepted: true, changes }),
+        Reply::ConfigRejected { errors } => Err(CliError::Rejected { errors }),
+        Reply::Error { message } => Err(CliError::Agent { message }),
+        other => Err(CliError::Reply { detail: format!("{other:?}") }),
+    }
+}
+
+/// `governor config set KEY=VALUE`: one key of the running agent's
+/// configuration (VALUE is TOML, or a bare string: `10ms`, `1:100,2:200`).
+pub fn set(socket: &Path, assignment: &str) -> Result<Applied, CliError> {
+    let Some((key, value)) = assignment.split_once('=') else {
+        return Err(CliError::Usage(format!("`{assignment}` is not KEY=VALUE (for example resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25)")));
+    };
+    applied(crate::client::request(socket, &Request::ConfigSet { key: key.trim().into(), value: value.trim().into() })?)
+}
+
+/// `governor config reload`: the running agent re-reads its file.
+pub fn reload(socket: &Path) -> Result<Applied, CliError> {
+    applied(crate::client::request(socket, &Request::ConfigReload)?)
+}
+
+/// Human-readable: one line per changed key.
+pub fn render_applied(a: &Applied) -> String {
+    if a.changes.is_empty() {
+        return "accepted; nothing changed\n".into();
+    }
+    let mut out = String::new();
+    for c in &a.changes {
+        let _ = writeln!(out, "{} = {}   (was {})", c.key, c.new, c.old);
+    }
+    out
+}
 
 /// Validates `path`; the validated configuration on success.
 pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {

@@ -20,13 +20,22 @@ pub enum CliError {
     Config { path: PathBuf, errors: crate::config::ConfigErrors },
     #[error("unexpected reply from the agent: {detail}")]
     Reply { detail: String },
+    #[error("the agent refused the change; its configuration stays as it was:\n{}", errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n"))]
+    Rejected { errors: Vec<String> },
+    #[error("the agent: {message}")]
+    Agent { message: String },
+    #[error("{0}")]
+    Usage(String),
 }
 
 impl CliError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> i32 {
         match self {
-            CliError::Config { .. } => EXIT_USAGE,
+            CliError::Config { .. } | CliError::Rejected { .. } | CliError::Usage(_) => EXIT_USAGE,
+            // EX_NOPERM: the agent refused the peer itself.
+            CliError::Agent { message } if message.starts_with(crate::proto::NOT_PERMITTED) => 77,
+            CliError::Client(crate::client::ClientError::Refused { message }) if message.starts_with(crate::proto::NOT_PERMITTED) => 77,
             _ => 1,
         }
     }

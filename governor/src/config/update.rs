@@ -38,6 +38,14 @@ const RESTART_ONLY: &[(&str, &str)] = &[
         "it sizes the shared thread-slot region",
     ),
     ("agent.max-keyspaces", "it sizes the shared keyspace table"),
+    (
+        "agent.metrics-addr",
+        "the /metrics listener is bound at start",
+    ),
+    (
+        "agent.timer-period",
+        "the per-CPU timers are attached at start",
+    ),
 ];
 
 const MAX_READ: &str = "resource-control.max-read-cpu-ratio";
@@ -75,8 +83,6 @@ pub struct HotUpdates {
     pub write_quota: bool,
     /// Admission mode or per-tenant limit.
     pub admission_control: bool,
-    /// Rebind the `/metrics` listener.
-    pub metrics_addr: bool,
 }
 
 impl ConfigDiff {
@@ -107,7 +113,6 @@ impl ConfigDiff {
             max_read_cpu_ratio: self.changed(MAX_READ),
             write_quota: self.changed("write-quota"),
             admission_control: self.changed("admission-control"),
-            metrics_addr: self.changed("agent.metrics-addr"),
         }
     }
 }

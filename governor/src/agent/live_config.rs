@@ -1,0 +1,150 @@
+//! Live configuration: `config set KEY=VALUE`, `config reload` and SIGHUP.
+//!
+//! A change is validated whole, exactly as a start would validate it, and
+//! against the running configuration (restart-only keys are refused with
+//! the reason). It is applied entirely or not at all: on any error the
+//! running configuration stays, the log records every reason and
+//! `governor_config_updates_total{result="rejected"}` counts it. An
+//! accepted change reaches the policy (buckets, caps, quotas, estimates,
+//! window, admission mode) and the agent's own limits (per-uid quotas, the
+//! metrics cardinality guard) at once; the log lists every key it changed.
+//!
+//! Who may change it: root, or the uid the agent runs as. The control
+//! socket is open to every local account (clients register through it), so
+//! the change itself checks the peer's credentials.
+
+use super::Shared;
+use crate::config::{ConfigDiff, UpdateRejected, ValidatedConfig};
+use crate::policy::Settings;
+use crate::proto::{ConfigChange, ConfigUpdates, Reply};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// The configuration in force and its history.
+pub(crate) struct Running {
+    config: ValidatedConfig,
+    path: Option<PathBuf>,
+    accepted: u64,
+    rejected: u64,
+}
+
+impl Running {
+    pub(crate) fn new(config: ValidatedConfig, path: Option<PathBuf>) -> Running {
+        Running { config, path, accepted: 0, rejected: 0 }
+    }
+
+    pub(crate) fn counts(&self) -> ConfigUpdates {
+        ConfigUpdates {
+            accepted: self.accepted,
+            rejected: self.rejected,
+            path: self.path.as_ref().map(|p| p.display().to_string()),
+        }
+    }
+}
+
+/// Why a change was refused: every reason, one line each.
+fn reasons(e: &UpdateRejected) -> Vec<String> {
+    e.errors.errors.iter().map(|x| x.to_string()).collect()
+}
+
+impl Shared {
+    /// Re-reads the configuration file and applies it (`what` names the
+    /// trigger in the log).
+    pub(crate) fn reload_config(&self, what: &str) -> Result<ConfigDiff, Vec<String>> {
+        let mut running = self.lock_config();
+        let Some(path) = running.path.clone() else {
+            running.rejected += 1;
+            let why = "the agent runs on the embedded default configuration (no --config file): \
+                       nothing to reload; use `governor config set`"
+                .to_string();
+            log::warn!("{what}: {why}");
+            return Err(vec![why]);
+        };
+        let next = std::fs::read_to_string(&path)
+            .map_err(|e| vec![format!("cannot read {}: {e}", path.display())])
+            .and_then(|text| running.config.apply_update(&text).map_err(|e| reasons(&e)));
+        self.settle(&mut running, next, &format!("{what} ({})", path.display()))
+    }
+
+    /// Changes one key of the running configuration.
+    pub(crate) fn set_config(&self, key: &str, value: &str) -> Result<ConfigDiff, Vec<String>> {
+        let mut running = self.lock_config();
+        let next = running.config.apply_set(key, value).map_err(|e| reasons(&e));
+        self.settle(&mut running, next, &format!("config set {key}={value}"))
+    }
+
+    /// Applies an accepted configuration, or records the refusal.
+    fn settle(
+        &self,
+        running: &mut Running,
+        next: Result<ValidatedConfig, Vec<String>>,
+        what: &str,
+    ) -> Result<ConfigDiff, Vec<String>> {
+        let next = match next {
+            Ok(n) => n,
+            Err(errors) => {
+                running.rejected += 1;
+                log::warn!("{what}: refused, the running configuration stays: {}", errors.join("; "));
+                return Err(errors);
+            }
+        };
+        let diff = running.config.diff(&next);
+        if let Err(e) = self.policy.update_settings_at(Settings::from_config(&next, f64::from(self.cores)), super::now_us()) {
+            running.rejected += 1;
+            let why = format!("the policy could not take it: {e}");
+            log::warn!("{what}: refused, the running configuration stays: {why}");
+            return Err(vec![why]);
+        }
+        let a = next.agent();
+        self.keyspaces_per_uid.store(a.max_keyspaces_per_uid, Ordering::Relaxed);
+        self.metrics_max_keyspaces.store(a.metrics_max_keyspaces as usize, Ordering::Relaxed);
+        self.lock_slots().set_per_uid(a.max_threads_per_uid);
+        running.config = next;
+        running.accepted += 1;
+        if diff.changes.is_empty() {
+            log::info!("{what}: accepted, nothing changed");
+        } else {
+            let list: Vec<String> = diff.changes.iter().map(|c| format!("{} {} -> {}", c.key, c.old, c.new)).collect();
+            log::info!("{what}: accepted: {}", list.join(", "));
+        }
+        Ok(diff)
+    }
+}
+
+/// A `config reload` or `config set` request from a peer of uid `uid`.
+pub(crate) fn request(shared: &Shared, uid: u32, set: Option<(&str, &str)>) -> Reply {
+    let agent_uid = crate::sys::effective_uid();
+    if uid != 0 && uid != agent_uid {
+        return Reply::Error {
+            message: format!(
+                "{}changing the configuration needs root or the agent's uid {agent_uid}; this connection is uid {uid}",
+                crate::proto::NOT_PERMITTED
+            ),
+        };
+    }
+    let result = match set {
+        None => shared.reload_config(&format!("config reload by uid {uid}")),
+        Some((key, value)) => shared.set_config(key, value),
+    };
+    match result {
+        Ok(diff) => Reply::ConfigUpdated {
+            changes: diff.changes.into_iter().map(|c| ConfigChange { key: c.key, old: c.old, new: c.new }).collect(),
+        },
+        Err(errors) => Reply::ConfigRejected { errors },
+    }
+}
+
+/// Reloads the configuration file on every SIGHUP.
+pub(crate) async fn on_sighup(shared: Arc<Shared>) {
+    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            log::warn!("no SIGHUP handler ({e}); `governor config reload` still works");
+            return;
+        }
+    };
+    while hup.recv().await.is_some() {
+        let _ = shared.reload_config("SIGHUP");
+    }
+}
