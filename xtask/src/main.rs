@@ -40,7 +40,7 @@ enum Task {
         /// Print one JSON object on stdout (progress goes to stderr).
         #[arg(long)]
         json: bool,
-        /// Shorter phases (8 s instead of 15 s).
+        /// Shorter phases (10 s instead of 15 s).
         #[arg(long)]
         short: bool,
     },

@@ -25,7 +25,6 @@ impl Shared {
         let r = self.policy.regions();
         let m = self.lock_measurement();
         let usage = self.lock_usage();
-        let running = super::usage::running(&m);
         let (span_us, window) = self.policy.window_cpu();
         let buckets: std::collections::HashMap<u32, &crate::policy::KeyspaceSnapshot> =
             snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
@@ -35,7 +34,7 @@ impl Shared {
             .map(|(id, cell)| {
                 let (b, p) = r.keyspace_cell(cell).expect("live cell");
                 let generation = p.generation.load(Ordering::Acquire);
-                let cpu_ns = usage.current_ns(&m, cell, id, generation, running.get(&cell).copied().unwrap_or(0));
+                let cpu_ns = usage.current_ns(&m, cell, id, generation);
                 let k = buckets.get(&id);
                 let c = k.map(|k| k.counters).unwrap_or_else(|| KeyspaceCounters::of(b));
                 KeyspaceStatus {

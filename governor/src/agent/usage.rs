@@ -98,56 +98,16 @@ impl Usage {
     }
 
     /// CPU charged to `keyspace` now: the last sample's total plus what the
-    /// cell gained since (checked the same way), plus `running_ns`: what the
-    /// keyspace's threads on a CPU right now ran since they were last charged
-    /// (see [`running`]).
-    pub(crate) fn current_ns(&self, m: &Measurement, cell: u32, keyspace: u32, generation: u64, running_ns: u64) -> u64 {
+    /// cell gained since (checked the same way).
+    pub(crate) fn current_ns(&self, m: &Measurement, cell: u32, keyspace: u32, generation: u64) -> u64 {
         let value = |c: u32| m.regions.keyspaces.get(c).map(|k| k.cpu_ns.load(Ordering::Relaxed));
         let Some(c) = self.cells.get(&cell).filter(|c| c.id == keyspace && c.generation == generation) else {
             // Never sampled: a cell's first holder starts from zero.
-            return if generation == 1 { value(cell).unwrap_or(0) + running_ns } else { running_ns };
+            return if generation == 1 { value(cell).unwrap_or(0) } else { 0 };
         };
         let value = value(cell).unwrap_or(c.last_ns);
         let bound = sys::monotonic_ns().saturating_sub(self.last_sample_ns).saturating_mul(self.cores) + 1_000_000;
-        c.total_ns + value.checked_sub(c.last_ns).filter(|d| *d <= bound).unwrap_or(0) + running_ns
+        c.total_ns + value.checked_sub(c.last_ns).filter(|d| *d <= bound).unwrap_or(0)
     }
 }
 
-/// Per keyspace cell, the CPU that registered threads running right now
-/// used since their last charge (eBPF backend; empty on the fallback, whose
-/// sampler charges running threads itself).
-///
-/// The kernel charges a running thread at its switch-out and at each
-/// `agent.timer-period` tick, so a cell's counter trails the truth by up to
-/// a tick per running thread: 20 ms on two busy cores, 4 % of a half-core
-/// cap over a 1 s window. Status and the metrics add this instead. A CPU's
-/// anchor names its thread and the runtime at the switch-in; the thread is
-/// still there when its slot's `oncpu_ns` (rewritten at every switch-out)
-/// still equals it. Its time since is then the thread clock a client would
-/// read, which never runs ahead of the kernel's count. A client can write
-/// its slot's tag and `charged_ns`, so at most the time since the switch-in
-/// is counted, and only until the kernel's next charge replaces it.
-pub(crate) fn running(m: &Measurement) -> HashMap<u32, u64> {
-    let mut out = HashMap::new();
-    if m.kind != crate::proto::BackendKind::Ebpf {
-        return out;
-    }
-    let now = sys::monotonic_ns();
-    for (_, c) in m.regions.cpus.iter() {
-        let (owner, last, base) =
-            (c.owner.load(Ordering::Acquire), c.last_switch_ns.load(Ordering::Acquire), c.base_ns.load(Ordering::Acquire));
-        let Some(index) = (owner & 0xffff_ffff).checked_sub(1) else { continue };
-        let Some(slot) = m.regions.slots.get(index as u32) else { continue };
-        let live = slot.state.load(Ordering::Acquire) == governor_common::SLOT_LIVE
-            && governor_common::cpu_owner(index as u32, slot.generation.load(Ordering::Acquire)) == owner;
-        if !live || last == 0 || last > now || slot.oncpu_ns.load(Ordering::Acquire) != base {
-            continue;
-        }
-        let since = now - last;
-        let pending = (base + since).saturating_sub(slot.charged_ns.load(Ordering::Acquire)).min(since);
-        if let Some(cell) = governor_common::cell_of_tag(slot.tag.load(Ordering::Acquire)) {
-            *out.entry(cell).or_insert(0) += pending;
-        }
-    }
-    out
-}

@@ -23,7 +23,7 @@
 //! noisy tenant's CPU against its cap per 1 s window, the light tenants'
 //! latency percentiles, waits and refusals. Writes an SVG of CPU and p99
 //! over time. `--json`: one JSON object on stdout, progress on stderr.
-//! `--short`: 8 s phases (the test and the benchmark).
+//! `--short`: 10 s phases (the test and the benchmark).
 //!
 //! # Layout
 //!
@@ -83,7 +83,7 @@ fn parse_opts() -> Result<Opts> {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--json" => o.json = true,
-            "--short" => o.phase_seconds = 8,
+            "--short" => o.phase_seconds = 10,
             "--phase-seconds" => o.phase_seconds = value()?.parse().context("--phase-seconds")?,
             "--svg" => o.svg = PathBuf::from(value()?),
             // Workload knobs, for tuning.
