@@ -39,6 +39,15 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// Check what this node offers the agent: kernel, BTF, capabilities,
+    /// memlock, pid_max, BPF statistics, clocksource, cgroups, scheduler
+    /// slices, the agent itself. Exit 1 when the eBPF backend cannot run.
+    Doctor {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Validate or show a configuration.
     Config {
         #[command(subcommand)]
@@ -156,6 +165,11 @@ fn main() {
                 Ok(s) => print(json, &s, cli::status::render),
                 Err(e) => fail(json, &e),
             }
+        }
+        Verb::Doctor { socket, json } => {
+            let r = cli::doctor::run(&socket.unwrap_or_else(default_socket));
+            print(json, &r, cli::doctor::render);
+            std::process::exit(if r.failed() { 1 } else { 0 });
         }
         Verb::Config { verb: ConfigVerb::Validate { file, json } } => match cli::config_cmd::validate(&file) {
             Ok(c) => print(json, &c, |c| c.to_toml_string()),

@@ -536,6 +536,16 @@ pub fn on_fork_child(child: extern "C" fn()) {
 }
 
 /// Raises RLIMIT_MEMLOCK for old kernels that charge BPF maps to it.
+/// This process's soft RLIMIT_MEMLOCK, bytes (`RLIM_INFINITY` when none).
+pub fn memlock_limit() -> io::Result<u64> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: rl is a valid, writable rlimit.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rl.rlim_cur as u64)
+}
+
 pub fn raise_memlock() {
     let rl = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: rl is a valid pointer; failure is harmless on new kernels.

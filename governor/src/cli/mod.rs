@@ -2,6 +2,7 @@
 //! a table or, with `--json`, as JSON.
 
 pub mod config_cmd;
+pub mod doctor;
 pub mod status;
 
 use std::path::{Path, PathBuf};

@@ -1,0 +1,260 @@
+//! `governor doctor`: what this node offers the agent, one line per check,
+//! each `ok`, `warn` or `fail` with what to do about it.
+//!
+//! A `fail` means the eBPF backend cannot run here (the agent falls back to
+//! the thread-clock backend under `--measure auto`, or refuses to start
+//! under `--measure ebpf`); a `warn` means something works less well than it
+//! could. Exit 0 without a `fail`, 1 with one.
+
+use crate::measure::btf::Btf;
+use crate::sys;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Check {
+    pub check: &'static str,
+    pub status: Level,
+    pub detail: String,
+    /// What to do, for `warn` and `fail`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub checks: Vec<Check>,
+    /// True when no check failed: the eBPF backend can run here.
+    pub ebpf_backend: bool,
+}
+
+impl Report {
+    pub fn failed(&self) -> bool {
+        self.checks.iter().any(|c| c.status == Level::Fail)
+    }
+}
+
+fn ok(check: &'static str, detail: impl Into<String>) -> Check {
+    Check { check, status: Level::Ok, detail: detail.into(), fix: None }
+}
+
+fn warn(check: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+    Check { check, status: Level::Warn, detail: detail.into(), fix: Some(fix.into()) }
+}
+
+fn fail(check: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Check {
+    Check { check, status: Level::Fail, detail: detail.into(), fix: Some(fix.into()) }
+}
+
+fn read(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_string())
+}
+
+/// `(major, minor)` of a kernel release string such as `6.18.44-fc`.
+pub fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut it = release.split(|c: char| !c.is_ascii_digit());
+    Some((it.next()?.parse().ok()?, it.next()?.parse().ok()?))
+}
+
+fn kernel() -> (Check, Option<(u32, u32)>) {
+    let release = read("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let arch = std::env::consts::ARCH;
+    match kernel_version(&release) {
+        // tp_btf programs, BPF_F_MMAPABLE arrays, bpf_map_freeze: 5.5.
+        Some(v) if v >= (5, 5) => (ok("kernel", format!("{release} on {arch}")), Some(v)),
+        Some(v) => (
+            fail("kernel", format!("{release} on {arch}: the eBPF backend needs 5.5 or later (tp_btf, mmapable arrays)"), "run a newer kernel; until then the agent measures with the thread-clock backend"),
+            Some(v),
+        ),
+        None => (warn("kernel", format!("cannot read the kernel release ({release:?})"), "check /proc/sys/kernel/osrelease"), None),
+    }
+}
+
+fn btf() -> Check {
+    match Btf::from_sys_fs().and_then(|b| b.task_offsets()) {
+        Ok(o) => ok(
+            "btf",
+            format!(
+                "/sys/kernel/btf/vmlinux: task_struct pid @{}, __state @{}, se.sum_exec_runtime @{}, se.exec_start @{}",
+                o.pid, o.state, o.sum_exec_runtime, o.exec_start
+            ),
+        ),
+        Err(e) => fail("btf", crate::error_chain(&e), "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y (every major distribution's is)"),
+    }
+}
+
+fn capabilities() -> Check {
+    match crate::measure::ebpf::check_capabilities() {
+        Ok(()) => ok("capabilities", "CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN) are effective"),
+        Err(e) => fail(
+            "capabilities",
+            e.to_string(),
+            "run the agent as root, or with AmbientCapabilities=CAP_BPF CAP_PERFMON in its unit",
+        ),
+    }
+}
+
+fn memlock(v: Option<(u32, u32)>) -> Check {
+    // Since 5.11 BPF memory is charged to the memory cgroup, not RLIMIT_MEMLOCK.
+    if v.is_some_and(|v| v >= (5, 11)) {
+        return ok("memlock", "BPF memory is charged to the memory cgroup (5.11+); RLIMIT_MEMLOCK does not apply");
+    }
+    match sys::memlock_limit() {
+        Ok(c) if c == libc::RLIM_INFINITY as u64 || c >= 256 << 20 => ok("memlock", "RLIMIT_MEMLOCK is large enough"),
+        Ok(c) => warn(
+            "memlock",
+            format!("RLIMIT_MEMLOCK is {} KiB; the agent raises it at start, which needs CAP_SYS_RESOURCE", c / 1024),
+            "grant CAP_SYS_RESOURCE, or set LimitMEMLOCK=infinity in the agent's unit",
+        ),
+        Err(e) => warn("memlock", format!("cannot read RLIMIT_MEMLOCK: {e}"), "check the agent's resource limits"),
+    }
+}
+
+fn bpf_stats() -> Check {
+    match read("/proc/sys/kernel/bpf_stats_enabled").as_deref() {
+        Some("1") => ok("bpf-stats", "kernel.bpf_stats_enabled = 1: status and /metrics report the programs' run time"),
+        Some(_) => warn(
+            "bpf-stats",
+            "kernel.bpf_stats_enabled = 0: the programs' run time reads 0 in status and /metrics",
+            "sysctl -w kernel.bpf_stats_enabled=1 (it adds ~30 ns to every BPF program run)",
+        ),
+        None => warn("bpf-stats", "no kernel.bpf_stats_enabled", "a kernel before 5.1 has no BPF run-time statistics"),
+    }
+}
+
+fn clocksource() -> Check {
+    let source = read("/sys/devices/system/clocksource/clocksource0/current_clocksource").unwrap_or_default();
+    if crate::tsc::usable() {
+        ok("clocksource", format!("{source} with constant_tsc and nonstop_tsc: threads read their clock from the TSC (~12 ns)"))
+    } else {
+        warn(
+            "clocksource",
+            format!("{source:?}: threads read their clock through the vDSO (~30 ns) instead of the TSC"),
+            "nothing to do for correctness; the TSC path needs clocksource tsc with constant_tsc and nonstop_tsc",
+        )
+    }
+}
+
+fn pid_max() -> Check {
+    let pid_max = read("/proc/sys/kernel/pid_max").and_then(|s| s.parse::<u32>().ok());
+    match pid_max {
+        Some(p) if p <= governor_common::DEFAULT_MAX_TIDS => {
+            ok("pid-max", format!("kernel.pid_max = {p}: the tid table is sized to it at start"))
+        }
+        Some(p) => fail(
+            "pid-max",
+            format!("kernel.pid_max = {p} exceeds the tid table's {} entries", governor_common::DEFAULT_MAX_TIDS),
+            format!("sysctl -w kernel.pid_max={}", governor_common::DEFAULT_MAX_TIDS),
+        ),
+        None => warn("pid-max", "cannot read kernel.pid_max", "check /proc/sys/kernel/pid_max"),
+    }
+}
+
+/// Where the cgroup hierarchies are and which one holds the cpu controller
+/// (for holding unmodified readers to a cap).
+fn cgroups() -> Check {
+    let mounts = read("/proc/self/mountinfo").unwrap_or_default();
+    let mut v2 = None;
+    let mut v1_cpu = None;
+    for line in mounts.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else { continue };
+        let (point, fstype, options) = (fields.get(4), fields.get(sep + 1), fields.get(sep + 3));
+        match (point, fstype) {
+            (Some(p), Some(&"cgroup2")) => v2 = Some(p.to_string()),
+            (Some(p), Some(&"cgroup")) if options.is_some_and(|o| o.split(',').any(|x| x == "cpu")) => v1_cpu = Some(p.to_string()),
+            _ => {}
+        }
+    }
+    let v2_cpu = v2.as_ref().and_then(|p| read(&format!("{p}/cgroup.controllers"))).is_some_and(|c| c.split(' ').any(|x| x == "cpu"));
+    match (v2, v1_cpu) {
+        (Some(p), _) if v2_cpu => ok("cgroups", format!("cgroup v2 at {p} with the cpu controller (cpu.max)")),
+        (v2, Some(p)) => ok(
+            "cgroups",
+            format!(
+                "hybrid: cpu controller on cgroup v1 at {p} (cpu.cfs_quota_us){}",
+                v2.map(|v| format!("; cgroup v2 at {v} without it")).unwrap_or_default()
+            ),
+        ),
+        (Some(p), None) => warn("cgroups", format!("cgroup v2 at {p} without the cpu controller"), "enable it: echo +cpu > <parent>/cgroup.subtree_control"),
+        (None, None) => warn("cgroups", "no cgroup hierarchy with a cpu controller", "mount cgroup v2 (or the v1 cpu controller) to cap unmodified processes"),
+    }
+}
+
+fn custom_slice(v: Option<(u32, u32)>) -> Check {
+    if v.is_some_and(|v| v >= (6, 12)) {
+        ok("sched-slice", "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (governor::sys::set_thread_slice)")
+    } else {
+        warn(
+            "sched-slice",
+            "no custom scheduler slices before 6.12: a capped tenant's long requests can delay other tenants' wakeups by a default slice",
+            "nothing governor can change; a kernel 6.12 or later lets servers shorten their workers' slice",
+        )
+    }
+}
+
+fn agent(socket: &Path) -> Check {
+    match super::status::run(socket) {
+        Ok(s) => ok(
+            "agent",
+            format!("answering at {}: backend {}, thread clock {}, up {:.0} s", socket.display(), s.backend.as_str(), s.thread_clock_source, s.uptime_seconds),
+        ),
+        Err(e) => warn("agent", crate::error_chain(&e), "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)"),
+    }
+}
+
+/// Runs every check.
+pub fn run(socket: &Path) -> Report {
+    let (k, version) = kernel();
+    let checks = vec![k, btf(), capabilities(), memlock(version), pid_max(), bpf_stats(), clocksource(), cgroups(), custom_slice(version), agent(socket)];
+    let ebpf_backend = !checks.iter().any(|c| c.status == Level::Fail);
+    Report { checks, ebpf_backend }
+}
+
+/// One line per check.
+pub fn render(r: &Report) -> String {
+    let mut out = String::new();
+    for c in &r.checks {
+        let level = match c.status {
+            Level::Ok => "ok  ",
+            Level::Warn => "warn",
+            Level::Fail => "FAIL",
+        };
+        let _ = writeln!(out, "{level}  {:<13} {}", c.check, c.detail);
+        if let Some(fix) = &c.fix {
+            let _ = writeln!(out, "      {:<13} fix: {fix}", "");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "{}",
+        if r.ebpf_backend {
+            "the eBPF backend can run here"
+        } else {
+            "the eBPF backend cannot run here: the agent measures with the thread-clock backend (--measure auto)"
+        }
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_versions_parse() {
+        assert_eq!(kernel_version("6.18.44-fc-v669"), Some((6, 18)));
+        assert_eq!(kernel_version("6.1.0-28-cloud-amd64"), Some((6, 1)));
+        assert_eq!(kernel_version("5.4"), Some((5, 4)));
+        assert_eq!(kernel_version("junk"), None);
+    }
+}
