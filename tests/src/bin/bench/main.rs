@@ -1,5 +1,6 @@
 //! `cargo xtask bench`: the measurement and policy benchmarks, as ratios
 //! from one run on this machine. `--json` prints one JSON object.
+mod operator;
 mod switch;
 mod tickets;
 
@@ -123,6 +124,7 @@ fn main() -> Result<()> {
     let admission = tickets::fast_path()?;
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
+    let load = operator::agent_at_1000_keyspaces()?;
     let demo_dir = governor_tests::Scratch::new("bench-demo");
     let demo = governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg"))?;
     // Agent up and down alternate: measured last, on its own.
@@ -168,6 +170,16 @@ fn main() -> Result<()> {
         "logical_cores": sys::logical_cores(),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
     });
+    let mut result = result;
+    // The operator surface at 1000 active keyspaces (a second object: the
+    // macro above is at its recursion limit).
+    if let Some(o) = result.as_object_mut() {
+        o.insert("metrics_scrape_ms".into(), json!(round2(load.scrape_ms)));
+        o.insert("metrics_scrape_bytes".into(), json!(load.scrape_bytes));
+        o.insert("metrics_keyspaces".into(), json!(load.keyspaces));
+        o.insert("agent_rss_mib".into(), json!(round2(load.rss_mib)));
+        o.insert("agent_cpu_pct_of_core".into(), json!(round2(load.cpu_pct_of_core)));
+    }
     if json_out {
         println!("{result}");
     } else {
