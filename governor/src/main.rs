@@ -39,6 +39,13 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// Registered threads by client process: tid, name, keyspace, CPU.
+    Threads {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Check what this node offers the agent: kernel, BTF, capabilities,
     /// memlock, pid_max, BPF statistics, clocksource, cgroups, scheduler
     /// slices, the agent itself. Exit 1 when the eBPF backend cannot run.
@@ -166,6 +173,10 @@ fn main() {
                 Err(e) => fail(json, &e),
             }
         }
+        Verb::Threads { socket, json } => match cli::threads::run(&socket.unwrap_or_else(default_socket)) {
+            Ok(t) => print(json, &t, cli::threads::render),
+            Err(e) => fail(json, &e),
+        },
         Verb::Doctor { socket, json } => {
             let r = cli::doctor::run(&socket.unwrap_or_else(default_socket));
             print(json, &r, cli::doctor::render);

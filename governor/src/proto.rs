@@ -59,6 +59,8 @@ pub enum Request {
     },
     /// Closes a grant with the CPU the request consumed.
     Release { ticket: u64, consumed_us: u64 },
+    /// The registered threads, by client process.
+    Threads,
     /// Re-reads the agent's configuration file (as SIGHUP does). Root or the
     /// agent's own uid only.
     ConfigReload,
@@ -79,6 +81,7 @@ pub enum Reply {
     /// `reason` is the refusal's code (`tenant_cap_exhausted`, …).
     Refused { reason: String, message: String },
     Released,
+    Threads { threads: Vec<ThreadInfo> },
     /// An accepted configuration change: every key it changed (none when
     /// the new configuration equals the running one).
     ConfigUpdated { changes: Vec<ConfigChange> },
@@ -86,6 +89,24 @@ pub enum Reply {
     /// configuration stays.
     ConfigRejected { errors: Vec<String> },
     Error { message: String },
+}
+
+/// A registered thread, as `governor threads` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ThreadInfo {
+    /// The client process (host PID namespace) and its command name.
+    pub pid: u32,
+    pub process: String,
+    /// The thread (host PID namespace) and its name.
+    pub tid: u32,
+    pub name: String,
+    pub uid: u32,
+    pub slot: u32,
+    /// The keyspace its tag names now, if any.
+    pub keyspace: Option<u32>,
+    /// Its CPU time as the kernel counted it at its last switch-out
+    /// (eBPF backend) or last sample (fallback), seconds.
+    pub cpu_seconds: f64,
 }
 
 /// How an error reply that refuses the peer itself (its uid) begins.

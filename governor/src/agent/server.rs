@@ -160,6 +160,14 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 hello(&shared, conn)
             }
             Request::Status => (Reply::Status(Box::new(shared.status())), None),
+            Request::Threads => {
+                let rows = shared.thread_rows();
+                // Names come from /proc: off the runtime's thread.
+                match tokio::task::spawn_blocking(move || super::status::name_threads(rows)).await {
+                    Ok(threads) => (Reply::Threads { threads }, None),
+                    Err(e) => (Reply::Error { message: format!("listing threads failed: {e}") }, None),
+                }
+            }
             Request::Acquire { keyspace, estimate_us, write_bytes } => {
                 (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
             }

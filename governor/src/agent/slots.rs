@@ -260,6 +260,13 @@ impl Slots {
     }
 
     /// Slots handed out now.
+    /// Every held slot with its thread, process and uid, by slot.
+    pub fn holders(&self) -> Vec<(u32, u32, u32, u32)> {
+        let mut v: Vec<_> = self.held.iter().map(|(&slot, h)| (slot, h.tid, h.tgid, h.uid)).collect();
+        v.sort_unstable();
+        v
+    }
+
     pub fn held_slots(&self) -> impl Iterator<Item = u32> + '_ {
         self.held.keys().copied()
     }

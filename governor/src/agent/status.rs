@@ -117,3 +117,42 @@ impl Shared {
         }
     }
 }
+
+impl Shared {
+    /// Every registered thread with its keyspace and CPU, names still empty.
+    pub(crate) fn thread_rows(&self) -> Vec<crate::proto::ThreadInfo> {
+        let r = self.policy.regions();
+        let ids: std::collections::HashMap<u32, u32> = r.directory().live().map(|(id, cell)| (cell, id)).collect();
+        let m = self.lock_measurement();
+        let holders = self.lock_slots().holders();
+        holders
+            .into_iter()
+            .map(|(slot, tid, pid, uid)| {
+                let view = m.regions.slots.get(slot);
+                let tag = view.map_or(0, |v| v.tag.load(Ordering::Relaxed));
+                crate::proto::ThreadInfo {
+                    pid,
+                    process: String::new(),
+                    tid,
+                    name: String::new(),
+                    uid,
+                    slot,
+                    keyspace: governor_common::cell_of_tag(tag).and_then(|c| ids.get(&c).copied()),
+                    cpu_seconds: view.map_or(0, |v| v.oncpu_ns.load(Ordering::Relaxed)) as f64 / 1e9,
+                }
+            })
+            .collect()
+    }
+}
+
+/// Fills in process and thread names from /proc (a name that cannot be
+/// read, of a thread that just exited, stays empty).
+pub(crate) fn name_threads(mut rows: Vec<crate::proto::ThreadInfo>) -> Vec<crate::proto::ThreadInfo> {
+    let comm = |path: String| std::fs::read_to_string(path).map(|s| s.trim_end().to_string()).unwrap_or_default();
+    let mut processes: std::collections::HashMap<u32, String> = std::collections::HashMap::new();
+    for t in &mut rows {
+        t.process = processes.entry(t.pid).or_insert_with(|| comm(format!("/proc/{}/comm", t.pid))).clone();
+        t.name = comm(format!("/proc/{}/task/{}/comm", t.pid, t.tid));
+    }
+    rows
+}

@@ -3,6 +3,7 @@
 
 pub mod config_cmd;
 pub mod doctor;
+pub mod threads;
 pub mod status;
 
 use std::path::{Path, PathBuf};
