@@ -39,6 +39,16 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// One keyspace explained: where its quota comes from, its bucket, debt
+    /// and estimate, and why it is or is not throttled now. Exit 1 when the
+    /// agent does not know it.
+    Keyspace {
+        id: u32,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Registered threads by client process: tid, name, keyspace, CPU.
     Threads {
         #[arg(long)]
@@ -173,6 +183,10 @@ fn main() {
                 Err(e) => fail(json, &e),
             }
         }
+        Verb::Keyspace { id, socket, json } => match cli::keyspace::run(&socket.unwrap_or_else(default_socket), id) {
+            Ok(e) => print(json, &e, cli::keyspace::render),
+            Err(e) => fail(json, &e),
+        },
         Verb::Threads { socket, json } => match cli::threads::run(&socket.unwrap_or_else(default_socket)) {
             Ok(t) => print(json, &t, cli::threads::render),
             Err(e) => fail(json, &e),

@@ -3,6 +3,7 @@
 
 pub mod config_cmd;
 pub mod doctor;
+pub mod keyspace;
 pub mod threads;
 pub mod status;
 

@@ -1,0 +1,105 @@
+//! `governor keyspace ID`: one keyspace explained from the agent's status:
+//! where its quota comes from, its bucket, debt and estimate, and why it is
+//! or is not being throttled right now.
+
+use super::CliError;
+use crate::proto::{KeyspaceStatus, StatusReport};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::Path;
+
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    pub keyspace: KeyspaceStatus,
+    /// `tenant_cap`, `config`, `pd`, or `none` (only the global bucket).
+    pub quota_source: String,
+    /// Whether a request of this keyspace would wait (or be refused) now.
+    pub throttled_now: bool,
+    /// Why, in the order an operator reads it.
+    pub why: Vec<String>,
+}
+
+pub fn run(socket: &Path, id: u32) -> Result<Explanation, CliError> {
+    let status = super::status::run(socket)?;
+    explain(&status, id)
+}
+
+/// The explanation of keyspace `id` in `s`.
+pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
+    let Some(k) = s.keyspaces.iter().find(|k| k.keyspace_id == id).cloned() else {
+        return Err(CliError::Agent {
+            message: format!(
+                "keyspace {id} is not known to the agent: no thread tagged it and no request asked for it since its cell was last evicted ({} keyspaces live)",
+                s.keyspaces.len()
+            ),
+        });
+    };
+    let a = &s.admission;
+    let mut why = Vec::new();
+    let source = k.bucket.as_ref().map_or("none".to_string(), |b| b.source.clone());
+    let mut throttled = false;
+    if !a.enabled {
+        why.push("resource-control.enabled = false: every request is admitted, nothing is throttled".into());
+    } else if !a.throttle {
+        why.push("cpu-throttle is off: the agent measures this keyspace but throttles nothing".into());
+    } else {
+        match source.as_str() {
+            "tenant_cap" => why.push(format!(
+                "its quota is the uniform tenant cap: tenant-max-cpu-ratio {} = {:.2} cores of {}",
+                a.tenant_max_cpu_ratio,
+                a.tenant_max_cpu_ratio * f64::from(s.logical_cores),
+                s.logical_cores
+            )),
+            "config" => why.push("its quota is configured (resource-control.cpu-throttle.keyspace-cpu-quotas)".into()),
+            "pd" => why.push("its quota comes from PD's service limit for the keyspace".into()),
+            "none" => why.push("it has no bucket of its own (no tenant cap, no configured or PD quota): only the node's global bucket limits it".into()),
+            other => why.push(format!("its bucket's quota source is {other}")),
+        }
+        if let Some(b) = &k.bucket {
+            if b.available_us <= 0 || b.debt_us > 0 {
+                throttled = true;
+                why.push(format!(
+                    "throttled now: its bucket is empty ({} µs available of {} µs, {} µs of debt to repay); requests wait for the next refill of {} µs",
+                    b.available_us, b.capacity_us, b.debt_us, b.refill_us
+                ));
+            } else {
+                why.push(format!(
+                    "admitting now: {} µs available of {} µs, {} µs in flight, refilled by {} µs per refill interval",
+                    b.available_us, b.capacity_us, b.inflight_us, b.refill_us
+                ));
+            }
+        }
+        if a.global.available_us <= 0 {
+            throttled = true;
+            why.push(format!(
+                "the node's global bucket is empty ({} µs available of {} µs): every keyspace waits for its refill",
+                a.global.available_us, a.global.capacity_us
+            ));
+        }
+    }
+    why.push(format!(
+        "it used {:.2} % of the node over the monitor window ({:.3} CPU seconds in all); each request asks for about {} µs (its estimate)",
+        k.window_ratio * 100.0,
+        k.cpu_seconds,
+        k.estimate_us
+    ));
+    why.push(format!(
+        "tickets since its cell was created: {} granted, {} waited, {} refused; {} in flight",
+        k.granted, k.waited, k.refused, k.inflight_requests
+    ));
+    Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why })
+}
+
+pub fn render(e: &Explanation) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "keyspace {}: {}",
+        e.keyspace.keyspace_id,
+        if e.throttled_now { "throttled now" } else { "not throttled now" }
+    );
+    for w in &e.why {
+        let _ = writeln!(out, "  - {w}");
+    }
+    out
+}
