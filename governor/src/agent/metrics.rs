@@ -76,7 +76,8 @@ async fn scrape(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
     let (status, content_type, body) = match (method, path) {
         (b"GET", b"/metrics") | (b"GET", b"/") => {
-            ("200 OK", TextEncoder::new().format_type().to_string(), render(&shared.status(), &shared.policy.snapshot(), max_keyspaces))
+            let snap = shared.policy.snapshot();
+            ("200 OK", TextEncoder::new().format_type().to_string(), render(&shared.status_of(&snap), &snap, max_keyspaces))
         }
         (b"GET", _) => ("404 Not Found", "text/plain".into(), "only /metrics here\n".into()),
         _ => ("405 Method Not Allowed", "text/plain".into(), "GET /metrics\n".into()),

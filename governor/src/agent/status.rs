@@ -20,7 +20,12 @@ fn refused(c: &KeyspaceCounters) -> u64 {
 
 impl Shared {
     pub(crate) fn status(&self) -> StatusReport {
-        let snap = self.policy.snapshot();
+        self.status_of(&self.policy.snapshot())
+    }
+
+    /// The status report built from `snap`: a scrape renders both from the
+    /// same snapshot.
+    pub(crate) fn status_of(&self, snap: &crate::policy::PolicySnapshot) -> StatusReport {
         let s = self.policy.settings();
         let r = self.policy.regions();
         let m = self.lock_measurement();
