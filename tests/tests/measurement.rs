@@ -110,6 +110,7 @@ fn long_slice_is_charged_while_it_runs() {
     // And the whole slice once it ends: what the thread's CPU clock says it ran.
     let ran = serde_json::from_str::<serde_json::Value>(&last).unwrap()["thread_cpu_ns"].as_u64().unwrap() as f64 / 1e9;
     let total = agent.keyspace_seconds(77).unwrap();
+    eprintln!("charged {total:.4} s in all for {ran:.4} s of thread CPU: {:+.3} %", (total / ran - 1.0) * 100.0);
     assert!((total - ran).abs() <= ran * 0.003, "{total:.4} s charged for {ran:.4} s of work");
 }
 

@@ -16,6 +16,11 @@ use crate::sys;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
+/// Beside the timer period, what a charge may trail its CPU by: a
+/// scheduler tick at HZ=100, and the hypervisor's steal a thread's clock
+/// can run ahead by.
+const CHARGE_SLACK_NS: u64 = 20_000_000;
+
 #[derive(Clone, Copy, Debug)]
 struct Cell {
     id: u32,
@@ -32,19 +37,33 @@ pub(crate) struct Usage {
     global_ns: u64,
     last_sample_ns: u64,
     cores: u64,
+    /// How late a charge may land after the CPU it pays for (see [`Usage::bound`]).
+    lag_ns: u64,
     /// Counters found going backwards or jumping (clamped).
     pub(crate) anomalies: u64,
 }
 
 impl Usage {
-    pub(crate) fn new(_cfg: &ValidatedConfig) -> Usage {
+    pub(crate) fn new(cfg: &ValidatedConfig) -> Usage {
         Usage {
             cells: HashMap::new(),
             global_ns: 0,
             last_sample_ns: sys::monotonic_ns(),
             cores: sys::logical_cores() as u64,
+            lag_ns: cfg.agent.timer_period.get().as_nanos() as u64 + CHARGE_SLACK_NS,
             anomalies: 0,
         }
+    }
+
+    /// The most a keyspace's counter can legitimately gain in `elapsed` ns:
+    /// every core running it the whole time, plus what was charged late.
+    /// A running thread's charges trail its CPU by up to one timer period
+    /// and a scheduler tick (its runtime is brought up to date at ticks),
+    /// so a gain can pay for CPU from before the interval began: a 2 s
+    /// query read 2 ms after a sample gains the ~10 ms the timer still
+    /// owed it.
+    fn bound(&self, elapsed: u64) -> u64 {
+        elapsed.saturating_add(self.lag_ns).saturating_mul(self.cores)
     }
 
     /// Reads every live keyspace cell and returns the interval's usage.
@@ -52,8 +71,7 @@ impl Usage {
         let now = sys::monotonic_ns();
         let elapsed = now.saturating_sub(self.last_sample_ns).max(1);
         self.last_sample_ns = now;
-        // No keyspace can have run more than every core the whole interval.
-        let bound = elapsed.saturating_mul(self.cores) + 1_000_000;
+        let bound = self.bound(elapsed);
         let r = policy.regions();
         let mut out = Vec::new();
         let mut seen = Vec::new();
@@ -106,7 +124,7 @@ impl Usage {
             return if generation == 1 { value(cell).unwrap_or(0) } else { 0 };
         };
         let value = value(cell).unwrap_or(c.last_ns);
-        let bound = sys::monotonic_ns().saturating_sub(self.last_sample_ns).saturating_mul(self.cores) + 1_000_000;
+        let bound = self.bound(sys::monotonic_ns().saturating_sub(self.last_sample_ns));
         c.total_ns + value.checked_sub(c.last_ns).filter(|d| *d <= bound).unwrap_or(0)
     }
 }
