@@ -30,14 +30,76 @@ pub const MAP_CPUS: &str = "GOV_CPUS";
 pub const MAP_SLOTS: &str = "GOV_SLOTS";
 /// Name of the `KeyspaceCell` array map (indexed by keyspace cell id).
 pub const MAP_KEYSPACES: &str = "GOV_KEYSPACES";
-/// Name of the `tid → slot + 1` array the agent fills.
+/// Name of the `tid → [slot + 1, rule tag]` array (two `u32` per tid).
 pub const MAP_TID_SLOT: &str = "GOV_TID_SLOT";
 /// Compiled-in tid table length; the agent loads it at `kernel.pid_max`.
 pub const DEFAULT_MAX_TIDS: u32 = 1 << 22;
 
+/// Name of the per-CPU [`RuleCpu`] array (kernel only).
+pub const MAP_RULE_CPUS: &str = "GOV_RULE_CPUS";
+/// Name of the `tgid → ns` hash of CPU charged while a process's rule is
+/// being decided (see [`TAG_PENDING`]).
+pub const MAP_PENDING: &str = "GOV_PENDING";
+/// Name of the ring buffer of [`RuleEvent`]s.
+pub const MAP_EVENTS: &str = "GOV_EVENTS";
+/// Name of the rule control array: [`RULE_CTL_ON`], [`RULE_CTL_DROPPED`].
+pub const MAP_RULE_CTL: &str = "GOV_RULE_CTL";
+/// Control entry: non-zero while the agent has rules (unregistered tasks
+/// are looked up, execs reported).
+pub const RULE_CTL_ON: u32 = 0;
+/// Control entry: events the ring buffer had no room for.
+pub const RULE_CTL_DROPPED: u32 = 1;
+/// Processes whose rule can be undecided at once.
+pub const MAX_PENDING: u32 = 8192;
+
+/// A process's rule tag (in its threads' tid entries) while the agent
+/// decides its rule: it
+/// just called `execve` (or was forked by such a process). Its CPU is kept
+/// in `GOV_PENDING` meanwhile, and the agent charges it to the keyspace it
+/// decides on, so a process is measured from its first slice.
+pub const TAG_PENDING: u32 = u32::MAX;
+
+/// [`RuleEvent::kind`]: a process called `execve`.
+pub const EVENT_EXEC: u32 = 1;
+/// [`RuleEvent::kind`]: a process whose rule is undecided forked.
+pub const EVENT_FORK: u32 = 2;
+
+/// What the agent hears when a process's identity changes: from the ring
+/// buffer, in order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RuleEvent {
+    pub kind: u32,
+    pub tgid: u32,
+    /// The forking process ([`EVENT_FORK`]); 0 otherwise.
+    pub parent: u32,
+    /// The process's tag before the event (inherited at fork, or set by an
+    /// earlier rule): what it keeps when no rule matches. [`TAG_PENDING`]
+    /// when it was itself pending: it inherits what its parent gets.
+    pub prior: u32,
+    /// `comm` after the event.
+    pub comm: [u8; 16],
+    /// The path given to `execve`, NUL-terminated, cut to fit.
+    pub filename: [u8; 128],
+}
+
+/// Per-CPU record of the rule-measured task running there: the runtime its
+/// current slice was last charged up to. Kernel only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RuleCpu {
+    /// tid + 1 of the task, 0 when none.
+    pub tid: u64,
+    pub base_ns: u64,
+}
+
 /// Program names, as exported by the eBPF object.
 pub const PROG_SCHED_SWITCH: &str = "gov_sched_switch";
 pub const PROG_TIMER: &str = "gov_timer";
+/// `tp_btf/sched_process_fork`: a new process inherits its parent's tag.
+pub const PROG_FORK: &str = "gov_fork";
+/// `tp_btf/sched_process_exec`: a process that calls `execve` is reported.
+pub const PROG_EXEC: &str = "gov_exec";
 /// An empty sched_switch program, for benchmarks only.
 pub const PROG_CALIBRATE: &str = "gov_calibrate";
 /// A sched_switch program that only reads the clock, for benchmarks only.
@@ -52,6 +114,12 @@ pub const GLOBAL_OFF_STATE: &str = "GOV_OFF_STATE";
 pub const GLOBAL_OFF_RUNTIME: &str = "GOV_OFF_RUNTIME";
 /// `se.exec_start`, from the start of `task_struct`.
 pub const GLOBAL_OFF_EXEC_START: &str = "GOV_OFF_EXEC_START";
+/// `tgid`, from the start of `task_struct`.
+pub const GLOBAL_OFF_TGID: &str = "GOV_OFF_TGID";
+/// `se.prev_sum_exec_runtime` (the runtime when the current slice began).
+pub const GLOBAL_OFF_PREV_RUNTIME: &str = "GOV_OFF_PREV_RUNTIME";
+/// `filename` in `struct linux_binprm`.
+pub const GLOBAL_OFF_BPRM_FILENAME: &str = "GOV_OFF_BPRM_FILENAME";
 
 /// `task_struct.__state` of a task on its final switch (`TASK_DEAD`).
 pub const TASK_DEAD: u32 = 0x80;
@@ -206,6 +274,8 @@ const _: () = assert!(size_of::<KeyspaceCell>() == 64);
 const _: () = assert!(align_of::<CpuCell>() == 8);
 const _: () = assert!(align_of::<ThreadSlot>() == 8);
 const _: () = assert!(align_of::<KeyspaceCell>() == 8);
+const _: () = assert!(size_of::<RuleEvent>() == 160);
+const _: () = assert!(size_of::<RuleCpu>() == 16);
 
 /// First probe position of `keyspace_id` in a table of `len` cells
 /// (`len` a power of two). Fibonacci hashing: ids are often dense small
@@ -241,6 +311,8 @@ mod pod {
     unsafe impl aya::Pod for super::ThreadSlot {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::KeyspaceCell {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::RuleCpu {}
 }
 
 #[cfg(test)]

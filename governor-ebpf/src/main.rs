@@ -45,15 +45,19 @@
 #![allow(internal_features)]
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_current_comm, bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
+    },
     macros::{btf_tracepoint, map, perf_event},
-    maps::Array,
+    maps::{Array, HashMap, RingBuf},
     programs::{BtfTracePointContext, PerfEventContext},
 };
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use governor_common::{
-    cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, ThreadSlot, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS,
-    DEFAULT_MAX_TIDS, FRESH_OFFSET_NS, MAX_CPUS, SLOT_DEAD, SLOT_LIVE, TASK_DEAD,
+    cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, RuleCpu, RuleEvent, ThreadSlot, DEFAULT_MAX_KEYSPACES,
+    DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, FRESH_OFFSET_NS, MAX_CPUS, MAX_PENDING,
+    RULE_CTL_DROPPED, RULE_CTL_ON, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -68,6 +72,12 @@ static GOV_OFF_STATE: u32 = 0;
 static GOV_OFF_RUNTIME: u32 = 0;
 #[unsafe(no_mangle)]
 static GOV_OFF_EXEC_START: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_TGID: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_PREV_RUNTIME: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_BPRM_FILENAME: u32 = 0;
 
 #[map]
 static GOV_CPUS: Array<CpuCell> = Array::with_max_entries(MAX_CPUS, BPF_F_MMAPABLE);
@@ -75,14 +85,30 @@ static GOV_CPUS: Array<CpuCell> = Array::with_max_entries(MAX_CPUS, BPF_F_MMAPAB
 static GOV_SLOTS: Array<ThreadSlot> = Array::with_max_entries(DEFAULT_MAX_THREADS, BPF_F_MMAPABLE);
 #[map]
 static GOV_KEYSPACES: Array<KeyspaceCell> = Array::with_max_entries(DEFAULT_MAX_KEYSPACES, BPF_F_MMAPABLE);
-/// `tid → slot + 1` (0: not registered), one entry per possible tid
+/// `tid → [slot + 1, rule tag]`, one entry per possible tid
 /// (`kernel.pid_max`): an array lookup is a bounds check and an add, where a
-/// hash lookup would hash the key on every context switch. The agent writes
-/// it through its own mmap.
-/// Array values are padded to 8 bytes, so two tids share an entry: entry
-/// `tid / 2`, half `tid % 2`; userspace sees one dense `u32` per tid.
+/// hash lookup would hash the key on every context switch.
+/// - `slot + 1` (0: not registered): the agent writes it through its mmap.
+/// - the rule tag of the thread's process (0: none, `TAG_PENDING`: being
+///   decided): `gov_fork` gives a new thread or process its creator's, the
+///   agent sets every thread of a process it matches. The switch reads it
+///   from the entry it loads anyway, so rules cost an unmatched switch
+///   nothing.
 #[map]
-static GOV_TID_SLOT: Array<[u32; 2]> = Array::with_max_entries(DEFAULT_MAX_TIDS / 2, BPF_F_MMAPABLE);
+static GOV_TID_SLOT: Array<[u32; 2]> = Array::with_max_entries(DEFAULT_MAX_TIDS, BPF_F_MMAPABLE);
+/// Per CPU: the rule-measured task running there and how far its slice was
+/// charged.
+#[map]
+static GOV_RULE_CPUS: Array<RuleCpu> = Array::with_max_entries(MAX_CPUS, 0);
+/// CPU of processes whose rule is being decided, by tgid.
+#[map]
+static GOV_PENDING: HashMap<u32, u64> = HashMap::with_max_entries(MAX_PENDING, 0);
+/// Exec and fork events for the agent's rules.
+#[map]
+static GOV_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+/// `[rules on, events dropped]`.
+#[map]
+static GOV_RULE_CTL: Array<u64> = Array::with_max_entries(2, 0);
 
 /// A field of a kernel task at a BTF-resolved offset.
 ///
@@ -99,19 +125,19 @@ unsafe fn task_field<T: Copy>(task: *const u8, offset: &'static u32) -> T {
     }
 }
 
-/// `tid → slot + 1` entry of `tid`, if the table covers it.
+/// The `[slot + 1, rule tag]` entry of `tid`, if the table covers it.
 #[inline(always)]
 fn tid_entry(tid: u32) -> Option<*mut u32> {
-    let pair = GOV_TID_SLOT.get_ptr_mut(tid >> 1)?;
-    // SAFETY: in-bounds element of the pair the map returned.
-    Some(unsafe { (pair as *mut u32).add((tid & 1) as usize) })
+    GOV_TID_SLOT.get_ptr_mut(tid).map(|p| p as *mut u32)
 }
 
-/// The live slot of `tid` (with its index and tid entry), if registered.
+/// The live slot of `tid` (with its index), given its entry, if registered.
 /// A slot handed to another thread since the entry was read is not it.
+///
+/// # Safety
+/// `entry` is `tid`'s entry.
 #[inline(always)]
-fn registered(tid: u32) -> Option<(*mut ThreadSlot, u32, *mut u32)> {
-    let entry = tid_entry(tid)?;
+unsafe fn registered(tid: u32, entry: *mut u32) -> Option<(*mut ThreadSlot, u32)> {
     // SAFETY: map value pointers are valid for this run.
     unsafe {
         let index = read_volatile(entry);
@@ -122,7 +148,75 @@ fn registered(tid: u32) -> Option<(*mut ThreadSlot, u32, *mut u32)> {
         if read_volatile(addr_of_mut!((*slot).tid)) != tid || read_volatile(addr_of_mut!((*slot).state)) != SLOT_LIVE {
             return None;
         }
-        Some((slot, index - 1, entry))
+        Some((slot, index - 1))
+    }
+}
+
+/// The rule tag in `entry` (0: none).
+///
+/// # Safety
+/// `entry` is a tid entry.
+#[inline(always)]
+unsafe fn rule_tag(entry: *mut u32) -> u32 {
+    // SAFETY: the second half of the same 8-byte value.
+    unsafe { read_volatile(entry.add(1)) }
+}
+
+/// Whether the agent has rules (execs are reported only then).
+#[inline(always)]
+fn rules_on() -> bool {
+    // SAFETY: a map value pointer.
+    GOV_RULE_CTL.get_ptr_mut(RULE_CTL_ON).is_some_and(|p| unsafe { read_volatile(p) } != 0)
+}
+
+/// Charges `delta` ns of `task` to its rule tag; while its process's rule
+/// is being decided, into the process's pending total.
+///
+/// # Safety
+/// `task` is a trusted task pointer.
+#[inline(always)]
+unsafe fn charge_rule(task: *const u8, tag: u32, delta: u64) {
+    if tag != TAG_PENDING {
+        charge(tag as u64, delta);
+        return;
+    }
+    // SAFETY: as the caller promises.
+    let tgid = unsafe { task_field::<u32>(task, &GOV_OFF_TGID) };
+    if let Some(p) = GOV_PENDING.get_ptr_mut(&tgid) {
+        // SAFETY: a map value pointer; the add is atomic against other CPUs.
+        unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, delta) };
+    } else if GOV_PENDING.insert(&tgid, &delta, 1 /* BPF_NOEXIST */).is_err()
+        && let Some(p) = GOV_PENDING.get_ptr_mut(&tgid)
+    {
+        // Another CPU inserted it first.
+        // SAFETY: as above.
+        unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, delta) };
+    }
+}
+
+/// Charges a rule-measured task's slice up to its `runtime`: from where this
+/// CPU last charged it, or from the slice's start (`se.prev_sum_exec_runtime`)
+/// when the switch-in was not seen (the rule came while it ran). Leaves the
+/// CPU's record at `runtime` (`keep`) or clears it (switch-out).
+///
+/// # Safety
+/// `task` is a trusted task pointer running on (or leaving) this CPU.
+#[inline(always)]
+unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
+    // SAFETY: as the caller promises; this CPU is the only writer of its cell.
+    unsafe {
+        let Some(cell) = GOV_RULE_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) else { return };
+        let runtime = task_field::<u64>(task, &GOV_OFF_RUNTIME);
+        // Both read unconditionally: one load instruction may not serve a
+        // map value and a task pointer (the verifier refuses it).
+        let charged = read_volatile(addr_of_mut!((*cell).base_ns));
+        let slice_start = task_field::<u64>(task, &GOV_OFF_PREV_RUNTIME);
+        let base = if read_volatile(addr_of_mut!((*cell).tid)) == tid as u64 + 1 { charged } else { slice_start };
+        if runtime > base {
+            charge_rule(task, tag, runtime - base);
+        }
+        write_volatile(addr_of_mut!((*cell).tid), if keep { tid as u64 + 1 } else { 0 });
+        write_volatile(addr_of_mut!((*cell).base_ns), runtime);
     }
 }
 
@@ -167,19 +261,29 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         let prev: *const u8 = ctx.arg(1);
         let next: *const u8 = ctx.arg(2);
         let prev_tid = task_field::<u32>(prev, &GOV_OFF_PID);
-        if let Some((slot, _, entry)) = registered(prev_tid) {
-            // The kernel brought prev's runtime up to date before the switch.
-            let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
-            charge_up_to(slot, runtime);
-            write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
-            if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
-                // Its final switch: the slot is dead before the tid entry
-                // clears, so the agent never sees a live slot without a tid.
-                write_volatile(addr_of_mut!((*slot).state), SLOT_DEAD);
-                write_volatile(entry, 0);
+        if let Some(entry) = tid_entry(prev_tid) {
+            if let Some((slot, _)) = registered(prev_tid, entry) {
+                // The kernel brought prev's runtime up to date before the switch.
+                let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
+                charge_up_to(slot, runtime);
+                write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
+                if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
+                    // Its final switch: the slot is dead before the tid entry
+                    // clears, so the agent never sees a live slot without a tid.
+                    write_volatile(addr_of_mut!((*slot).state), SLOT_DEAD);
+                    write_volatile(entry, 0);
+                }
+            } else {
+                // Not registered: measured by rule if its process has a tag.
+                let tag = rule_tag(entry);
+                if tag != 0 && prev_tid != 0 {
+                    charge_rule_slice(prev, prev_tid, tag, false);
+                }
             }
         }
-        if let Some((slot, index, _)) = registered(task_field::<u32>(next, &GOV_OFF_PID)) {
+        let next_tid = task_field::<u32>(next, &GOV_OFF_PID);
+        let Some(entry) = tid_entry(next_tid) else { return 0 };
+        if let Some((slot, index)) = registered(next_tid, entry) {
             if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
                 let (start, runtime) =
                     (task_field::<u64>(next, &GOV_OFF_EXEC_START), task_field::<u64>(next, &GOV_OFF_RUNTIME));
@@ -189,9 +293,100 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 let fresh = prev_tid != 0 && task_field::<u32>(prev, &GOV_OFF_STATE) != 0;
                 anchor(cell, start, runtime, index, slot, fresh);
             }
+        } else if rule_tag(entry) != 0
+            && next_tid != 0
+            && let Some(cell) = GOV_RULE_CPUS.get_ptr_mut(bpf_get_smp_processor_id())
+        {
+            // Its slice starts at its runtime now.
+            write_volatile(addr_of_mut!((*cell).tid), next_tid as u64 + 1);
+            write_volatile(addr_of_mut!((*cell).base_ns), task_field::<u64>(next, &GOV_OFF_RUNTIME));
         }
     }
     0
+}
+
+/// A new thread or process takes its creator's rule tag before it can run
+/// (and no slot: a reused tid starts clean). Children of a measured process
+/// are measured from their first slice.
+#[btf_tracepoint(function = "sched_process_fork")]
+pub fn gov_fork(ctx: BtfTracePointContext) -> i32 {
+    // SAFETY: sched_process_fork(struct task_struct *parent, struct task_struct *child).
+    unsafe {
+        let parent: *const u8 = ctx.arg(0);
+        let child: *const u8 = ctx.arg(1);
+        let tid = task_field::<u32>(child, &GOV_OFF_PID);
+        let Some(entry) = tid_entry(tid) else { return 0 };
+        let tag = tid_entry(task_field::<u32>(parent, &GOV_OFF_PID)).map_or(0, |e| rule_tag(e));
+        write_volatile(entry, 0);
+        write_volatile(entry.add(1), tag);
+        let tgid = task_field::<u32>(child, &GOV_OFF_TGID);
+        if tag == TAG_PENDING
+            && tgid == tid
+            && !report(EVENT_FORK, tgid, task_field::<u32>(parent, &GOV_OFF_TGID), 0, 0 as *const u8)
+        {
+            // Unreported: the child is left unmeasured rather than pending forever.
+            write_volatile(entry.add(1), 0);
+        }
+    }
+    0
+}
+
+/// A process that calls `execve` while the agent has rules is reported, and
+/// pending until the agent decides which rule (if any) it matches now. It
+/// runs one thread at this point (exec ended the others).
+#[btf_tracepoint(function = "sched_process_exec")]
+pub fn gov_exec(ctx: BtfTracePointContext) -> i32 {
+    // SAFETY: sched_process_exec(struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm).
+    unsafe {
+        if !rules_on() {
+            return 0;
+        }
+        let task: *const u8 = ctx.arg(0);
+        let bprm: *const u8 = ctx.arg(2);
+        let tgid = task_field::<u32>(task, &GOV_OFF_TGID);
+        let Some(entry) = tid_entry(task_field::<u32>(task, &GOV_OFF_PID)) else { return 0 };
+        // Pending still (a child of a pending process): the agent resolves
+        // what it inherits from its parent.
+        let prior = rule_tag(entry);
+        let filename = bpf_probe_read_kernel(bprm.add(read_volatile(&GOV_OFF_BPRM_FILENAME) as usize) as *const *const u8)
+            .unwrap_or(0 as *const u8);
+        // Pending first: the slices that follow the report wait for the decision.
+        write_volatile(entry.add(1), TAG_PENDING);
+        if !report(EVENT_EXEC, tgid, 0, prior, filename) {
+            write_volatile(entry.add(1), if prior == TAG_PENDING { 0 } else { prior });
+        }
+    }
+    0
+}
+
+/// Puts one event in the ring buffer; false (and counted) when it is full.
+///
+/// # Safety
+/// `filename` is null or a kernel string pointer.
+#[inline(always)]
+unsafe fn report(kind: u32, tgid: u32, parent: u32, prior: u32, filename: *const u8) -> bool {
+    let Some(mut e) = GOV_EVENTS.reserve::<RuleEvent>(0) else {
+        if let Some(p) = GOV_RULE_CTL.get_ptr_mut(RULE_CTL_DROPPED) {
+            // SAFETY: a map value pointer.
+            unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1) };
+        }
+        return false;
+    };
+    let ev = e.as_mut_ptr();
+    // SAFETY: `ev` is the reserved record; every field is written before submit.
+    unsafe {
+        write_volatile(addr_of_mut!((*ev).kind), kind);
+        write_volatile(addr_of_mut!((*ev).tgid), tgid);
+        write_volatile(addr_of_mut!((*ev).parent), parent);
+        write_volatile(addr_of_mut!((*ev).prior), prior);
+        (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        (*ev).filename[0] = 0;
+        if !filename.is_null() {
+            let _ = bpf_probe_read_kernel_str_bytes(filename, &mut (*ev).filename);
+        }
+    }
+    e.submit(0);
+    true
 }
 
 /// Anchors the clock of the registered thread being switched in: its slice
@@ -260,8 +455,15 @@ pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
         if task.is_null() {
             return 0;
         }
-        if let Some((slot, _, _)) = registered(task_field::<u32>(task, &GOV_OFF_PID)) {
+        let tid = task_field::<u32>(task, &GOV_OFF_PID);
+        let Some(entry) = tid_entry(tid) else { return 0 };
+        if let Some((slot, _)) = registered(tid, entry) {
             charge_up_to(slot, task_field::<u64>(task, &GOV_OFF_RUNTIME));
+        } else {
+            let tag = rule_tag(entry);
+            if tag != 0 && tid != 0 {
+                charge_rule_slice(task, tid, tag, true);
+            }
         }
     }
     0

@@ -65,6 +65,11 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// Unmodified processes measured by rule: list, add, remove.
+    Rules {
+        #[command(subcommand)]
+        verb: RulesVerb,
+    },
     /// Validate or show a configuration.
     Config {
         #[command(subcommand)]
@@ -100,6 +105,57 @@ enum ConfigVerb {
     /// Make the running agent re-read its --config file (as SIGHUP does);
     /// refused whole (exit 64) with every reason on any error.
     Reload {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum RulesVerb {
+    /// The rules in force, in order (first match wins).
+    List {
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Add a rule to the running agent (not to its file), validated with
+    /// the whole configuration: refused (exit 64) with every reason. Every
+    /// matcher given must hold. Root or the agent's uid only.
+    Add {
+        name: String,
+        #[arg(long)]
+        keyspace: i64,
+        /// cgroup path, exact (v2, or the v1 cpu hierarchy).
+        #[arg(long)]
+        cgroup: Option<String>,
+        /// cgroup path, this or below.
+        #[arg(long)]
+        cgroup_prefix: Option<String>,
+        #[arg(long)]
+        tgid: Option<i64>,
+        /// Effective uid.
+        #[arg(long)]
+        uid: Option<i64>,
+        /// Executable, absolute path.
+        #[arg(long)]
+        exe: Option<String>,
+        /// Command name prefix (at most 15 bytes).
+        #[arg(long)]
+        comm_prefix: Option<String>,
+        /// Insert at this position (0: first) instead of last.
+        #[arg(long)]
+        position: Option<usize>,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the rule NAME from the running agent.
+    Remove {
+        name: String,
         #[arg(long)]
         socket: Option<PathBuf>,
         #[arg(long)]
@@ -195,6 +251,25 @@ fn main() {
             let r = cli::doctor::run(&socket.unwrap_or_else(default_socket));
             print(json, &r, cli::doctor::render);
             std::process::exit(if r.failed() { 1 } else { 0 });
+        }
+        Verb::Rules { verb: RulesVerb::List { socket, json } } => match cli::rules::list(&socket.unwrap_or_else(default_socket)) {
+            Ok(l) => print(json, &l, cli::rules::render_list),
+            Err(e) => fail(json, &e),
+        },
+        Verb::Rules {
+            verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, position, socket, json },
+        } => {
+            let rule = governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix };
+            match cli::rules::add(&socket.unwrap_or_else(default_socket), &rule, position) {
+                Ok(a) => print(json, &a, cli::config_cmd::render_applied),
+                Err(e) => fail(json, &e),
+            }
+        }
+        Verb::Rules { verb: RulesVerb::Remove { name, socket, json } } => {
+            match cli::rules::remove(&socket.unwrap_or_else(default_socket), &name) {
+                Ok(a) => print(json, &a, cli::config_cmd::render_applied),
+                Err(e) => fail(json, &e),
+            }
         }
         Verb::Config { verb: ConfigVerb::Validate { file, json } } => match cli::config_cmd::validate(&file) {
             Ok(c) => print(json, &c, |c| c.to_toml_string()),

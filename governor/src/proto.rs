@@ -67,6 +67,16 @@ pub enum Request {
     /// Changes one key of the running configuration (`value` is TOML, or a
     /// bare string). Root or the agent's own uid only.
     ConfigSet { key: String, value: String },
+    /// Adds a rule (`rule`: its keys as a TOML table) at the end of
+    /// `[[rules]]` or at `position`, validated with the whole
+    /// configuration. Root or the agent's own uid only.
+    RuleAdd {
+        rule: String,
+        #[serde(default)]
+        position: Option<usize>,
+    },
+    /// Removes the rule named `name`. Root or the agent's own uid only.
+    RuleRemove { name: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -150,6 +160,29 @@ pub struct StatusReport {
     pub metrics_addr: Option<String>,
     #[serde(default)]
     pub config_updates: ConfigUpdates,
+    /// `[[rules]]` in force, in order.
+    #[serde(default)]
+    pub rules: Vec<RuleStatus>,
+    /// Processes the kernel reported for the rules (exec, fork of a
+    /// pending process), and reports it had no room for.
+    #[serde(default)]
+    pub rule_events: u64,
+    #[serde(default)]
+    pub rule_events_dropped: u64,
+}
+
+/// One rule, as `governor rules list` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RuleStatus {
+    pub name: String,
+    pub keyspace: u32,
+    /// Its matchers, `key=value` words.
+    pub matches: String,
+    /// Live processes the agent matched to it (their children inherit in
+    /// the kernel and are not counted here).
+    pub processes_matched: u64,
+    /// False on the fallback backend, which cannot measure by rule.
+    pub measured: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -224,6 +257,9 @@ pub struct KeyspaceStatus {
     pub waited: u64,
     pub inflight_requests: u64,
     pub pending_write_bytes: u64,
+    /// The rules that charge unmodified processes to it, comma-separated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

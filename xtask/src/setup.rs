@@ -18,8 +18,13 @@ pub fn setup(cross: bool) -> Result<()> {
     nightly_rust_src()?;
     bpf_linker()?;
     // setpriv: attacks run as nobody; prometheus: a real server scrapes the
-    // agent, and promtool checks the exposition.
-    let mut packages = vec![("util-linux", "/usr/bin/setpriv"), ("prometheus", "/usr/bin/promtool")];
+    // agent, and promtool checks the exposition; stress-ng: the unmodified
+    // processes rules measure.
+    let mut packages = vec![
+        ("util-linux", "/usr/bin/setpriv"),
+        ("prometheus", "/usr/bin/promtool"),
+        ("stress-ng", "/usr/bin/stress-ng"),
+    ];
     if cross {
         packages.extend([
             ("gcc-aarch64-linux-gnu", "/usr/bin/aarch64-linux-gnu-gcc"),

@@ -74,6 +74,40 @@ impl Shared {
         self.settle(&mut running, next, &format!("config set {key}={value}"))
     }
 
+    /// Adds a rule (its keys as a TOML table) at `position` (default: last).
+    pub(crate) fn add_rule(&self, text: &str, position: Option<usize>) -> Result<ConfigDiff, Vec<String>> {
+        let mut running = self.lock_config();
+        let next = toml::from_str::<crate::config::RawRule>(text)
+            .map_err(|e| vec![format!("rule: {}", e.message().trim())])
+            .and_then(|rule| {
+                let mut raw = running.config.to_raw();
+                let at = position.unwrap_or(raw.rules.len()).min(raw.rules.len());
+                let what = rule.name.clone();
+                raw.rules.insert(at, rule);
+                running.config.apply_update_raw(&raw).map_err(|e| {
+                    let mut r = reasons(&e);
+                    r.insert(0, format!("rule {what:?} refused:"));
+                    r
+                })
+            });
+        self.settle(&mut running, next, "rules add")
+    }
+
+    /// Removes the rule named `name`.
+    pub(crate) fn remove_rule(&self, name: &str) -> Result<ConfigDiff, Vec<String>> {
+        let mut running = self.lock_config();
+        let mut raw = running.config.to_raw();
+        let before = raw.rules.len();
+        raw.rules.retain(|r| r.name != name);
+        let next = if raw.rules.len() == before {
+            let names: Vec<&str> = running.config.rules().iter().map(|r| r.name.as_str()).collect();
+            Err(vec![format!("no rule named {name:?} (rules: {})", if names.is_empty() { "none".into() } else { names.join(", ") })])
+        } else {
+            running.config.apply_update_raw(&raw).map_err(|e| reasons(&e))
+        };
+        self.settle(&mut running, next, &format!("rules remove {name}"))
+    }
+
     /// Applies an accepted configuration, or records the refusal.
     fn settle(
         &self,
@@ -90,8 +124,19 @@ impl Shared {
             }
         };
         let diff = running.config.diff(&next);
+        let rules_change = running.config.rules() != next.rules();
+        if rules_change && let Err(e) = self.apply_rules(next.rules()) {
+            running.rejected += 1;
+            let why = format!("the rules' keyspaces get no cell: {e}");
+            log::warn!("{what}: refused, the running configuration stays: {why}");
+            let _ = self.apply_rules(running.config.rules());
+            return Err(vec![why]);
+        }
         if let Err(e) = self.policy.update_settings_at(Settings::from_config(&next, f64::from(self.cores)), super::now_us()) {
             running.rejected += 1;
+            if rules_change {
+                let _ = self.apply_rules(running.config.rules());
+            }
             let why = format!("the policy could not take it: {e}");
             log::warn!("{what}: refused, the running configuration stays: {why}");
             return Err(vec![why]);
@@ -112,8 +157,16 @@ impl Shared {
     }
 }
 
-/// A `config reload` or `config set` request from a peer of uid `uid`.
-pub(crate) fn request(shared: &Shared, uid: u32, set: Option<(&str, &str)>) -> Reply {
+/// What a peer asks to change.
+pub(crate) enum Change<'a> {
+    Reload,
+    Set(&'a str, &'a str),
+    AddRule(&'a str, Option<usize>),
+    RemoveRule(&'a str),
+}
+
+/// A configuration change from a peer of uid `uid`.
+pub(crate) fn request(shared: &Shared, uid: u32, change: Change<'_>) -> Reply {
     let agent_uid = crate::sys::effective_uid();
     if uid != 0 && uid != agent_uid {
         return Reply::Error {
@@ -123,9 +176,11 @@ pub(crate) fn request(shared: &Shared, uid: u32, set: Option<(&str, &str)>) -> R
             ),
         };
     }
-    let result = match set {
-        None => shared.reload_config(&format!("config reload by uid {uid}")),
-        Some((key, value)) => shared.set_config(key, value),
+    let result = match change {
+        Change::Reload => shared.reload_config(&format!("config reload by uid {uid}")),
+        Change::Set(key, value) => shared.set_config(key, value),
+        Change::AddRule(text, position) => shared.add_rule(text, position),
+        Change::RemoveRule(name) => shared.remove_rule(name),
     };
     match result {
         Ok(diff) => Reply::ConfigUpdated {

@@ -286,6 +286,24 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         "result",
         &[("accepted".to_string(), u.accepted), ("rejected".to_string(), u.rejected)],
     );
+    f.gauges(
+        "governor_rule_keyspace",
+        "Keyspace each [[rules]] entry charges the processes it matches to",
+        "rule",
+        &status.rules.iter().map(|r| (r.name.clone(), f64::from(r.keyspace))).collect::<Vec<_>>(),
+    );
+    f.gauges(
+        "governor_rule_processes_matched",
+        "Live processes the agent matched to each rule (their children inherit in the kernel, uncounted)",
+        "rule",
+        &status.rules.iter().map(|r| (r.name.clone(), r.processes_matched as f64)).collect::<Vec<_>>(),
+    );
+    f.counter("governor_rule_process_reports_total", "Exec and fork reports the kernel sent for the rules", status.rule_events);
+    f.counter(
+        "governor_rule_process_reports_dropped_total",
+        "Exec reports the kernel's ring buffer had no room for (those processes kept their inherited keyspace)",
+        status.rule_events_dropped,
+    );
     f.counters(
         "governor_ebpf_program_runs_total",
         "Runs of each eBPF program (kernel statistics; 0 unless kernel.bpf_stats_enabled)",

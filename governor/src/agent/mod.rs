@@ -12,6 +12,7 @@
 //!   it when the client goes.
 //! - `usage`: per-keyspace CPU from the measurement cells, as the policy's
 //!   usage samples.
+//! - `rules`: unmodified processes measured by `[[rules]]`.
 //! - `status`: what `governor status` shows.
 
 mod ledgers;
@@ -19,6 +20,7 @@ mod server;
 pub mod slots;
 mod live_config;
 mod metrics;
+mod rules;
 mod status;
 mod usage;
 
@@ -96,6 +98,8 @@ pub(crate) struct Shared {
     metrics_max_keyspaces: std::sync::atomic::AtomicUsize,
     /// The running configuration and where it came from.
     config: Mutex<live_config::Running>,
+    /// Rule measurement (after `measurement` in lock order).
+    rules: Mutex<rules::Rules>,
     /// Where `/metrics` is served, as bound.
     metrics_addr: Option<std::net::SocketAddr>,
     /// Random, non-zero; published in the header.
@@ -125,6 +129,28 @@ impl Shared {
         self.config.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn lock_rules(&self) -> MutexGuard<'_, rules::Rules> {
+        self.rules.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Puts `list` in force: gives each rule's keyspace a cell, then matches
+    /// every process again.
+    pub(crate) fn apply_rules(&self, list: &[crate::config::Rule]) -> Result<(), RegionError> {
+        let mut cells = Vec::with_capacity(list.len());
+        for r in list {
+            let before = self.policy.regions().directory().find(r.keyspace);
+            let (cell, generation) = self.policy.ensure_keyspace(r.keyspace, now_us())?;
+            if before.is_none() {
+                let m = self.lock_measurement();
+                self.lock_usage().note(&m, cell, r.keyspace, generation);
+            }
+            cells.push(cell);
+        }
+        let mut m = self.lock_measurement();
+        self.lock_rules().apply(&mut m, list, &cells);
+        Ok(())
+    }
+
     fn lock_cell_owners(&self) -> MutexGuard<'_, std::collections::HashMap<u32, (u32, u64)>> {
         self.cell_owners.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -133,11 +159,13 @@ impl Shared {
     fn pinned_cells(&self) -> HashSet<u32> {
         let m = self.lock_measurement();
         let slots = self.lock_slots();
-        slots
+        let mut pinned: HashSet<u32> = slots
             .held_slots()
             .filter_map(|s| m.regions.slots.get(s))
             .filter_map(|v| governor_common::cell_of_tag(v.tag.load(Ordering::Relaxed)))
-            .collect()
+            .collect();
+        pinned.extend(self.lock_rules().cells());
+        pinned
     }
 }
 
@@ -176,6 +204,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid.into(),
         metrics_max_keyspaces: (opts.config.agent().metrics_max_keyspaces as usize).into(),
         config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
+        rules: Mutex::new(rules::Rules::default()),
         metrics_addr,
         measurement: Mutex::new(measurement),
         policy,
@@ -187,6 +216,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     if let Some(addr) = metrics_addr {
         log::info!("serving /metrics on http://{addr}/metrics");
     }
+    shared.apply_rules(opts.config.rules())?;
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
     let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
     let reloader = tokio::spawn(live_config::on_sighup(shared.clone()));
@@ -227,9 +257,11 @@ async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
             }
         interval.tick().await;
         {
-            let m = shared.lock_measurement();
+            let mut m = shared.lock_measurement();
             if m.is_fallback() {
                 fallback::sample(&m);
+            } else {
+                shared.lock_rules().poll(&mut m);
             }
         }
         if last_reclaim.elapsed() >= Duration::from_millis(100) {

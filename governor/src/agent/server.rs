@@ -9,6 +9,7 @@
 //! non-root uid (more are closed at once), an accept error backs off instead of spinning,
 //! and registration's `/proc` reads run off the runtime's thread.
 
+use super::live_config::Change;
 use super::{AgentError, Shared};
 use crate::policy::{Demand, Grant};
 use crate::proto::{Reply, Request};
@@ -173,8 +174,12 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             }
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
             // Operators' verbs: the peer's credentials decide.
-            Request::ConfigReload => (super::live_config::request(&shared, uid, None), None),
-            Request::ConfigSet { key, value } => (super::live_config::request(&shared, uid, Some((&key, &value))), None),
+            Request::ConfigReload => (super::live_config::request(&shared, uid, Change::Reload), None),
+            Request::ConfigSet { key, value } => (super::live_config::request(&shared, uid, Change::Set(&key, &value)), None),
+            Request::RuleAdd { rule, position } => {
+                (super::live_config::request(&shared, uid, Change::AddRule(&rule, position)), None)
+            }
+            Request::RuleRemove { name } => (super::live_config::request(&shared, uid, Change::RemoveRule(&name)), None),
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {
                 let s = shared.clone();

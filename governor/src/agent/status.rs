@@ -31,6 +31,8 @@ impl Shared {
         let m = self.lock_measurement();
         let usage = self.lock_usage();
         let (span_us, window) = self.policy.window_cpu();
+        let rules = self.lock_rules();
+        let rule_names = rules.names_by_keyspace();
         let buckets: std::collections::HashMap<u32, &crate::policy::KeyspaceSnapshot> =
             snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
         let mut keyspaces: Vec<KeyspaceStatus> = r
@@ -64,6 +66,7 @@ impl Shared {
                     waited: c.waited,
                     inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
                     pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
+                    rule: rule_names.get(&id).cloned(),
                 }
             })
             .collect();
@@ -119,6 +122,9 @@ impl Shared {
             programs: m.program_stats(),
             metrics_addr: self.metrics_addr.map(|a| a.to_string()),
             config_updates: self.lock_config().counts(),
+            rules: rules.status(),
+            rule_events: rules.events,
+            rule_events_dropped: rules.dropped,
         }
     }
 }

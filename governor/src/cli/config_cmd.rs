@@ -14,7 +14,7 @@ pub struct Applied {
     pub changes: Vec<ConfigChange>,
 }
 
-fn applied(reply: Reply) -> Result<Applied, CliError> {
+pub(super) fn applied(reply: Reply) -> Result<Applied, CliError> {
     match reply {
         Reply::ConfigUpdated { changes } => Ok(Applied { accepted: true, changes }),
         Reply::ConfigRejected { errors } => Err(CliError::Rejected { errors }),

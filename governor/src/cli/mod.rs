@@ -4,6 +4,7 @@
 pub mod config_cmd;
 pub mod doctor;
 pub mod keyspace;
+pub mod rules;
 pub mod threads;
 pub mod status;
 

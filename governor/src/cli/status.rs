@@ -55,7 +55,7 @@ pub fn render(s: &StatusReport) -> String {
             Some(b) => (b.source.as_str(), format!("{} / {}", b.available_us, b.capacity_us)),
             None => ("-", "-".to_string()),
         };
-        let _ = writeln!(
+        let _ = write!(
             out,
             "{:>12} {:>12.3} {:>7.1}% {:>10} {:>23} {:>10} {:>9} {:>9}",
             k.keyspace_id,
@@ -67,6 +67,10 @@ pub fn render(s: &StatusReport) -> String {
             k.refused,
             k.waited
         );
+        let _ = match &k.rule {
+            Some(rule) => writeln!(out, "  rule {rule}"),
+            None => writeln!(out),
+        };
     }
     if !s.programs.is_empty() && s.programs.iter().all(|p| p.run_count == 0) {
         let _ = writeln!(out, "\nprograms     {} attached; run times need sysctl kernel.bpf_stats_enabled=1", s.programs.len());

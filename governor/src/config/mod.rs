@@ -13,6 +13,7 @@
 //!   TOML/JSON; [`ValidatedConfig::embedded_default`] from `default.toml`.
 //! - `update`: online updates ([`ValidatedConfig::apply_update`],
 //!   [`ValidatedConfig::apply_set`]), restart-only keys, [`ConfigDiff`].
+//! - `rules`: `[[rules]]`, unmodified processes measured by rule ([`Rule`]).
 //! - `source`: maps dotted keys to lines so every error names both.
 //! - `error`: [`ConfigError`], [`ConfigErrors`], [`UpdateRejected`].
 //!
@@ -27,6 +28,7 @@ mod error;
 mod keyspace_list;
 mod raw;
 mod raw_throttle;
+mod rules;
 mod source;
 mod units;
 mod update;
@@ -40,6 +42,7 @@ pub use raw::{
     RawWriteQuota,
 };
 pub use raw_throttle::RawCpuThrottle;
+pub use rules::{cgroup_roots, ProcessIdentity, RawRule, Rule, MAX_RULES};
 pub use source::SourceMap;
 pub use units::{ByteSize, ConfigDuration};
 pub use update::{ConfigDiff, HotUpdates, KeyChange};

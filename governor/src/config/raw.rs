@@ -24,6 +24,9 @@ pub struct RawConfig {
     pub admission_control: RawAdmissionControl,
     /// `[agent]`: the daemon itself (socket, metrics, measurement backend).
     pub agent: RawAgent,
+    /// `[[rules]]`: unmodified processes measured by rule, first match wins.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rules: Vec<super::rules::RawRule>,
 }
 
 /// `[resource-control]`.

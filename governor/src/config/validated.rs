@@ -34,6 +34,8 @@ pub struct ValidatedConfig {
     pub(crate) write_quota: WriteQuota,
     pub(crate) admission_control: AdmissionControl,
     pub(crate) agent: AgentConfig,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) rules: Vec<super::rules::Rule>,
 }
 
 /// `[resource-control]`, validated. Field meanings: see
@@ -195,6 +197,11 @@ impl ValidatedConfig {
     /// `[agent]`.
     pub fn agent(&self) -> &AgentConfig {
         &self.agent
+    }
+
+    /// `[[rules]]`, in order (first match wins).
+    pub fn rules(&self) -> &[super::rules::Rule] {
+        &self.rules
     }
 
     /// The configuration as a TOML document with every key spelled out.

@@ -38,6 +38,13 @@ pub struct TaskOffsets {
     /// `se.exec_start`: the run queue's task clock when the kernel last
     /// brought the task's runtime up to date (at switch-in: its slice start).
     pub exec_start: u32,
+    /// `tgid`: the process.
+    pub tgid: u32,
+    /// `se.prev_sum_exec_runtime`: the runtime when the current slice began.
+    pub prev_sum_exec_runtime: u32,
+    /// `filename` of `struct linux_binprm` (not a task field: the path
+    /// `sched_process_exec` reports).
+    pub bprm_filename: u32,
 }
 
 const KIND_STRUCT: u32 = 4;
@@ -205,6 +212,9 @@ impl Btf {
             state: self.offset_of("task_struct", "__state")?,
             sum_exec_runtime: self.offset_of("task_struct", "se.sum_exec_runtime")?,
             exec_start: self.offset_of("task_struct", "se.exec_start")?,
+            tgid: self.offset_of("task_struct", "tgid")?,
+            prev_sum_exec_runtime: self.offset_of("task_struct", "se.prev_sum_exec_runtime")?,
+            bprm_filename: self.offset_of("linux_binprm", "filename")?,
         })
     }
 }

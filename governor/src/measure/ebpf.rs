@@ -7,13 +7,14 @@ use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::{BackendKind, ProgramStats};
 use crate::region::{fd, Access, MeasureRegions, RegionSizes, Table};
 use crate::sys;
-use aya::maps::{Map, MapData};
+use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use aya::programs::perf_event::{perf_sw_ids, PerfEventScope, PerfTypeId, SamplePolicy};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 use governor_common::{
-    GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, MAP_CPUS, MAP_KEYSPACES, MAP_SLOTS, MAP_TID_SLOT,
-    PROG_SCHED_SWITCH, PROG_TIMER,
+    RuleEvent, GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUNTIME,
+    GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS,
+    MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON,
 };
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -22,8 +23,11 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 /// attached while it lives) and the tid map the agent fills.
 pub struct EbpfSide {
     ebpf: Ebpf,
-    /// `tid → slot + 1`, mmapped: registering a thread is a store.
+    /// `tid → [slot + 1, rule tag]`, mmapped: registering a thread is a
+    /// store (`2 × tid`; the rule half belongs to [`RuleMaps`]).
     tid_slot: Table<AtomicU32>,
+    /// The rules' side (see [`RuleMaps`]).
+    pub(super) rules: RuleMaps,
     // Keep the maps alive: their fds back the mappings.
     _maps: Vec<MapData>,
 }
@@ -62,9 +66,12 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         .set_global(GLOBAL_OFF_STATE, &offsets.state, true)
         .set_global(GLOBAL_OFF_RUNTIME, &offsets.sum_exec_runtime, true)
         .set_global(GLOBAL_OFF_EXEC_START, &offsets.exec_start, true)
+        .set_global(GLOBAL_OFF_TGID, &offsets.tgid, true)
+        .set_global(GLOBAL_OFF_PREV_RUNTIME, &offsets.prev_sum_exec_runtime, true)
+        .set_global(GLOBAL_OFF_BPRM_FILENAME, &offsets.bprm_filename, true)
         .set_max_entries(MAP_CPUS, sizes.cpus)
         .set_max_entries(MAP_SLOTS, sizes.slots)
-        .set_max_entries(MAP_TID_SLOT, max_tids.div_ceil(2))
+        .set_max_entries(MAP_TID_SLOT, max_tids)
         .set_max_entries(MAP_KEYSPACES, sizes.keyspaces)
         .load(crate::EBPF_OBJECT)
         .map_err(|e| MeasureError::Load(boxed(e)))?;
@@ -73,14 +80,17 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     }
     let btf = Btf::from_sys_fs().map_err(|e| MeasureError::Load(boxed(e)))?;
 
-    let name = PROG_SCHED_SWITCH;
-    let prog: &mut BtfTracePoint = ebpf
-        .program_mut(name)
-        .ok_or_else(|| MeasureError::Attach { program: name, source: "not in the object".into() })?
-        .try_into()
-        .map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
-    prog.load("sched_switch", &btf).map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
-    prog.attach().map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
+    for (name, tracepoint) in
+        [(PROG_SCHED_SWITCH, "sched_switch"), (PROG_FORK, "sched_process_fork"), (PROG_EXEC, "sched_process_exec")]
+    {
+        let prog: &mut BtfTracePoint = ebpf
+            .program_mut(name)
+            .ok_or_else(|| MeasureError::Attach { program: name, source: "not in the object".into() })?
+            .try_into()
+            .map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
+        prog.load(tracepoint, &btf).map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
+        prog.attach().map_err(|e| MeasureError::Attach { program: name, source: boxed(e) })?;
+    }
     let timer: &mut PerfEvent = ebpf
         .program_mut(PROG_TIMER)
         .ok_or_else(|| MeasureError::Attach { program: PROG_TIMER, source: "not in the object".into() })?
@@ -119,8 +129,9 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         Some(Map::Array(data)) => data,
         _ => return Err(MeasureError::Load("tid table missing".into())),
     };
-    // Two u32 per 8-byte array value: one dense u32 per tid.
-    let tid_slot = Table::map("tid", tid_map.fd().as_fd().as_raw_fd(), max_tids.div_ceil(2) * 2)?;
+    // Two u32 per 8-byte array value: [slot + 1, rule tag].
+    let tid_slot = Table::map("tid", tid_map.fd().as_fd().as_raw_fd(), max_tids * 2)?;
+    let rules = RuleMaps::take(&mut ebpf, Table::map("tid", tid_map.fd().as_fd().as_raw_fd(), max_tids * 2)?)?;
     arrays.push(tid_map);
 
     let fds: [OwnedFd; 3] = fds.try_into().map_err(|_| MeasureError::Load("three region fds".into()))?;
@@ -137,7 +148,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         regions,
         sizes,
         fds,
-        inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, _maps: arrays })),
+        inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, rules, _maps: arrays })),
     })
 }
 
@@ -151,9 +162,9 @@ fn pid_max() -> u32 {
 
 impl EbpfSide {
     pub(super) fn insert_tid(&mut self, tid: u32, slot: u32) -> Result<(), MeasureError> {
-        let entry = self.tid_slot.get(tid).ok_or_else(|| MeasureError::Register {
+        let entry = self.tid_slot.get(tid.saturating_mul(2)).ok_or_else(|| MeasureError::Register {
             tid,
-            reason: format!("tid beyond the tid table ({} entries, kernel.pid_max at start); restart the agent", self.tid_slot.len()),
+            reason: format!("tid beyond the tid table ({} entries, kernel.pid_max at start); restart the agent", self.tid_slot.len() / 2),
         })?;
         entry.store(slot + 1, Ordering::Release);
         Ok(())
@@ -161,13 +172,13 @@ impl EbpfSide {
 
     pub(super) fn remove_tid(&mut self, tid: u32) {
         // Already 0 when the thread's final switch cleared it first.
-        if let Some(entry) = self.tid_slot.get(tid) {
+        if let Some(entry) = self.tid_slot.get(tid.saturating_mul(2)) {
             entry.store(0, Ordering::Release);
         }
     }
 
     pub(super) fn program_stats(&self) -> Vec<ProgramStats> {
-        [PROG_SCHED_SWITCH, PROG_TIMER]
+        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_FORK, PROG_EXEC]
             .into_iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;
@@ -178,5 +189,115 @@ impl EbpfSide {
                 })
             })
             .collect()
+    }
+}
+
+/// A [`RuleEvent`] record, field by field (native byte order, as the
+/// program wrote it).
+fn parse_event(b: &[u8]) -> Option<RuleEvent> {
+    let u = |at: usize| Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?));
+    Some(RuleEvent {
+        kind: u(0)?,
+        tgid: u(4)?,
+        parent: u(8)?,
+        prior: u(12)?,
+        comm: b.get(16..32)?.try_into().ok()?,
+        filename: b.get(32..160)?.try_into().ok()?,
+    })
+}
+
+/// The maps behind rule measurement (`agent::rules` drives them).
+pub struct RuleMaps {
+    /// The tid table, mmapped again: the rule half of each entry (`2 × tid + 1`).
+    tids: Table<AtomicU32>,
+    pending: HashMap<MapData, u32, u64>,
+    events: RingBuf<MapData>,
+    ctl: Array<MapData, u64>,
+}
+
+/// The threads of process `tgid` (none once it is gone).
+fn threads(tgid: u32) -> Vec<u32> {
+    std::fs::read_dir(format!("/proc/{tgid}/task"))
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+impl RuleMaps {
+    fn take(ebpf: &mut Ebpf, tids: Table<AtomicU32>) -> Result<RuleMaps, MeasureError> {
+        let missing = |name: &str| MeasureError::Load(format!("map {name} missing or of another type").into());
+        let pending = ebpf.take_map(MAP_PENDING).ok_or_else(|| missing(MAP_PENDING))?;
+        let pending = HashMap::try_from(pending).map_err(|_| missing(MAP_PENDING))?;
+        let events = ebpf.take_map(MAP_EVENTS).ok_or_else(|| missing(MAP_EVENTS))?;
+        let events = RingBuf::try_from(events).map_err(|_| missing(MAP_EVENTS))?;
+        let ctl = ebpf.take_map(MAP_RULE_CTL).ok_or_else(|| missing(MAP_RULE_CTL))?;
+        let ctl = Array::try_from(ctl).map_err(|_| missing(MAP_RULE_CTL))?;
+        Ok(RuleMaps { tids, pending, events, ctl })
+    }
+
+    fn half(&self, tid: u32) -> Option<&AtomicU32> {
+        self.tids.get(tid.checked_mul(2)?.checked_add(1)?)
+    }
+
+    /// The tag of process `tgid` (its main thread's; 0: none).
+    pub fn tag(&self, tgid: u32) -> u32 {
+        self.half(tgid).map_or(0, |e| e.load(Ordering::Acquire))
+    }
+
+    /// Sets the tag of every thread of process `tgid` that still has `from`
+    /// (`None`: whatever it has, except pending), until no thread is left
+    /// behind (threads created meanwhile copy their creator's). True if
+    /// the main thread holds `to` afterwards.
+    pub fn replace_tag(&self, tgid: u32, from: Option<u32>, to: u32) -> bool {
+        for _ in 0..4 {
+            let mut changed = false;
+            for tid in threads(tgid).into_iter().chain([tgid]) {
+                let Some(e) = self.half(tid) else { continue };
+                let now = e.load(Ordering::Acquire);
+                let ok = match from {
+                    Some(f) => now == f,
+                    None => now != governor_common::TAG_PENDING,
+                };
+                if ok && now != to && e.compare_exchange(now, to, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        self.tag(tgid) == to
+    }
+
+    /// Turns rule measurement (exec reports) on or off.
+    pub fn set_exec_events(&mut self, on: bool) {
+        if let Err(e) = self.ctl.set(RULE_CTL_ON, u64::from(on), 0) {
+            log::warn!("cannot switch exec reports {}: {e}", if on { "on" } else { "off" });
+        }
+    }
+
+    /// Events the ring buffer had no room for, since start.
+    pub fn dropped(&self) -> u64 {
+        self.ctl.get(&RULE_CTL_DROPPED, 0).unwrap_or(0)
+    }
+
+    /// Every event waiting, in order.
+    pub fn drain(&mut self, out: &mut Vec<RuleEvent>) {
+        while let Some(item) = self.events.next() {
+            if let Some(e) = parse_event(&item) {
+                out.push(e);
+            }
+        }
+    }
+
+    /// Takes the CPU kept for pending process `tgid`.
+    pub fn take_pending(&mut self, tgid: u32) -> u64 {
+        let ns = self.pending.get(&tgid, 0).unwrap_or(0);
+        let _ = self.pending.remove(&tgid);
+        ns
+    }
+
+    /// Processes with CPU kept pending.
+    pub fn pending_tgids(&self) -> Vec<u32> {
+        self.pending.keys().filter_map(Result::ok).collect()
     }
 }

@@ -109,6 +109,15 @@ impl Measurement {
         }
     }
 
+    /// The maps of rule measurement; `None` on the fallback backend, which
+    /// has no kernel side to measure unregistered processes with.
+    pub fn rules(&mut self) -> Option<&mut ebpf::RuleMaps> {
+        match &mut self.inner {
+            Inner::Ebpf(side) => Some(&mut side.rules),
+            Inner::Fallback => None,
+        }
+    }
+
     pub fn is_fallback(&self) -> bool {
         matches!(self.inner, Inner::Fallback)
     }

@@ -1,6 +1,7 @@
 //! `cargo xtask bench`: the measurement and policy benchmarks, as ratios
 //! from one run on this machine. `--json` prints one JSON object.
 mod operator;
+mod rules;
 mod switch;
 mod tickets;
 
@@ -127,6 +128,8 @@ fn main() -> Result<()> {
     let load = operator::agent_at_1000_keyspaces()?;
     let demo_dir = governor_tests::Scratch::new("bench-demo");
     let demo = governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg"))?;
+    let (unmatched_none, unmatched_1000) = rules::unmatched_switch_ns(5)?;
+    let rule_attribution = rules::attribution_error_pct()?;
     // Agent up and down alternate: measured last, on its own.
     let overhead = switch::overhead(9)?;
 
@@ -175,6 +178,11 @@ fn main() -> Result<()> {
     // macro above is at its recursion limit).
     if let Some(o) = result.as_object_mut() {
         o.insert("metrics_scrape_ms".into(), json!(round2(load.scrape_ms)));
+        o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));
+        o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
+        o.insert("ebpf_unmatched_switch_raw_ns".into(), json!(round(unmatched_none)));
+        o.insert("ebpf_unmatched_switch_1000_rules_raw_ns".into(), json!(round(unmatched_1000)));
+        o.insert("ebpf_unmatched_switch_1000_rules_delta_ns".into(), json!(round(unmatched_1000 - unmatched_none)));
         o.insert("metrics_scrape_bytes".into(), json!(load.scrape_bytes));
         o.insert("metrics_keyspaces".into(), json!(load.keyspaces));
         o.insert("agent_rss_mib".into(), json!(round2(load.rss_mib)));

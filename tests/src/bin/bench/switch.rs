@@ -32,7 +32,7 @@ pub fn pingpong(socket: Option<&Path>, rounds: u32) -> Result<f64> {
     out["round_trip_ns"].as_f64().context("round_trip_ns")
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
@@ -103,7 +103,7 @@ fn program_runs(ebpf: &aya::Ebpf, name: &str) -> Result<(u64, u64)> {
 }
 
 /// ns per run over what `f` makes the programs do: (name → ns per run).
-fn per_run(
+pub fn per_run(
     stats: impl Fn() -> Result<Vec<(String, u64, u64)>>,
     f: impl FnOnce() -> Result<()>,
 ) -> Result<BTreeMap<String, f64>> {

@@ -1,0 +1,50 @@
+//! `governor rules list|add|remove`: unmodified processes measured by rule.
+
+use super::config_cmd::{applied, Applied};
+use super::CliError;
+use crate::config::RawRule;
+use crate::proto::{Reply, Request, RuleStatus};
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// The rules in force, with the kernel's report counts.
+#[derive(Debug, serde::Serialize)]
+pub struct RuleList {
+    pub rules: Vec<RuleStatus>,
+    pub events: u64,
+    pub events_dropped: u64,
+}
+
+pub fn list(socket: &Path) -> Result<RuleList, CliError> {
+    match crate::client::request(socket, &Request::Status)? {
+        Reply::Status(s) => Ok(RuleList { rules: s.rules, events: s.rule_events, events_dropped: s.rule_events_dropped }),
+        Reply::Error { message } => Err(CliError::Agent { message }),
+        other => Err(CliError::Reply { detail: format!("{other:?}") }),
+    }
+}
+
+pub fn render_list(l: &RuleList) -> String {
+    if l.rules.is_empty() {
+        return "no rules\n".into();
+    }
+    let mut out = format!("{:<3} {:<24} {:>10} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "MATCHES");
+    for (i, r) in l.rules.iter().enumerate() {
+        let _ = writeln!(out, "{:<3} {:<24} {:>10} {:>9}  {}", i, r.name, r.keyspace, r.processes_matched, r.matches);
+    }
+    if l.rules.iter().any(|r| !r.measured) {
+        out.push_str("not measured: the agent runs the thread-clock fallback, which cannot measure unmodified processes\n");
+    }
+    let _ = writeln!(out, "{} process reports from the kernel, {} dropped", l.events, l.events_dropped);
+    out
+}
+
+/// `governor rules add`: the rule is validated with the whole configuration
+/// (exit 64 with every reason when refused).
+pub fn add(socket: &Path, rule: &RawRule, position: Option<usize>) -> Result<Applied, CliError> {
+    let text = toml::to_string(rule).map_err(|e| CliError::Usage(format!("rule: {e}")))?;
+    applied(crate::client::request(socket, &Request::RuleAdd { rule: text, position })?)
+}
+
+pub fn remove(socket: &Path, name: &str) -> Result<Applied, CliError> {
+    applied(crate::client::request(socket, &Request::RuleRemove { name: name.into() })?)
+}

@@ -1,0 +1,81 @@
+//! Rule measurement: what 1 000 installed rules add to a switch the rules
+//! do not match, and how exactly a real unmodified program is charged by
+//! rule against its threads' schedstat.
+
+use super::switch::{median, per_run, pingpong};
+use anyhow::{Context, Result};
+use governor_tests::Agent;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// `n` rules that match no process here.
+fn unmatched_rules(n: usize) -> String {
+    (0..n).map(|i| format!("[[rules]]\nname = \"r{i}\"\nkeyspace = {}\ncomm-prefix = \"nomatch{i}\"\n\n", 100_000 + i)).collect()
+}
+
+/// Per-run cost (raw, statistics' floor included) of the switch program
+/// over switches between unregistered, unmatched processes, with no rules
+/// and with 1 000; medians over `rounds` alternating rounds.
+pub fn unmatched_switch_ns(rounds: usize) -> Result<(f64, f64)> {
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enabling BPF run-time statistics")?;
+    let one = |config: &str| -> Result<f64> {
+        let agent = Agent::start("ebpf", config)?;
+        let stats = || -> Result<Vec<(String, u64, u64)>> {
+            Ok(agent.status()?.programs.into_iter().map(|p| (p.name, p.run_time_ns, p.run_count)).collect())
+        };
+        let r = per_run(stats, || pingpong(None, 20_000).map(drop))?;
+        r.get(governor_common::PROG_SCHED_SWITCH).copied().context("switch program runs")
+    };
+    let many = unmatched_rules(1000);
+    let (mut none, mut with) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        none.push(one("")?);
+        with.push(one(&many)?);
+    }
+    Ok((median(none), median(with)))
+}
+
+/// A `stress-ng --cpu 2` started after its rule, charged by rule over 3 s,
+/// against the schedstat of its processes (all stopped at both ends, so
+/// every slice is closed): signed error in %.
+pub fn attribution_error_pct() -> Result<f64> {
+    let agent = Agent::start("ebpf", "[[rules]]\nname = \"stress\"\nkeyspace = 77\ncomm-prefix = \"stress-ng\"\n")?;
+    let mut child = Command::new("stress-ng")
+        .args(["--cpu", "2", "--timeout", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("stress-ng (cargo xtask setup installs it)")?;
+    std::thread::sleep(Duration::from_millis(500));
+    let pids = |root: u32| -> Vec<u32> {
+        let mut out = vec![root];
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            if stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(root) {
+                out.push(pid);
+            }
+        }
+        out
+    };
+    let snapshot = |pids: &[u32]| -> Result<(f64, f64)> {
+        pids.iter().for_each(|&p| unsafe_kill(p, libc::SIGSTOP));
+        std::thread::sleep(Duration::from_millis(100));
+        let charged = agent.keyspace_seconds(77)?;
+        let truth: u64 = pids.iter().filter_map(|&p| governor_tests::schedstat_ns(p, p).ok()).sum();
+        pids.iter().for_each(|&p| unsafe_kill(p, libc::SIGCONT));
+        Ok((charged, truth as f64 / 1e9))
+    };
+    let group = pids(child.id());
+    let (c0, s0) = snapshot(&group)?;
+    std::thread::sleep(Duration::from_secs(3));
+    let (c1, s1) = snapshot(&group)?;
+    group.iter().for_each(|&p| unsafe_kill(p, libc::SIGKILL));
+    let _ = child.wait();
+    Ok(((c1 - c0) / (s1 - s0) - 1.0) * 100.0)
+}
+
+fn unsafe_kill(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on processes this benchmark started.
+    unsafe { libc::kill(pid as i32, sig) };
+}

@@ -1,0 +1,256 @@
+//! Unmodified processes measured by rule: real programs (stress-ng, xz,
+//! sha256sum, a shell) that know nothing of governor, matched by tgid,
+//! command name and executable, checked against the kernel's own counts
+//! (schedstat of every thread, `wait4`'s rusage); a registered thread inside
+//! a matched process stays its tags'; bad rules are refused naming the rule
+//! and the key.
+
+use governor_tests::{governor_bin, spawn_workload_started, workload_bin, Agent, Scratch};
+use std::collections::{BTreeSet, HashMap};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn governor(agent: &Agent, args: &[&str]) -> Output {
+    Command::new(governor_bin()).args(args).arg("--socket").arg(&agent.socket).output().expect("governor runs")
+}
+
+fn text(o: &Output) -> String {
+    format!("exit {:?}\nstdout:\n{}\nstderr:\n{}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// `root` and every process below it.
+fn tree(root: u32) -> BTreeSet<u32> {
+    let mut parent = HashMap::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        if let Some(pp) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok()) {
+            parent.insert(pid, pp);
+        }
+    }
+    let mut out = BTreeSet::from([root]);
+    loop {
+        let more: Vec<u32> =
+            parent.iter().filter(|(p, pp)| out.contains(pp) && !out.contains(p)).map(|(p, _)| *p).collect();
+        if more.is_empty() {
+            return out;
+        }
+        out.extend(more);
+    }
+}
+
+/// Σ schedstat run time of every thread of every process in `pids`.
+fn schedstat_sum(pids: &BTreeSet<u32>) -> u64 {
+    let mut sum = 0;
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+        for t in tasks.flatten() {
+            if let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) {
+                sum += s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+    }
+    sum
+}
+
+fn signal_all(pids: &BTreeSet<u32>, sig: i32) {
+    for &p in pids {
+        // SAFETY: kill(2) on pids of processes this test started.
+        unsafe { libc::kill(p as i32, sig) };
+    }
+}
+
+fn threads_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.count()).unwrap_or(0)
+}
+
+struct Group {
+    keyspace: u32,
+    root: Child,
+}
+
+/// Stops every group (so each task's last slice is charged at its switch-out),
+/// then reads each keyspace and each group's schedstat sum.
+fn snapshot(agent: &Agent, groups: &[&Group]) -> Vec<(f64, f64, usize, usize)> {
+    let trees: Vec<BTreeSet<u32>> = groups.iter().map(|g| tree(g.root.id())).collect();
+    for t in &trees {
+        signal_all(t, libc::SIGSTOP);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let status = agent.status().expect("status");
+    let out = groups
+        .iter()
+        .zip(&trees)
+        .map(|(g, t)| {
+            let charged = status.keyspaces.iter().find(|k| k.keyspace_id == g.keyspace).map_or(0.0, |k| k.cpu_seconds);
+            let threads = t.iter().map(|p| threads_of(*p)).sum();
+            (charged, schedstat_sum(t) as f64 / 1e9, t.len(), threads)
+        })
+        .collect();
+    for t in &trees {
+        signal_all(t, libc::SIGCONT);
+    }
+    out
+}
+
+#[test]
+fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
+    let _s = serial();
+    // Started before the agent: a multi-process stress-ng, matched by tgid
+    // (its workers inherit).
+    let mut a = Group {
+        keyspace: 901,
+        root: Command::new("stress-ng").args(["--cpu", "2", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap(),
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let config = format!(
+        "[[rules]]\nname = \"early-stress\"\nkeyspace = 901\ntgid = {}\n\n\
+         [[rules]]\nname = \"late-stress\"\nkeyspace = 902\ncomm-prefix = \"stress-ng\"\n\n\
+         [[rules]]\nname = \"xz\"\nkeyspace = 903\nexe = \"/usr/bin/xz\"\n",
+        a.root.id()
+    );
+    let agent = Agent::start("ebpf", &config).unwrap();
+    // Started after the rules: stress-ng matched by command name, and a
+    // two-thread xz matched by executable, started from a shell.
+    let mut b = Group {
+        keyspace: 902,
+        root: Command::new("stress-ng").args(["--cpu", "1", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap(),
+    };
+    let mut c = Group {
+        keyspace: 903,
+        root: Command::new("sh").args(["-c", "xz -T2 -3 -c < /dev/urandom > /dev/null"]).spawn().unwrap(),
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let before = snapshot(&agent, &[&a, &b, &c]);
+    std::thread::sleep(Duration::from_secs(4));
+    let after = snapshot(&agent, &[&a, &b, &c]);
+    for g in [&mut a, &mut b, &mut c] {
+        signal_all(&tree(g.root.id()), libc::SIGKILL);
+        let _ = g.root.wait();
+    }
+    for (i, ((c0, s0, procs, threads), (c1, s1, _, _))) in before.iter().zip(&after).enumerate() {
+        let (charged, truth) = (c1 - c0, s1 - s0);
+        let err = (charged / truth - 1.0) * 100.0;
+        eprintln!(
+            "keyspace {}: {procs} processes, {threads} threads: charged {charged:.4} s, schedstat {truth:.4} s: {err:+.3} %",
+            901 + i
+        );
+        assert!(truth > 0.5, "group {i} hardly ran ({truth:.3} s): the test measures nothing");
+        assert!((-0.5..=0.5).contains(&err), "keyspace {}: {err:+.3} % off schedstat\n{}", 901 + i, agent.log_text());
+    }
+    assert!(before[0].2 >= 3, "stress-ng --cpu 2 is a parent and two workers: {:?}", before[0]);
+    assert!(before[2].3 >= 3, "xz -T2 runs a thread per block beside its main thread: {:?}", before[2]);
+    let listed = governor(&agent, &["rules", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
+    assert_eq!(list["rules"].as_array().map(Vec::len), Some(3), "{list}");
+    assert_eq!(list["events_dropped"], 0, "{list}");
+}
+
+#[test]
+fn a_thousand_short_lived_processes_are_all_counted() {
+    let _s = serial();
+    let scratch = Scratch::new("rules-short");
+    let data = scratch.0.join("data");
+    std::fs::write(&data, vec![7u8; 512 << 10]).unwrap();
+    let agent = Agent::start("ebpf", "").unwrap();
+    // A shell that waits for a line, then forks and execs a real binary a
+    // thousand times. It is put under a rule by tgid while it waits: its
+    // children inherit at fork and keep the keyspace through their exec.
+    // Reaped below by wait4, which also gives its rusage.
+    #[allow(clippy::zombie_processes)]
+    let mut sh = Command::new("sh")
+        .arg("-c")
+        .arg(format!("read go; for i in $(seq 1000); do sha256sum {} > /dev/null; done", data.display()))
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = sh.id();
+    let added = governor(&agent, &["rules", "add", "spawner", "--keyspace", "950", "--tgid", &pid.to_string()]);
+    assert!(added.status.success(), "{}", text(&added));
+    let t0 = Instant::now();
+    std::io::Write::write_all(sh.stdin.as_mut().unwrap(), b"go\n").unwrap();
+    // wait4: the shell's rusage with every child it reaped.
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is valid; wait4 on our own child.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid as i32, &mut status, 0, &mut ru) };
+    assert_eq!(r, pid as i32);
+    let elapsed = t0.elapsed();
+    std::thread::sleep(Duration::from_millis(300));
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    let truth = tv(ru.ru_utime) + tv(ru.ru_stime);
+    let charged = agent.keyspace_seconds(950).unwrap();
+    let err = (charged / truth - 1.0) * 100.0;
+    let s = agent.status().unwrap();
+    eprintln!(
+        "1000 processes in {elapsed:?}: charged {charged:.4} s, rusage {truth:.4} s: {err:+.2} % ({} reports, {} dropped)",
+        s.rule_events, s.rule_events_dropped
+    );
+    assert!(truth > 0.5, "the processes hardly ran ({truth:.3} s)");
+    assert!((-2.0..=2.0).contains(&err), "{err:+.2} % off the kernel's rusage");
+    assert!(s.rule_events >= 1000, "every exec is reported: {}", s.rule_events);
+}
+
+#[test]
+fn a_registered_thread_in_a_matched_process_is_charged_by_its_tags() {
+    let _s = serial();
+    let exe = std::fs::canonicalize(workload_bin()).unwrap();
+    let config = format!("[[rules]]\nname = \"workload\"\nkeyspace = 12\nexe = {:?}\n", exe.display().to_string());
+    let agent = Agent::start("ebpf", &config).unwrap();
+    let (mut child, mut out) =
+        spawn_workload_started(&agent.socket, &["busy", "--keyspace", "11", "--seconds", "1"]).unwrap();
+    let mut last = String::new();
+    std::io::BufRead::read_line(&mut out, &mut last).unwrap();
+    assert!(child.wait().unwrap().success());
+    std::thread::sleep(Duration::from_millis(100));
+    let ran = serde_json::from_str::<serde_json::Value>(&last).unwrap()["thread_cpu_ns"].as_u64().unwrap() as f64 / 1e9;
+    let tagged = agent.keyspace_seconds(11).unwrap();
+    let by_rule = agent.keyspace_seconds(12).unwrap();
+    eprintln!("tagged thread ran {ran:.4} s: keyspace 11 {tagged:.4} s, rule's keyspace 12 {by_rule:.4} s");
+    assert!((tagged - ran).abs() <= ran * 0.005, "{tagged:.4} s charged to the tag for {ran:.4} s");
+    // The rule measures the rest of the process (start-up, connecting,
+    // the untagged moments): something, and far less than the work.
+    assert!(by_rule > 0.0 && by_rule < ran * 0.05, "{by_rule:.4} s charged by rule");
+}
+
+#[test]
+fn bad_rules_are_refused_naming_the_rule_and_the_key() {
+    let _s = serial();
+    let scratch = Scratch::new("rules-bad");
+    let file = scratch.0.join("bad.toml");
+    std::fs::write(
+        &file,
+        "[[rules]]\nname = \"a\"\nkeyspace = 1\ncgroup = \"/no/such/cgroup-here\"\n\n\
+         [[rules]]\nname = \"b\"\nkeyspace = -1\ncomm-prefix = \"a-name-much-too-long\"\n\n\
+         [[rules]]\nname = \"a\"\nkeyspace = 2\nuid = 0\n\n\
+         [[rules]]\nname = \"c\"\nkeyspace = 3\n\n\
+         [[rules]]\nname = \"d\"\nkeyspace = 4\nexe = \"bin/x\"\n",
+    )
+    .unwrap();
+    let out = Command::new(governor_bin()).args(["config", "validate", "--json"]).arg(&file).output().unwrap();
+    assert_eq!(out.status.code(), Some(64), "{}", text(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let keys: Vec<&str> = v["errors"].as_array().unwrap().iter().filter_map(|e| e["key"].as_str()).collect();
+    for want in ["rules.a.cgroup", "rules.b.keyspace", "rules.b.comm-prefix", "rules.a.name", "rules.c", "rules.d.exe"] {
+        assert!(keys.contains(&want), "no error for {want}: {keys:?}");
+    }
+    // Online: refused whole with exit 64; the rules in force stay.
+    let agent = Agent::start("ebpf", "[[rules]]\nname = \"keep\"\nkeyspace = 5\nuid = 12345\n").unwrap();
+    let refused = governor(&agent, &["rules", "add", "keep", "--keyspace", "6", "--comm-prefix", "x"]);
+    assert_eq!(refused.status.code(), Some(64), "{}", text(&refused));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("rules.keep.name"), "{}", text(&refused));
+    let missing = governor(&agent, &["rules", "remove", "nope"]);
+    assert_eq!(missing.status.code(), Some(64), "{}", text(&missing));
+    let s = agent.status().unwrap();
+    assert_eq!(s.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["keep"]);
+    let removed = governor(&agent, &["rules", "remove", "keep"]);
+    assert!(removed.status.success(), "{}", text(&removed));
+    assert!(agent.status().unwrap().rules.is_empty());
+}
