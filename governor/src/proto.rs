@@ -169,6 +169,9 @@ pub struct StatusReport {
     pub rule_events: u64,
     #[serde(default)]
     pub rule_events_dropped: u64,
+    /// Where capped rule keyspaces are held to their cap, or why they are not.
+    #[serde(default)]
+    pub rule_enforcement: String,
 }
 
 /// One rule, as `governor rules list` shows it.
@@ -183,6 +186,9 @@ pub struct RuleStatus {
     pub processes_matched: u64,
     /// False on the fallback backend, which cannot measure by rule.
     pub measured: bool,
+    /// The cores the kernel holds its keyspace to (cgroup), when capped.
+    #[serde(default)]
+    pub cap_cores: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

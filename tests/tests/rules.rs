@@ -76,6 +76,16 @@ struct Group {
     root: Child,
 }
 
+/// Kills a process tree when dropped, so a failed assertion leaves no
+/// stress-ng burning CPU under the next test's rules.
+struct KillTree(u32);
+
+impl Drop for KillTree {
+    fn drop(&mut self) {
+        signal_all(&tree(self.0), libc::SIGKILL);
+    }
+}
+
 /// Stops every group (so each task's last slice is charged at its switch-out),
 /// then reads each keyspace and each group's schedstat sum.
 fn snapshot(agent: &Agent, groups: &[&Group]) -> Vec<(f64, f64, usize, usize)> {
@@ -109,6 +119,7 @@ fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
         keyspace: 901,
         root: Command::new("stress-ng").args(["--cpu", "2", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap(),
     };
+    let _reap_a = KillTree(a.root.id());
     std::thread::sleep(Duration::from_millis(300));
     let config = format!(
         "[[rules]]\nname = \"early-stress\"\nkeyspace = 901\ntgid = {}\n\n\
@@ -127,6 +138,7 @@ fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
         keyspace: 903,
         root: Command::new("sh").args(["-c", "xz -T2 -3 -c < /dev/urandom > /dev/null"]).spawn().unwrap(),
     };
+    let (_reap_b, _reap_c) = (KillTree(b.root.id()), KillTree(c.root.id()));
     std::thread::sleep(Duration::from_millis(500));
     let before = snapshot(&agent, &[&a, &b, &c]);
     std::thread::sleep(Duration::from_secs(4));
@@ -253,4 +265,94 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     let removed = governor(&agent, &["rules", "remove", "keep"]);
     assert!(removed.status.success(), "{}", text(&removed));
     assert!(agent.status().unwrap().rules.is_empty());
+}
+
+/// The cgroup (relative path) of `pid` in the hierarchy with the cpu
+/// controller: the v1 `cpu` one on a hybrid host, else v2.
+fn cpu_cgroup(pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let v1 = text.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, c, p) = (f.next()?, f.next()?, f.next()?);
+        c.split(',').any(|c| c == "cpu").then(|| p.to_string())
+    });
+    v1.or_else(|| text.lines().find_map(|l| l.strip_prefix("0::").map(str::to_string)))
+}
+
+#[test]
+fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
+    let _s = serial();
+    let config = "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"960:500\"\n\n\
+                  [[rules]]\nname = \"capped\"\nkeyspace = 960\ncomm-prefix = \"stress-ng\"\n";
+    let mut agent = Agent::start("ebpf", config).unwrap();
+    let listed = governor(&agent, &["rules", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
+    if list["enforcement"].as_str().unwrap_or("").starts_with("unavailable") {
+        panic!("this host must offer a cpu controller: {list}");
+    }
+    assert_eq!(list["rules"][0]["cap_cores"], 0.5, "{list}");
+    let mut stress =
+        Command::new("stress-ng").args(["--cpu", "2", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let root = stress.id();
+    let _reap = KillTree(root);
+    let original = cpu_cgroup(std::process::id()).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let group = tree(root);
+    assert!(group.len() >= 3, "stress-ng and its two workers: {group:?}");
+    let inside = cpu_cgroup(root).unwrap();
+    assert!(inside.ends_with("/ks-960"), "stress-ng is in {inside}");
+    // Per 1 s window for 10 s: the agent's charge and the kernel's
+    // schedstat, each against the 0.5-core cap.
+    let mut last = (Instant::now(), agent.keyspace_seconds(960).unwrap(), schedstat_sum(&tree(root)) as f64 / 1e9);
+    let mut worst: f64 = 0.0;
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = (Instant::now(), agent.keyspace_seconds(960).unwrap(), schedstat_sum(&tree(root)) as f64 / 1e9);
+        let wall = (now.0 - last.0).as_secs_f64();
+        let (by_agent, by_kernel) = ((now.1 - last.1) / wall, (now.2 - last.2) / wall);
+        eprintln!("window: agent {by_agent:.3} cores, schedstat {by_kernel:.3} cores (cap 0.5)");
+        for rate in [by_agent, by_kernel] {
+            worst = worst.max(((rate / 0.5) - 1.0).abs() * 100.0);
+        }
+        last = now;
+    }
+    assert!(worst <= 5.0, "a window was {worst:.2} % off the 0.5-core cap");
+    // Stopped politely: every process back where it was, no cgroup left.
+    let cgdir = |rel: &str| -> std::path::PathBuf {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+        let mount = mounts
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                let cpu_v1 = f[2] == "cgroup" && f[3].split(',').any(|o| o == "cpu");
+                let v2 = f[2] == "cgroup2"
+                    && std::fs::read_to_string(format!("{}/cgroup.controllers", f[1])).unwrap_or_default().contains("cpu");
+                (cpu_v1 || v2).then(|| f[1].to_string())
+            })
+            .next_back()
+            .unwrap();
+        std::path::Path::new(&mount).join(rel.trim_start_matches('/'))
+    };
+    let ks_dir = cgdir(&inside);
+    assert!(ks_dir.is_dir());
+    let quota = std::fs::read_to_string(ks_dir.join("cpu.cfs_quota_us")).or_else(|_| std::fs::read_to_string(ks_dir.join("cpu.max")));
+    assert!(quota.as_deref().unwrap_or("").starts_with("50000"), "{quota:?}");
+    agent.restart_with_config("").unwrap();
+    for p in tree(root) {
+        assert_eq!(cpu_cgroup(p).as_deref(), Some(original.as_str()), "process {p} after the agent stopped");
+    }
+    assert!(!ks_dir.exists(), "{} left behind", ks_dir.display());
+    // SIGKILLed while capping: the next agent on the socket puts it back.
+    agent.restart_with_config(config).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(cpu_cgroup(root).unwrap().ends_with("/ks-960"));
+    agent.kill9().unwrap();
+    assert!(cpu_cgroup(root).unwrap().ends_with("/ks-960"), "a killed agent changes nothing more");
+    agent.restart_with_config("").unwrap();
+    for p in tree(root) {
+        assert_eq!(cpu_cgroup(p).as_deref(), Some(original.as_str()), "process {p} after the restart");
+    }
+    assert!(!ks_dir.exists(), "{} left behind after the restart", ks_dir.display());
+    signal_all(&tree(root), libc::SIGKILL);
+    let _ = stress.wait();
 }

@@ -124,18 +124,20 @@ impl Shared {
             }
         };
         let diff = running.config.diff(&next);
-        let rules_change = running.config.rules() != next.rules();
-        if rules_change && let Err(e) = self.apply_rules(next.rules()) {
+        // Rules, and the caps the kernel holds their keyspaces to.
+        let rules_change = running.config.rules() != next.rules()
+            || (!next.rules().is_empty() && (diff.changed("resource-control.cpu-throttle")));
+        if rules_change && let Err(e) = self.apply_rules(&next) {
             running.rejected += 1;
             let why = format!("the rules' keyspaces get no cell: {e}");
             log::warn!("{what}: refused, the running configuration stays: {why}");
-            let _ = self.apply_rules(running.config.rules());
+            let _ = self.apply_rules(&running.config);
             return Err(vec![why]);
         }
         if let Err(e) = self.policy.update_settings_at(Settings::from_config(&next, f64::from(self.cores)), super::now_us()) {
             running.rejected += 1;
             if rules_change {
-                let _ = self.apply_rules(running.config.rules());
+                let _ = self.apply_rules(&running.config);
             }
             let why = format!("the policy could not take it: {e}");
             log::warn!("{what}: refused, the running configuration stays: {why}");

@@ -13,12 +13,14 @@
 //! - `usage`: per-keyspace CPU from the measurement cells, as the policy's
 //!   usage samples.
 //! - `rules`: unmodified processes measured by `[[rules]]`.
+//! - `cgroups`: the kernel holds capped rule keyspaces to their cap.
 //! - `status`: what `governor status` shows.
 
 mod ledgers;
 mod server;
 pub mod slots;
 mod live_config;
+mod cgroups;
 mod metrics;
 mod rules;
 mod status;
@@ -133,9 +135,11 @@ impl Shared {
         self.rules.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Puts `list` in force: gives each rule's keyspace a cell, then matches
-    /// every process again.
-    pub(crate) fn apply_rules(&self, list: &[crate::config::Rule]) -> Result<(), RegionError> {
+    /// Puts `config`'s rules in force: gives each rule's keyspace a cell,
+    /// sets the caps the kernel holds them to, then matches every process
+    /// again.
+    pub(crate) fn apply_rules(&self, config: &ValidatedConfig) -> Result<(), RegionError> {
+        let list = config.rules();
         let mut cells = Vec::with_capacity(list.len());
         for r in list {
             let before = self.policy.regions().directory().find(r.keyspace);
@@ -146,8 +150,9 @@ impl Shared {
             }
             cells.push(cell);
         }
+        let caps = rule_caps(config, self.cores);
         let mut m = self.lock_measurement();
-        self.lock_rules().apply(&mut m, list, &cells);
+        self.lock_rules().apply(&mut m, list, &cells, caps);
         Ok(())
     }
 
@@ -169,8 +174,35 @@ impl Shared {
     }
 }
 
+/// Cores each rule keyspace may use, where the configuration caps it:
+/// its configured quota, else the tenant cap; nothing while cpu-throttle is
+/// off (measuring only).
+fn rule_caps(config: &ValidatedConfig, cores: u32) -> std::collections::HashMap<u32, f64> {
+    let t = config.cpu_throttle();
+    if !t.enabled {
+        return Default::default();
+    }
+    config
+        .rules()
+        .iter()
+        .filter_map(|r| {
+            let cap = match t.keyspace_cpu_quotas.get(r.keyspace) {
+                Some(millicores) => millicores as f64 / 1000.0,
+                None if t.tenant_max_cpu_ratio > 0.0 => t.tenant_max_cpu_ratio * f64::from(cores),
+                None => return None,
+            };
+            Some((r.keyspace, cap))
+        })
+        .collect()
+}
+
 fn now_us() -> u64 {
     sys::monotonic_ns() / 1000
+}
+
+/// FNV-1a: a short stable name from a path.
+fn fnv32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193))
 }
 
 /// Runs the agent until `shutdown` resolves.
@@ -216,7 +248,21 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     if let Some(addr) = metrics_addr {
         log::info!("serving /metrics on http://{addr}/metrics");
     }
-    shared.apply_rules(opts.config.rules())?;
+    {
+        // The state file sits beside the control socket: the next agent on
+        // it puts back what this one changed, even after a SIGKILL.
+        let default_socket = crate::config::ValidatedConfig::embedded_default().agent().control_socket.clone();
+        let slice = if opts.socket == default_socket {
+            "governor.slice".to_string()
+        } else {
+            format!("governor-{:08x}.slice", fnv32(opts.socket.as_os_str().as_encoded_bytes()))
+        };
+        let state = opts.socket.with_file_name(format!("{}.cgroups.json", opts.socket.file_name().map_or("governor".into(), |n| n.to_string_lossy())));
+        let enforcer = cgroups::Enforcer::new(state, slice);
+        log::info!("rule caps: {}", enforcer.describe());
+        shared.lock_rules().enforcer = Some(enforcer);
+    }
+    shared.apply_rules(&opts.config)?;
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
     let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
     let reloader = tokio::spawn(live_config::on_sighup(shared.clone()));
@@ -224,6 +270,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     background.abort();
     exporter.abort();
     reloader.abort();
+    if let Some(e) = shared.lock_rules().enforcer.as_mut() {
+        e.restore_all();
+    }
     let header = shared.policy.regions().header();
     // Clients notice at once (their watch connection closes too) and admit
     // without checks until an agent is back; nobody extrapolates a clock

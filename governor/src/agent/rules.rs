@@ -52,6 +52,8 @@ struct Active {
 #[derive(Default)]
 pub(crate) struct Rules {
     active: Vec<Active>,
+    /// Holds capped rule keyspaces to their cap (None: not started yet).
+    pub(crate) enforcer: Option<super::cgroups::Enforcer>,
     /// What the agent itself decided, by tgid: (tag, rule index).
     decided: HashMap<u32, (u32, Option<usize>)>,
     /// Recent decisions for pending processes, for their forks.
@@ -104,6 +106,19 @@ fn cstr(b: &[u8]) -> String {
 }
 
 impl Rules {
+    /// The keyspace a tag stands for, among the rules'.
+    fn keyspace_of(&self, tag: u32) -> Option<u32> {
+        self.active.iter().find(|a| a.tag == tag).map(|a| a.rule.keyspace)
+    }
+
+    /// Moves `tgid` into (or out of) the cgroup of the keyspace `tag` names.
+    fn place(&mut self, tgid: u32, tag: u32) {
+        let keyspace = self.keyspace_of(tag);
+        if let Some(e) = self.enforcer.as_mut() {
+            e.place(tgid, keyspace);
+        }
+    }
+
     fn first_match(&self, p: &ProcessIdentity) -> Option<usize> {
         self.active.iter().position(|a| a.rule.matches(p))
     }
@@ -137,15 +152,20 @@ impl Rules {
                 matches: a.rule.matchers(),
                 processes_matched: self.decided.values().filter(|(_, r)| *r == Some(i)).count() as u64,
                 measured: !self.unsupported,
+                cap_cores: self.enforcer.as_ref().and_then(|e| e.cap_of(a.rule.keyspace)),
             })
             .collect()
     }
 
-    /// Takes a new rule list: `cells[i]` is the keyspace cell of `rules[i]`.
-    /// Every process is matched again; entries the agent set that no rule
-    /// gives any more are cleared.
-    pub(crate) fn apply(&mut self, m: &mut Measurement, rules: &[Rule], cells: &[u32]) {
+    /// Takes a new rule list: `cells[i]` is the keyspace cell of `rules[i]`,
+    /// `caps` the cores each capped rule keyspace may use. Every process is
+    /// matched again; entries the agent set that no rule gives any more are
+    /// cleared.
+    pub(crate) fn apply(&mut self, m: &mut Measurement, rules: &[Rule], cells: &[u32], caps: HashMap<u32, f64>) {
         self.active = rules.iter().zip(cells).map(|(r, c)| Active { rule: r.clone(), tag: c + 1 }).collect();
+        if let Some(e) = self.enforcer.as_mut() {
+            e.set_caps(if m.rules().is_some() { caps } else { HashMap::new() });
+        }
         let Some(maps) = m.rules() else {
             self.unsupported = true;
             if !rules.is_empty() {
@@ -215,6 +235,10 @@ impl Rules {
             } else {
                 self.decided.remove(&t);
             }
+        }
+        let placed: Vec<(u32, u32)> = resolved.iter().map(|(&t, &(tag, _))| (t, tag)).collect();
+        for (t, tag) in placed {
+            self.place(t, tag);
         }
         // Processes decided before that are gone from /proc now.
         let gone: Vec<u32> = self.decided.keys().filter(|t| !resolved.contains_key(t)).copied().collect();
@@ -351,6 +375,9 @@ impl Rules {
                 self.decided.insert(e.tgid, (tag, rule));
             } else {
                 self.decided.remove(&e.tgid);
+            }
+            if alive.is_some() {
+                self.place(e.tgid, tag);
             }
             self.settle.push_back((now + SETTLE, e.tgid, tag));
         }

@@ -125,6 +125,7 @@ impl Shared {
             rules: rules.status(),
             rule_events: rules.events,
             rule_events_dropped: rules.dropped,
+            rule_enforcement: rules.enforcer.as_ref().map_or_else(String::new, |e| e.describe()),
         }
     }
 }

@@ -11,13 +11,20 @@ use std::path::Path;
 #[derive(Debug, serde::Serialize)]
 pub struct RuleList {
     pub rules: Vec<RuleStatus>,
+    /// Where capped rule keyspaces are held to their cap, or why not.
+    pub enforcement: String,
     pub events: u64,
     pub events_dropped: u64,
 }
 
 pub fn list(socket: &Path) -> Result<RuleList, CliError> {
     match crate::client::request(socket, &Request::Status)? {
-        Reply::Status(s) => Ok(RuleList { rules: s.rules, events: s.rule_events, events_dropped: s.rule_events_dropped }),
+        Reply::Status(s) => Ok(RuleList {
+            rules: s.rules,
+            enforcement: s.rule_enforcement,
+            events: s.rule_events,
+            events_dropped: s.rule_events_dropped,
+        }),
         Reply::Error { message } => Err(CliError::Agent { message }),
         other => Err(CliError::Reply { detail: format!("{other:?}") }),
     }
@@ -27,10 +34,12 @@ pub fn render_list(l: &RuleList) -> String {
     if l.rules.is_empty() {
         return "no rules\n".into();
     }
-    let mut out = format!("{:<3} {:<24} {:>10} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "MATCHES");
+    let mut out = format!("{:<3} {:<24} {:>10} {:>9} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "CAP", "MATCHES");
     for (i, r) in l.rules.iter().enumerate() {
-        let _ = writeln!(out, "{:<3} {:<24} {:>10} {:>9}  {}", i, r.name, r.keyspace, r.processes_matched, r.matches);
+        let cap = r.cap_cores.map_or("-".to_string(), |c| format!("{c:.2}"));
+        let _ = writeln!(out, "{:<3} {:<24} {:>10} {:>9} {:>9}  {}", i, r.name, r.keyspace, r.processes_matched, cap, r.matches);
     }
+    let _ = writeln!(out, "caps: {}", l.enforcement);
     if l.rules.iter().any(|r| !r.measured) {
         out.push_str("not measured: the agent runs the thread-clock fallback, which cannot measure unmodified processes\n");
     }

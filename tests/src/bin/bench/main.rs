@@ -130,6 +130,7 @@ fn main() -> Result<()> {
     let demo = governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg"))?;
     let (unmatched_none, unmatched_1000) = rules::unmatched_switch_ns(5)?;
     let rule_attribution = rules::attribution_error_pct()?;
+    let rule_cap = rules::cap_error_pct()?;
     // Agent up and down alternate: measured last, on its own.
     let overhead = switch::overhead(9)?;
 
@@ -180,6 +181,7 @@ fn main() -> Result<()> {
         o.insert("metrics_scrape_ms".into(), json!(round2(load.scrape_ms)));
         o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));
         o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
+        o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));
         o.insert("ebpf_unmatched_switch_raw_ns".into(), json!(round(unmatched_none)));
         o.insert("ebpf_unmatched_switch_1000_rules_raw_ns".into(), json!(round(unmatched_1000)));
         o.insert("ebpf_unmatched_switch_1000_rules_delta_ns".into(), json!(round(unmatched_1000 - unmatched_none)));

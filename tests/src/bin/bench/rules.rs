@@ -40,12 +40,7 @@ pub fn unmatched_switch_ns(rounds: usize) -> Result<(f64, f64)> {
 /// every slice is closed): signed error in %.
 pub fn attribution_error_pct() -> Result<f64> {
     let agent = Agent::start("ebpf", "[[rules]]\nname = \"stress\"\nkeyspace = 77\ncomm-prefix = \"stress-ng\"\n")?;
-    let mut child = Command::new("stress-ng")
-        .args(["--cpu", "2", "--timeout", "30"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("stress-ng (cargo xtask setup installs it)")?;
+    let mut child = stress_ng()?;
     std::thread::sleep(Duration::from_millis(500));
     let pids = |root: u32| -> Vec<u32> {
         let mut out = vec![root];
@@ -75,7 +70,33 @@ pub fn attribution_error_pct() -> Result<f64> {
     Ok(((c1 - c0) / (s1 - s0) - 1.0) * 100.0)
 }
 
+/// `stress-ng --cpu 2`: a parent and two CPU-bound workers.
+fn stress_ng() -> Result<std::process::Child> {
+    Command::new("stress-ng")
+        .args(["--cpu", "2", "--timeout", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("stress-ng (cargo xtask setup installs it)")
+}
+
 fn unsafe_kill(pid: u32, sig: i32) {
     // SAFETY: kill(2) on processes this benchmark started.
     unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// A `stress-ng --cpu 2` rule-capped at 0.5 core by the kernel (cgroup):
+/// the worst 1 s window of 8, by the agent's charge, off the cap in %.
+pub fn cap_error_pct() -> Result<f64> {
+    let agent = Agent::start(
+        "ebpf",
+        "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"78:500\"\n\n\
+         [[rules]]\nname = \"capped\"\nkeyspace = 78\ncomm-prefix = \"stress-ng\"\n",
+    )?;
+    let mut child = stress_ng()?;
+    std::thread::sleep(Duration::from_millis(1500));
+    let rates = agent.sample_rates(78, 8)?;
+    unsafe_kill(child.id(), libc::SIGTERM);
+    let _ = child.wait();
+    Ok(rates.iter().map(|r| (r / 0.5 - 1.0).abs() * 100.0).fold(0.0, f64::max))
 }

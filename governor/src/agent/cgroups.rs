@@ -1,0 +1,315 @@
+//! Enforcement for rule-matched keyspaces: the kernel holds them to their
+//! cap through the CPU controller of a cgroup the agent owns.
+//!
+//! A keyspace measured by rule that has a CPU cap (its configured quota
+//! while cpu-throttle is on, else the tenant cap) gets a cgroup
+//! `<slice>/ks-<id>` under the hierarchy that has the `cpu` controller: the
+//! cgroup v2 one (`cpu.max`) where it offers it, else cgroup v1's `cpu`
+//! hierarchy (`cpu.cfs_quota_us` / `cpu.cfs_period_us`), as on hybrid hosts.
+//! Its processes are moved in (children follow at fork, as cgroups do).
+//! Everything the agent changes is written to a state file first; on stop
+//! the agent moves every process back where it was and removes its
+//! cgroups, and a start after a crash does the same from the file. Without
+//! a usable controller or the permission, the agent says so and keeps
+//! measuring.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// CFS bandwidth period: 100 ms, the kernel's default.
+const PERIOD_US: u64 = 100_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+enum Version {
+    V1,
+    V2,
+}
+
+/// What the agent changed, as written to the state file.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct State {
+    /// Hierarchy mount point and version.
+    root: Option<(PathBuf, Version)>,
+    /// The slice directory (relative to the root).
+    slice: Option<String>,
+    /// Keyspace cgroups created (relative to the root).
+    created: BTreeMap<u32, String>,
+    /// tgid → the cgroup it was in (relative to the root).
+    moved: BTreeMap<u32, String>,
+}
+
+pub(crate) struct Enforcer {
+    hierarchy: Option<(PathBuf, Version)>,
+    /// Why enforcement is unavailable, when it is.
+    pub(crate) unavailable: Option<String>,
+    slice: String,
+    state_path: PathBuf,
+    state: State,
+    /// keyspace → cores.
+    caps: HashMap<u32, f64>,
+}
+
+fn write(path: &Path, value: &str) -> std::io::Result<()> {
+    std::fs::write(path, value)
+}
+
+/// The hierarchy with the cpu controller: v2 when it has it, else v1.
+fn detect() -> Result<(PathBuf, Version), String> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").map_err(|e| format!("cannot read /proc/self/mounts: {e}"))?;
+    let mut v1 = None;
+    for line in mounts.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(dir), Some(fs), Some(opts)) = (f.get(1), f.get(2), f.get(3)) else { continue };
+        if *fs == "cgroup2" {
+            let controllers = std::fs::read_to_string(Path::new(dir).join("cgroup.controllers")).unwrap_or_default();
+            if controllers.split_whitespace().any(|c| c == "cpu") {
+                return Ok((PathBuf::from(dir), Version::V2));
+            }
+        } else if *fs == "cgroup" && opts.split(',').any(|o| o == "cpu") {
+            v1 = Some(PathBuf::from(dir));
+        }
+    }
+    v1.map(|d| (d, Version::V1))
+        .ok_or_else(|| "no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)".into())
+}
+
+/// The child processes of `tgid` (every thread's `children`).
+fn children(tgid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{tgid}/task")) else { return Vec::new() };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|s| s.split_whitespace().filter_map(|c| c.parse().ok()).collect::<Vec<u32>>())
+        .collect()
+}
+
+/// The cgroup of `tgid` in a hierarchy of `version` (relative path).
+fn cgroup_of(tgid: u32, version: Version) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).ok()?;
+    text.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        let ours = match version {
+            Version::V2 => controllers.is_empty(),
+            Version::V1 => controllers.split(',').any(|c| c == "cpu"),
+        };
+        ours.then(|| path.to_string())
+    })
+}
+
+impl Enforcer {
+    /// The enforcer for an agent whose state lives at `state_path`; first
+    /// puts back whatever an agent that died left there.
+    pub(crate) fn new(state_path: PathBuf, slice: String) -> Enforcer {
+        let (hierarchy, unavailable) = match detect() {
+            Ok(h) => (Some(h), None),
+            Err(why) => (None, Some(why)),
+        };
+        let mut e = Enforcer { hierarchy, unavailable, slice, state_path, state: State::default(), caps: HashMap::new() };
+        if let Ok(text) = std::fs::read_to_string(&e.state_path) {
+            match serde_json::from_str::<State>(&text) {
+                Ok(left) => {
+                    log::warn!(
+                        "cgroups: a previous agent left {} keyspace cgroups and {} moved processes ({}); putting them back",
+                        left.created.len(),
+                        left.moved.len(),
+                        e.state_path.display()
+                    );
+                    e.state = left;
+                    e.restore_all();
+                }
+                Err(err) => log::warn!("cgroups: ignoring unreadable state file {}: {err}", e.state_path.display()),
+            }
+        }
+        e
+    }
+
+    /// The cap enforced on `keyspace`, in cores.
+    pub(crate) fn cap_of(&self, keyspace: u32) -> Option<f64> {
+        self.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())
+    }
+
+    /// Where enforcement happens, for status.
+    pub(crate) fn describe(&self) -> String {
+        match (&self.hierarchy, &self.unavailable) {
+            (_, Some(why)) => format!("unavailable: {why}"),
+            (Some((root, Version::V2)), None) => format!("cgroup v2 cpu.max under {}/{}", root.display(), self.slice),
+            (Some((root, Version::V1)), None) => format!("cgroup v1 cpu.cfs_quota_us under {}/{}", root.display(), self.slice),
+            (None, None) => "unavailable".into(),
+        }
+    }
+
+    fn save(&self) {
+        let text = serde_json::to_string(&self.state).expect("state serializes");
+        if let Err(e) = std::fs::write(&self.state_path, text) {
+            log::warn!("cgroups: cannot write the state file {}: {e}", self.state_path.display());
+        }
+    }
+
+    fn fail(&mut self, what: String) {
+        log::warn!("cgroups: {what}; rule caps are not enforced, measuring goes on");
+        self.unavailable = Some(what);
+    }
+
+    /// Sets the cap (cores) of every capped rule keyspace; keyspaces no
+    /// longer capped give their processes back.
+    pub(crate) fn set_caps(&mut self, caps: HashMap<u32, f64>) {
+        let Some((root, version)) = self.hierarchy.clone() else {
+            self.caps = caps;
+            return;
+        };
+        if self.unavailable.is_some() {
+            self.caps = caps;
+            return;
+        }
+        self.state.root = Some((root.clone(), version));
+        let slice_dir = root.join(&self.slice);
+        if !caps.is_empty() && !slice_dir.is_dir() {
+            if version == Version::V2 {
+                let _ = write(&root.join("cgroup.subtree_control"), "+cpu");
+            }
+            if let Err(e) = std::fs::create_dir_all(&slice_dir) {
+                return self.fail(format!("cannot create {}: {e}", slice_dir.display()));
+            }
+            if version == Version::V2
+                && let Err(e) = write(&slice_dir.join("cgroup.subtree_control"), "+cpu")
+            {
+                return self.fail(format!("cannot enable the cpu controller in {}: {e}", slice_dir.display()));
+            }
+        }
+        if !caps.is_empty() {
+            self.state.slice = Some(self.slice.clone());
+        }
+        // Gone or uncapped first.
+        let old: Vec<u32> = self.state.created.keys().copied().filter(|k| !caps.contains_key(k)).collect();
+        for ks in old {
+            self.release_keyspace(ks);
+        }
+        for (&ks, &cores) in &caps {
+            let rel = format!("{}/ks-{ks}", self.slice);
+            let dir = root.join(&rel);
+            if !dir.is_dir()
+                && let Err(e) = std::fs::create_dir(&dir)
+            {
+                return self.fail(format!("cannot create {}: {e}", dir.display()));
+            }
+            self.state.created.insert(ks, rel);
+            self.save();
+            let quota = ((cores * PERIOD_US as f64).round() as u64).max(1000);
+            let result = match version {
+                Version::V2 => write(&dir.join("cpu.max"), &format!("{quota} {PERIOD_US}")),
+                Version::V1 => write(&dir.join("cpu.cfs_period_us"), &PERIOD_US.to_string())
+                    .and_then(|()| write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())),
+            };
+            if let Err(e) = result {
+                return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
+            }
+        }
+        if caps.is_empty() && self.state.created.is_empty() {
+            self.remove_slice();
+        }
+        self.caps = caps;
+        self.save();
+    }
+
+    /// Puts process `tgid`, charged to `keyspace` (None: to none), where its
+    /// keyspace's cap holds it: into the keyspace's cgroup if capped, back
+    /// where it was if it was moved and no longer is.
+    pub(crate) fn place(&mut self, tgid: u32, keyspace: Option<u32>) {
+        if self.unavailable.is_some() {
+            return;
+        }
+        let Some((root, version)) = self.hierarchy.clone() else { return };
+        match keyspace.filter(|k| self.caps.contains_key(k)).and_then(|k| self.state.created.get(&k).cloned()) {
+            Some(rel) => {
+                if cgroup_of(tgid, version).as_deref() == Some(&format!("/{rel}")) {
+                    return;
+                }
+                // Children it forked before the move stay behind (later ones
+                // are born inside): they go too.
+                let mut todo = vec![tgid];
+                while let Some(p) = todo.pop() {
+                    let Some(orig) = cgroup_of(p, version) else { continue };
+                    if orig != format!("/{rel}") {
+                        self.state.moved.entry(p).or_insert(orig);
+                        self.save();
+                        if let Err(e) = write(&root.join(&rel).join("cgroup.procs"), &p.to_string()) {
+                            log::warn!("cgroups: cannot move process {p} into {rel}: {e}");
+                            self.state.moved.remove(&p);
+                        }
+                    }
+                    todo.extend(children(p));
+                }
+            }
+            None => {
+                if let Some(orig) = self.state.moved.remove(&tgid) {
+                    self.move_back(&root, tgid, &orig);
+                    self.save();
+                }
+            }
+        }
+    }
+
+    fn move_back(&self, root: &Path, tgid: u32, orig: &str) {
+        let target = root.join(orig.trim_start_matches('/'));
+        let target = if target.is_dir() { target } else { root.to_path_buf() };
+        if let Err(e) = write(&target.join("cgroup.procs"), &tgid.to_string())
+            && e.raw_os_error() != Some(libc::ESRCH)
+        {
+            log::warn!("cgroups: cannot move process {tgid} back to {}: {e}", target.display());
+        }
+    }
+
+    /// Moves every process of `keyspace`'s cgroup back and removes it.
+    fn release_keyspace(&mut self, keyspace: u32) {
+        let Some(rel) = self.state.created.remove(&keyspace) else { return };
+        let Some((root, _)) = self.state.root.clone() else { return };
+        let dir = root.join(&rel);
+        // Children forked inside go where their ancestor came from (or the root).
+        let fallback = self.state.moved.values().next().cloned().unwrap_or_else(|| "/".into());
+        for _ in 0..3 {
+            let procs: Vec<u32> = std::fs::read_to_string(dir.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            if procs.is_empty() {
+                break;
+            }
+            for p in procs {
+                let orig = self.state.moved.remove(&p).unwrap_or_else(|| fallback.clone());
+                self.move_back(&root, p, &orig);
+            }
+        }
+        if let Err(e) = std::fs::remove_dir(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            log::warn!("cgroups: cannot remove {}: {e}", dir.display());
+        }
+        self.save();
+    }
+
+    fn remove_slice(&mut self) {
+        if let (Some((root, _)), Some(slice)) = (self.state.root.clone(), self.state.slice.take()) {
+            let _ = std::fs::remove_dir(root.join(slice));
+        }
+    }
+
+    /// Puts everything back: processes where they were, no cgroups of ours.
+    pub(crate) fn restore_all(&mut self) {
+        let keyspaces: Vec<u32> = self.state.created.keys().copied().collect();
+        for ks in keyspaces {
+            self.release_keyspace(ks);
+        }
+        if let Some((root, _)) = self.state.root.clone() {
+            let moved = std::mem::take(&mut self.state.moved);
+            for (p, orig) in moved {
+                self.move_back(&root, p, &orig);
+            }
+        }
+        self.remove_slice();
+        self.caps.clear();
+        let _ = std::fs::remove_file(&self.state_path);
+        self.state = State::default();
+    }
+}
