@@ -164,6 +164,12 @@ pub fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// The effective gid of this process.
+pub fn effective_gid() -> u32 {
+    // SAFETY: getegid cannot fail and touches no memory.
+    unsafe { libc::getegid() }
+}
+
 /// Number of possible CPUs (the size of per-CPU tables).
 pub fn possible_cpus() -> io::Result<u32> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/possible")?;

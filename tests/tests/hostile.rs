@@ -34,7 +34,10 @@ const NOBODY: u64 = 65534;
 const SECOND: Duration = Duration::from_secs(1);
 
 /// 256 thread slots and 256 keyspace cells: small enough to exhaust.
-const SMALL: &str = "[agent]\nmax-threads = 256\nmax-keyspaces = 256\n";
+/// The attacks come from a connected client: the socket is open to every
+/// local account, every peer holds the client role.
+const OPEN: &str = "[agent.access]\nsocket-mode = \"0666\"\n";
+const SMALL: &str = "[agent]\nmax-threads = 256\nmax-keyspaces = 256\n[agent.access]\nsocket-mode = \"0666\"\n";
 
 fn cores() -> f64 {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64
@@ -574,7 +577,7 @@ fn random_writes_into_every_writable_region_bound_the_damage() {
     let _s = serial();
     let started = Instant::now();
     // A tenant cap of 0.1 core: the legitimate tickets wait in line.
-    let agent = Agent::start("ebpf", &essential_config(0.1 / cores())).unwrap();
+    let agent = Agent::start("ebpf", &format!("{}{OPEN}", essential_config(0.1 / cores()))).unwrap();
     let pid = agent.pid();
     let c = Client::connect(&agent.socket).unwrap();
     let vandal = as_nobody(&agent.socket, &["corrupt", "--seconds", "10"])

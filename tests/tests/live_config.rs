@@ -102,9 +102,9 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
 
 #[test]
 fn only_root_or_the_agents_uid_may_change_the_configuration() {
-    let agent = Agent::start("auto", &capped(0.25)).expect("agent");
-    // Any local account can reach the control socket (clients register
-    // through it); the change itself checks the peer.
+    // A socket every local account can reach (clients register through
+    // it): the change itself checks the peer.
+    let agent = Agent::start("auto", &format!("{}[agent.access]\nsocket-mode = \"0666\"\n", capped(0.25))).expect("agent");
     let o = Command::new("setpriv")
         .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
         .arg(governor_bin())
@@ -114,7 +114,7 @@ fn only_root_or_the_agents_uid_may_change_the_configuration() {
         .expect("setpriv");
     let out = text(&o);
     assert_eq!(o.status.code(), Some(77), "{out}");
-    assert!(out.contains("needs root or the agent's uid"), "{out}");
+    assert!(out.contains("needs the admin role, held by root, the agent's user"), "{out}");
     assert_eq!(cap_ratio(&agent), 0.25);
     assert_eq!(agent.status().unwrap().config_updates.rejected, 0, "a refused peer is not a refused configuration");
 }

@@ -9,9 +9,8 @@
 //! window, admission mode) and the agent's own limits (per-uid quotas, the
 //! metrics cardinality guard) at once; the log lists every key it changed.
 //!
-//! Who may change it: root, or the uid the agent runs as. The control
-//! socket is open to every local account (clients register through it), so
-//! the change itself checks the peer's credentials.
+//! Who may change it: the admin role of `agent.access` (root, the agent's
+//! own user, `admins`); the server checks the peer before it gets here.
 
 use super::Shared;
 use crate::config::{ConfigDiff, UpdateRejected, ValidatedConfig};
@@ -32,6 +31,11 @@ pub(crate) struct Running {
 impl Running {
     pub(crate) fn new(config: ValidatedConfig, path: Option<PathBuf>) -> Running {
         Running { config, path, accepted: 0, rejected: 0 }
+    }
+
+    /// `agent.access` in force.
+    pub(crate) fn access(&self) -> crate::config::Access {
+        self.config.agent().access.clone()
     }
 
     pub(crate) fn counts(&self) -> ConfigUpdates {
@@ -144,6 +148,11 @@ impl Shared {
             return Err(vec![why]);
         }
         let a = next.agent();
+        if a.access != running.config.agent().access
+            && let Err(e) = super::server::set_socket_access(&self.socket, &a.access)
+        {
+            log::warn!("{what}: the control socket's mode or group could not be set: {e}");
+        }
         self.keyspaces_per_uid.store(a.max_keyspaces_per_uid, Ordering::Relaxed);
         self.metrics_max_keyspaces.store(a.metrics_max_keyspaces as usize, Ordering::Relaxed);
         self.lock_slots().set_per_uid(a.max_threads_per_uid);
@@ -167,17 +176,9 @@ pub(crate) enum Change<'a> {
     RemoveRule(&'a str),
 }
 
-/// A configuration change from a peer of uid `uid`.
+/// A configuration change from a peer of uid `uid` (the admin role, which
+/// the server checked).
 pub(crate) fn request(shared: &Shared, uid: u32, change: Change<'_>) -> Reply {
-    let agent_uid = crate::sys::effective_uid();
-    if uid != 0 && uid != agent_uid {
-        return Reply::Error {
-            message: format!(
-                "{}changing the configuration needs root or the agent's uid {agent_uid}; this connection is uid {uid}",
-                crate::proto::NOT_PERMITTED
-            ),
-        };
-    }
     let result = match change {
         Change::Reload => shared.reload_config(&format!("config reload by uid {uid}")),
         Change::Set(key, value) => shared.set_config(key, value),

@@ -104,6 +104,8 @@ pub(crate) struct Shared {
     rules: Mutex<rules::Rules>,
     /// Where `/metrics` is served, as bound.
     metrics_addr: Option<std::net::SocketAddr>,
+    /// The control socket's path.
+    socket: PathBuf,
     /// Random, non-zero; published in the header.
     instance: u64,
     started: Instant,
@@ -129,6 +131,11 @@ impl Shared {
 
     fn lock_config(&self) -> MutexGuard<'_, live_config::Running> {
         self.config.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `agent.access` in force.
+    fn access(&self) -> crate::config::Access {
+        self.lock_config().access()
     }
 
     fn lock_rules(&self) -> MutexGuard<'_, rules::Rules> {
@@ -207,7 +214,7 @@ fn fnv32(bytes: &[u8]) -> u32 {
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
-    let listener = server::bind(&opts.socket)?;
+    let listener = server::bind(&opts.socket, &opts.config.agent().access)?;
     let metrics_listener = tokio::net::TcpListener::bind(opts.metrics_addr)
         .await
         .map_err(|source| AgentError::Metrics { addr: opts.metrics_addr, source })?;
@@ -238,6 +245,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
         rules: Mutex::new(rules::Rules::default()),
         metrics_addr,
+        socket: opts.socket.clone(),
         measurement: Mutex::new(measurement),
         policy,
         ledgers: Mutex::new(ledgers::Ledgers::default()),

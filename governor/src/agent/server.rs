@@ -8,8 +8,14 @@
 //! in the kernel's backlog) and at most [`MAX_CONNECTIONS_PER_UID`] for one
 //! non-root uid (more are closed at once), an accept error backs off instead of spinning,
 //! and registration's `/proc` reads run off the runtime's thread.
+//!
+//! Who may do what (`agent.access`): the socket file's mode and group
+//! decide who connects; each request then needs a role the peer's
+//! `SO_PEERCRED` credentials hold (admin, client, reader; see
+//! `config::access`), or is refused with `not permitted` naming who holds it.
 
 use super::live_config::Change;
+use crate::config::{Access, Peer, Role};
 use super::{AgentError, Shared};
 use crate::policy::{Demand, Grant};
 use crate::proto::{Reply, Request};
@@ -34,7 +40,7 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// take the others' share.
 pub const MAX_CONNECTIONS_PER_UID: usize = 1024;
 
-pub(super) fn bind(path: &Path) -> Result<UnixListener, AgentError> {
+pub(super) fn bind(path: &Path, access: &Access) -> Result<UnixListener, AgentError> {
     let listen_err = |source| AgentError::Listen { path: path.to_path_buf(), source };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(listen_err)?;
@@ -47,9 +53,48 @@ pub(super) fn bind(path: &Path) -> Result<UnixListener, AgentError> {
         std::fs::remove_file(path).map_err(listen_err)?;
     }
     let listener = UnixListener::bind(path).map_err(listen_err)?;
-    // Clients run unprivileged; they can only register their own threads.
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(listen_err)?;
+    set_socket_access(path, access).map_err(listen_err)?;
     Ok(listener)
+}
+
+/// Gives the socket file `access`'s group and mode (`agent.access`).
+pub(super) fn set_socket_access(path: &Path, access: &Access) -> std::io::Result<()> {
+    if let Some(gid) = access.group {
+        std::os::unix::fs::chown(path, None, Some(gid))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode))
+}
+
+/// The peer of a connection: uid, pid and every group it is in.
+fn peer_of(fd: RawFd) -> Peer {
+    // A peer whose credentials cannot be read gets the least: nobody.
+    let Ok((pid, uid, gid)) = sys::peer_cred(fd) else {
+        return Peer { pid: 0, uid: 65534, gids: vec![65534] };
+    };
+    let mut gids = vec![gid];
+    if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        && let Some(groups) = status.lines().find_map(|l| l.strip_prefix("Groups:"))
+    {
+        gids.extend(groups.split_whitespace().filter_map(|g| g.parse::<u32>().ok()));
+    }
+    Peer { pid, uid, gids }
+}
+
+/// The role a request needs, and what it is called in a refusal.
+fn needs(request: &Request) -> Option<(Role, &'static str)> {
+    Some(match request {
+        Request::Watch { .. } => return None,
+        Request::Status | Request::Threads => (Role::Reader, "read status"),
+        Request::ConfigReload | Request::ConfigSet { .. } | Request::RuleAdd { .. } | Request::RuleRemove { .. } => {
+            (Role::Admin, "change the configuration")
+        }
+        Request::Hello
+        | Request::RegisterThread { .. }
+        | Request::UnregisterThread { .. }
+        | Request::Keyspace { .. }
+        | Request::Acquire { .. }
+        | Request::Release { .. } => (Role::Client, "register threads or take tickets"),
+    })
 }
 
 /// Raises the descriptor limit to its hard maximum: every client holds two
@@ -122,8 +167,9 @@ pub(super) async fn serve(
 }
 
 async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
-    // A peer whose credentials cannot be read gets the least: uid nobody.
-    let (peer, uid) = sys::peer_cred(stream.as_raw_fd()).map_or((0, 65534), |(pid, uid, _)| (pid, uid));
+    let who = peer_of(stream.as_raw_fd());
+    let (peer, uid) = (who.pid, who.uid);
+    let agent_uid = sys::effective_uid();
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
     let mut said_hello = false;
@@ -153,6 +199,22 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 continue;
             }
         };
+        if let Some((role, what)) = needs(&request) {
+            let access = shared.access();
+            if !access.allows(&who, role, agent_uid) {
+                let message = format!(
+                    "{}uid {uid} may not {what}: that needs the {} role, held by {}",
+                    crate::proto::NOT_PERMITTED,
+                    role.as_str(),
+                    access.holders(role)
+                );
+                log::info!("connection {conn} (pid {peer}): refused: {message}");
+                if send(reader.get_mut(), &Reply::Error { message }, None).await.is_err() {
+                    break;
+                }
+                continue;
+            }
+        }
         let (reply, fds) = match request {
             // The client only reads this connection: it ends when we do.
             Request::Watch { .. } => continue,
@@ -173,7 +235,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
             }
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
-            // Operators' verbs: the peer's credentials decide.
+            // Operators' verbs (the admin role, checked above).
             Request::ConfigReload => (super::live_config::request(&shared, uid, Change::Reload), None),
             Request::ConfigSet { key, value } => (super::live_config::request(&shared, uid, Change::Set(&key, &value)), None),
             Request::RuleAdd { rule, position } => {

@@ -13,6 +13,7 @@
 //!   TOML/JSON; [`ValidatedConfig::embedded_default`] from `default.toml`.
 //! - `update`: online updates ([`ValidatedConfig::apply_update`],
 //!   [`ValidatedConfig::apply_set`]), restart-only keys, [`ConfigDiff`].
+//! - `access`: `[agent.access]`, the control socket's mode and roles ([`Access`]).
 //! - `rules`: `[[rules]]`, unmodified processes measured by rule ([`Rule`]).
 //! - `source`: maps dotted keys to lines so every error names both.
 //! - `error`: [`ConfigError`], [`ConfigErrors`], [`UpdateRejected`].
@@ -23,6 +24,7 @@
 //! assert_eq!(cfg.to_string(), "line 2: agent.max-threads: must be between 64 and 1048576, got 1");
 //! ```
 
+mod access;
 mod checker;
 mod error;
 mod keyspace_list;
@@ -35,6 +37,7 @@ mod update;
 mod validate;
 mod validated;
 
+pub use access::{Access, Peer, RawAccess, Role};
 pub use error::{ConfigError, ConfigErrors, UpdateRejected};
 pub use keyspace_list::{KeyspaceId, KeyspaceList, ListValue};
 pub use raw::{

@@ -161,6 +161,8 @@ pub struct RawAgent {
     /// limited. Range 1..=max-keyspaces; default half of `max-keyspaces`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keyspaces_per_uid: Option<u32>,
+    /// `[agent.access]`: the socket's mode and group, and who may do what.
+    pub access: super::access::RawAccess,
 }
 
 impl Default for RawAgent {
@@ -175,6 +177,7 @@ impl Default for RawAgent {
             max_keyspaces: 4096,
             max_threads_per_uid: None,
             max_keyspaces_per_uid: None,
+            access: Default::default(),
         }
     }
 }

@@ -268,6 +268,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     let threads_per_uid = a.max_threads_per_uid.unwrap_or(a.max_threads / 2).max(1);
     let keyspaces_per_uid = a.max_keyspaces_per_uid.unwrap_or(a.max_keyspaces / 2).max(1);
     let rules = super::rules::check(&mut c, &raw.rules);
+    let access = super::access::check(&mut c, &a.access);
 
     let validated = ValidatedConfig {
         resource_control: ResourceControl {
@@ -328,6 +329,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             max_keyspaces: a.max_keyspaces,
             max_threads_per_uid: threads_per_uid,
             max_keyspaces_per_uid: keyspaces_per_uid,
+            access,
         },
         rules,
     };

@@ -141,6 +141,8 @@ pub struct AgentConfig {
     pub max_keyspaces: u32,
     pub max_threads_per_uid: u32,
     pub max_keyspaces_per_uid: u32,
+    /// `[agent.access]` (a table: after every plain key).
+    pub access: super::access::Access,
 }
 
 impl ValidatedConfig {
