@@ -39,6 +39,27 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// Per keyspace CPU (cores over each interval), window ratio, bucket
+    /// fill, debt, waits and refusals, refreshed every interval like `top`.
+    /// `--json` prints one JSON object per frame.
+    Top {
+        /// Sort by (largest first).
+        #[arg(long, value_enum, default_value = "cpu")]
+        sort: cli::top::SortKey,
+        /// Seconds between frames.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Frames to print, then exit (for scripts); default: until interrupted.
+        #[arg(long)]
+        iterations: Option<u64>,
+        /// Keyspaces shown per frame.
+        #[arg(long, default_value_t = 40)]
+        limit: usize,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
     /// One keyspace explained: where its quota comes from, its bucket, debt
     /// and estimate, and why it is or is not throttled now. Exit 1 when the
     /// agent does not know it.
@@ -243,6 +264,15 @@ fn main() {
             Ok(e) => print(json, &e, cli::keyspace::render),
             Err(e) => fail(json, &e),
         },
+        Verb::Top { sort, interval, iterations, limit, socket, json } => {
+            if !(0.05..=3600.0).contains(&interval) {
+                fail(json, &CliError::Usage(format!("--interval {interval}: between 0.05 and 3600 seconds")));
+            }
+            let o = cli::top::Options { interval: std::time::Duration::from_secs_f64(interval), iterations, sort, limit, json };
+            if let Err(e) = cli::top::run(&socket.unwrap_or_else(default_socket), &o, write_stdout) {
+                fail(json, &e);
+            }
+        }
         Verb::Threads { socket, json } => match cli::threads::run(&socket.unwrap_or_else(default_socket)) {
             Ok(t) => print(json, &t, cli::threads::render),
             Err(e) => fail(json, &e),

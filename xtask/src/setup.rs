@@ -19,11 +19,13 @@ pub fn setup(cross: bool) -> Result<()> {
     bpf_linker()?;
     // setpriv: attacks run as nobody; prometheus: a real server scrapes the
     // agent, and promtool checks the exposition; stress-ng: the unmodified
-    // processes rules measure.
+    // processes rules measure (with xz); tmux: `governor top` in a terminal.
     let mut packages = vec![
         ("util-linux", "/usr/bin/setpriv"),
         ("prometheus", "/usr/bin/promtool"),
         ("stress-ng", "/usr/bin/stress-ng"),
+        ("xz-utils", "/usr/bin/xz"),
+        ("tmux", "/usr/bin/tmux"),
     ];
     if cross {
         packages.extend([

@@ -6,6 +6,7 @@ pub mod doctor;
 pub mod keyspace;
 pub mod rules;
 pub mod threads;
+pub mod top;
 pub mod status;
 
 use std::path::{Path, PathBuf};

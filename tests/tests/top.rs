@@ -1,0 +1,85 @@
+//! `governor top` in a real terminal (tmux, read back with capture-pane)
+//! and as a script would run it (`--iterations`, `--json`), against an
+//! agent measuring a busy keyspace.
+
+use governor_tests::{governor_bin, spawn_workload_started, Agent};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// One busy thread at a time: each has a core of its own.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn tmux(args: &[&str]) -> std::process::Output {
+    Command::new("tmux").args(args).output().expect("tmux runs (cargo xtask setup installs it)")
+}
+
+#[test]
+fn top_redraws_in_a_terminal_and_shows_the_busy_keyspace_first() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", "").unwrap();
+    let (mut busy, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "42", "--seconds", "6"]).unwrap();
+    // A quiet keyspace too: it sorts below.
+    let client = governor::client::Client::connect(&agent.socket).unwrap();
+    client.register_current_thread().unwrap();
+    drop(governor::client::tag(7).unwrap());
+    let session = format!("governor-top-{}", std::process::id());
+    let cmd = format!("{} top --socket {} --interval 0.5", governor_bin().display(), agent.socket.display());
+    let o = tmux(&["new-session", "-d", "-s", &session, "-x", "150", "-y", "30", &cmd]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let capture = || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", &session]).stdout).into_owned();
+    // Frames keep coming: the header line is redrawn in place (one copy on
+    // screen) and the busy keyspace's row changes.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut screens = Vec::new();
+    while Instant::now() < deadline && screens.len() < 4 {
+        std::thread::sleep(Duration::from_millis(700));
+        let s = capture();
+        if s.contains("KEYSPACE") {
+            screens.push(s);
+        }
+    }
+    let _ = tmux(&["kill-session", "-t", &session]);
+    let _ = busy.wait();
+    assert!(screens.len() >= 3, "top drew {} frames: {screens:?}", screens.len());
+    let last = screens.last().unwrap();
+    assert_eq!(last.matches("governor top").count(), 1, "redrawn in place, not scrolled:\n{last}");
+    let rows: Vec<&str> = last.lines().skip_while(|l| !l.contains("KEYSPACE")).skip(1).filter(|l| !l.trim().is_empty()).collect();
+    let first: Vec<&str> = rows.first().expect("a row").split_whitespace().collect();
+    assert_eq!(first[0], "42", "the busy keyspace sorts first:\n{last}");
+    let cores: f64 = first[1].parse().unwrap();
+    assert!((0.6..=1.05).contains(&cores), "a busy thread uses about one core, top says {cores}:\n{last}");
+    assert!(rows.iter().any(|r| r.split_whitespace().next() == Some("7")), "the quiet keyspace is listed:\n{last}");
+}
+
+#[test]
+fn top_for_scripts_prints_the_frames_asked_for() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", "").unwrap();
+    let (mut busy, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "43", "--seconds", "3"]).unwrap();
+    let t0 = Instant::now();
+    let o = Command::new(governor_bin())
+        .args(["top", "--json", "--iterations", "3", "--interval", "0.5", "--sort", "keyspace", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    let _ = busy.wait();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let frames: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
+    assert_eq!(frames.len(), 3);
+    assert!(took >= Duration::from_millis(1400) && took < Duration::from_secs(5), "3 frames 0.5 s apart took {took:?}");
+    for f in &frames {
+        let row = f["rows"].as_array().unwrap().iter().find(|r| r["keyspace_id"] == 43).expect("keyspace 43");
+        let cores = row["cpu_cores"].as_f64().unwrap();
+        assert!((0.6..=1.05).contains(&cores), "{f}");
+        assert!((f["interval_seconds"].as_f64().unwrap() - 0.5).abs() < 0.2, "{f}");
+    }
+    // A bad interval is a usage error.
+    let bad = Command::new(governor_bin()).args(["top", "--interval", "0", "--socket"]).arg(&agent.socket).output().unwrap();
+    assert_eq!(bad.status.code(), Some(64));
+}
