@@ -118,8 +118,8 @@ pub fn render(f: &Frame, limit: usize) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>10} {:>8} {:>8} {:>11} {:>10} {:>9} {:>8} {:>8}  {}",
-        "KEYSPACE", "CORES", "WINDOW%", "BUCKET", "FILL%", "DEBT µs", "WAITS", "REFUSED", "RULE"
+        "{:>10} {:>8} {:>8} {:>11} {:>10} {:>9} {:>8} {:>8}  RULE",
+        "KEYSPACE", "CORES", "WINDOW%", "BUCKET", "FILL%", "DEBT µs", "WAITS", "REFUSED"
     );
     for r in f.rows.iter().take(limit) {
         let fill = r.bucket_fill_pct.map_or("-".to_string(), |p| format!("{p:.0}"));
