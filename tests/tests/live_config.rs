@@ -128,3 +128,92 @@ fn the_embedded_default_has_no_file_to_reload_but_can_be_set() {
     let o = governor(&agent, &["config", "set", "agent.metrics-max-keyspaces=3"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
+
+/// Fifty invalid changes in a row, over every path (`config set` of many
+/// keys, reloads of broken files): each refused naming its key, the
+/// running configuration identical to the start after every one, and the
+/// agent counting all fifty.
+#[test]
+fn fifty_invalid_changes_are_each_refused_naming_the_key_and_change_nothing() {
+    let agent = Agent::start("auto", &capped(0.25)).expect("agent");
+    let path = agent.config_path().expect("a config file").to_path_buf();
+    let original = std::fs::read_to_string(&path).unwrap();
+    let before = agent.status().expect("status");
+    let sets: Vec<(String, &str)> = vec![
+        ("resource-control.cpu-throttle.tenant-max-cpu-ratio=-0.1".into(), "tenant-max-cpu-ratio"),
+        ("resource-control.cpu-throttle.tenant-max-cpu-ratio=nan".into(), "tenant-max-cpu-ratio"),
+        ("resource-control.cpu-throttle.tenant-max-cpu-ratio=\"half\"".into(), "tenant-max-cpu-ratio"),
+        ("resource-control.max-read-cpu-ratio=2".into(), "max-read-cpu-ratio"),
+        ("resource-control.stats-interval=0s".into(), "stats-interval"),
+        ("resource-control.window-size=1ms".into(), "window-size"),
+        ("resource-control.stats-interval=forever".into(), "stats-interval"),
+        ("resource-control.cpu-throttle.enable-fair-allocation=true".into(), "enable-fair-allocation"),
+        ("resource-control.cpu-throttle.enable-dynamic-adjustment=true".into(), "enable-dynamic-adjustment"),
+        ("resource-control.cpu-throttle.keyspace-cpu-quotas=1:x".into(), "keyspace-cpu-quotas"),
+        ("resource-control.cpu-throttle.keyspace-cpu-quotas=1:100,1:200".into(), "keyspace-cpu-quotas"),
+        ("resource-control.cpu-throttle.keyspace-estimated-cpu-per-request-us=7:0".into(), "keyspace-estimated-cpu-per-request-us"),
+        ("resource-control.cpu-throttle.keyspace-burst-enabled=3:maybe".into(), "keyspace-burst-enabled"),
+        ("resource-control.cpu-throttle.refill-interval=50ms".into(), "refill-interval"),
+        ("resource-control.cpu-throttle.burst-window=5s".into(), "burst-window"),
+        ("resource-control.cpu-throttle.enable-pd-service-limit=true".into(), "enable-pd-service-limit"),
+        ("resource-control.enable-qps-bytes-limiter=true".into(), "enable-qps-bytes-limiter"),
+        ("admission-control.mode=strict".into(), "admission-control.mode"),
+        ("admission-control.max-concurrent-per-tenant=-1".into(), "max-concurrent-per-tenant"),
+        ("write-quota.pending-write-threshold=12".into(), "pending-write-threshold"),
+        ("write-quota.pending-write-threshold=lots".into(), "pending-write-threshold"),
+        ("agent.control-socket=/tmp/elsewhere.sock".into(), "control-socket"),
+        ("agent.metrics-addr=127.0.0.1:1".into(), "metrics-addr"),
+        ("agent.measure=thread-clock".into(), "agent.measure"),
+        ("agent.max-threads=128".into(), "max-threads"),
+        ("agent.max-keyspaces=64".into(), "max-keyspaces"),
+        ("agent.timer-period=5ms".into(), "timer-period"),
+        ("agent.metrics-max-keyspaces=0".into(), "metrics-max-keyspaces"),
+        ("agent.max-threads-per-uid=0".into(), "max-threads-per-uid"),
+        ("agent.max-keyspaces-per-uid=1000000".into(), "max-keyspaces-per-uid"),
+        ("agent.access.socket-mode=0999".into(), "socket-mode"),
+        ("agent.access.clients=[\"no-such-user-here\"]".into(), "agent.access.clients"),
+        ("agent.access.admins=[\"@no-such-group-here\"]".into(), "agent.access.admins"),
+        ("agent.no-such-key=1".into(), "no-such-key"),
+        ("no-such-section.key=1".into(), "no-such-section"),
+        ("resource-control.cpu-throttle=1".into(), "resource-control.cpu-throttle"),
+    ];
+    let mut refused = 0;
+    for (set, key) in &sets {
+        let o = governor(&agent, &["config", "set", set, "--json"]);
+        assert_eq!(o.status.code(), Some(64), "{set}: {}", text(&o));
+        assert!(String::from_utf8_lossy(&o.stdout).contains(key), "{set}: the refusal does not name {key}: {}", text(&o));
+        assert_eq!(cap_ratio(&agent), 0.25, "{set} changed the running configuration");
+        refused += 1;
+    }
+    // Broken files, reloaded: each names its key.
+    let files: Vec<(String, &str)> = (0..14)
+        .map(|i| match i % 7 {
+            0 => (capped(0.25) + &format!("[agent]\nmax-threads = {}\n", 10 + i), "max-threads"),
+            1 => (capped(0.25) + "[resource-control]\nwindow-size = \"1ms\"\n", "window-size"),
+            2 => (capped(0.25).replace("enable-burst = false", "enable-burst = true"), "enable-burst"),
+            3 => (capped(0.25) + "[agent]\nno-such-key = 1\n", "no-such-key"),
+            4 => (capped(0.25) + "[[rules]]\nname = \"r\"\nkeyspace = -5\nuid = 0\n", "rules.r.keyspace"),
+            5 => (capped(0.25) + "[agent.access]\nreaders = [\"@no-such-group-here\"]\n", "agent.access.readers"),
+            _ => ("this is = = not toml".to_string(), "line 1"),
+        })
+        .collect();
+    for (body, key) in &files {
+        std::fs::write(&path, body).unwrap();
+        let o = governor(&agent, &["config", "reload", "--json"]);
+        assert_eq!(o.status.code(), Some(64), "{body}: {}", text(&o));
+        assert!(String::from_utf8_lossy(&o.stdout).contains(key), "reload does not name {key}: {}", text(&o));
+        assert_eq!(cap_ratio(&agent), 0.25, "a reload changed the running configuration");
+        refused += 1;
+    }
+    assert!(refused >= 50, "{refused} attempts");
+    let after = agent.status().expect("status");
+    assert_eq!(after.config_updates.rejected - before.config_updates.rejected, refused);
+    assert_eq!(after.config_updates.accepted, before.config_updates.accepted);
+    // The original file reloaded: accepted with nothing to change, so the
+    // running configuration is still exactly the one the agent started on.
+    std::fs::write(&path, original).unwrap();
+    let o = governor(&agent, &["config", "reload", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(v["changes"].as_array().map(Vec::len), Some(0), "{v}");
+}

@@ -243,9 +243,18 @@ impl Policy {
         now_us: u64,
     ) -> Result<(u32, u64), RegionError> {
         let r = self.regions();
-        let (cell, generation, inserted) = r.directory().insert(keyspace, |p| {
+        // A new cell's counters and tokens restart before the entry is
+        // published: from then on clients find it and count into it, and a
+        // reset after that wiped their counts (seen as lost grants under
+        // qemu-aarch64, 6 runs in 60).
+        let mut fresh_tail = None;
+        let (cell, generation, inserted) = r.directory().insert(keyspace, |c, p| {
             p.flags.store(0, Ordering::Relaxed);
             p.estimate_us.store(s.static_estimate_us(keyspace), Ordering::Relaxed);
+            if let Some((bucket, _)) = r.keyspace_cell(c) {
+                bucket.reset_counters();
+                fresh_tail = Some(bucket.reset_tokens());
+            }
         })?;
         let (bucket, params) = r.keyspace_cell(cell).expect("cell from the directory");
         if inserted || e.cells[cell as usize].as_ref().is_none_or(|st| st.id != keyspace) {
@@ -263,9 +272,15 @@ impl Policy {
                 last_used_us: now_us,
             });
             // Counters and tokens restart with the new keyspace (nothing was
-            // in flight and nobody waited when the last holder went).
-            bucket.reset_counters();
-            let tail = bucket.reset_tokens();
+            // in flight and nobody waited when the last holder went): done
+            // above, unpublished, for a new entry.
+            let tail = match fresh_tail {
+                Some(tail) => tail,
+                None => {
+                    bucket.reset_counters();
+                    bucket.reset_tokens()
+                }
+            };
             e.cells[cell as usize].as_mut().expect("just set").book.tail_base_us = tail;
             e.last_demand.remove(&cell);
             e.estimates.forget(cell);

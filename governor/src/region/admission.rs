@@ -278,10 +278,11 @@ impl<'a> Directory<'a> {
     }
 
     /// Agent only: the cell of `keyspace_id`, giving it a free one (the
-    /// first empty or evicted entry on its probe path) when absent. The
-    /// parameters are set by `init` before the entry becomes visible.
+    /// first empty or evicted entry on its probe path) when absent. `init`
+    /// (given the cell and its parameters) prepares it before the entry
+    /// becomes visible: a client can find it and count into it from then on.
     /// Returns (cell, generation, inserted).
-    pub fn insert(&self, keyspace_id: u32, init: impl FnOnce(&ParamsView)) -> Result<(u32, u64, bool), RegionError> {
+    pub fn insert(&self, keyspace_id: u32, init: impl FnOnce(u32, &ParamsView)) -> Result<(u32, u64, bool), RegionError> {
         if let Some((c, g)) = self.find(keyspace_id) {
             return Ok((c, g, false));
         }
@@ -292,7 +293,7 @@ impl<'a> Directory<'a> {
             if p.entry().0 != DIR_LIVE {
                 let generation = p.generation.load(Ordering::Relaxed) + 1;
                 p.generation.store(generation, Ordering::Relaxed);
-                init(p);
+                init(c, p);
                 p.key.store(dir_key(keyspace_id, DIR_LIVE), Ordering::Release);
                 return Ok((c, generation, true));
             }
@@ -338,18 +339,18 @@ mod tests {
         let d = Directory::new(&t);
         let mut cells = std::collections::HashSet::new();
         for id in 0..200u32 {
-            let (c, g, new) = d.insert(id * 7, |p| p.capacity_us.store(id as u64, Ordering::Relaxed)).unwrap();
+            let (c, g, new) = d.insert(id * 7, |_, p| p.capacity_us.store(id as u64, Ordering::Relaxed)).unwrap();
             assert!(new && g == 1 && cells.insert(c), "cell {c} handed out twice");
         }
         assert_eq!(d.live().count(), 200);
         let (c, _) = d.find(14).unwrap();
         assert_eq!(t.get(c + FIRST_KEYSPACE).unwrap().capacity_us.load(Ordering::Relaxed), 2);
-        assert_eq!(d.insert(14, |_| panic!("no init for a present keyspace")).unwrap(), (c, 1, false));
+        assert_eq!(d.insert(14, |_, _| panic!("no init for a present keyspace")).unwrap(), (c, 1, false));
         d.evict(c);
         assert_eq!(d.find(14), None);
         // Keyspaces probing past the evicted entry are still found.
         assert!((0..200u32).filter(|id| *id != 2).all(|id| d.find(id * 7).is_some()));
-        let (c2, g2, new) = d.insert(14, |_| {}).unwrap();
+        let (c2, g2, new) = d.insert(14, |_, _| {}).unwrap();
         assert!(new && c2 == c && g2 == 2, "the evicted cell is reused with a new generation");
     }
 
@@ -358,9 +359,9 @@ mod tests {
         let (_fd, t) = params(8);
         let d = Directory::new(&t);
         for id in 0..8 {
-            d.insert(id, |_| {}).unwrap();
+            d.insert(id, |_, _| {}).unwrap();
         }
-        assert!(matches!(d.insert(99, |_| {}), Err(RegionError::KeyspaceTableFull { capacity: 8 })));
+        assert!(matches!(d.insert(99, |_, _| {}), Err(RegionError::KeyspaceTableFull { capacity: 8 })));
         // Every entry live under foreign ids: a lookup still ends.
         for c in 0..8 {
             t.get(c + FIRST_KEYSPACE).unwrap().key.store(dir_key(1000 + c, 77), Ordering::Relaxed);
