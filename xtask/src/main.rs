@@ -1,15 +1,18 @@
-//! Project tasks: `cargo xtask setup | test | demo [--json] [--short] | bench [--json]`.
+//! Project tasks: `cargo xtask setup | test | demo [--json] [--short] | bench [--json] | dist [--arch A]`.
 //!
 //! # Layout
 //!
 //! - `setup`: installs what a bare machine lacks (idempotent).
-//! - `test`: setup, then every test: host tests (real eBPF included), the
-//!   light client on stable (its tests, and no agent crate in its tree), and
-//!   the aarch64 cross build with its pure unit tests under qemu-user.
+//! - `test`: setup, then every test: the amd64 package (a test installs
+//!   it), host tests (real eBPF included), the light client on stable (its
+//!   tests, and no agent crate in its tree), the aarch64 cross build with
+//!   its pure unit tests under qemu-user, and the arm64 package.
 //! - `demo`: a noisy neighbour on the reader server, measured, then
 //!   governed: CPU per tenant, the light tenants' latency, an SVG.
 //! - `bench`: the benchmark harness; `--json` prints one JSON object.
+//! - `dist`: a tarball and a `.deb` per architecture in `target/dist/`.
 
+mod dist;
 mod setup;
 
 use anyhow::{bail, Context, Result};
@@ -43,6 +46,12 @@ enum Task {
         /// Shorter phases (10 s instead of 15 s).
         #[arg(long)]
         short: bool,
+    },
+    /// Build and package: a tarball and a .deb per architecture in target/dist/.
+    Dist {
+        /// Only this architecture (default: both).
+        #[arg(long, value_enum)]
+        arch: Option<dist::Arch>,
     },
     /// Setup, then run the benchmarks.
     Bench {
@@ -78,11 +87,62 @@ fn build_release() -> Result<()> {
 fn test(host_only: bool) -> Result<()> {
     setup::setup(!host_only)?;
     build_release()?;
+    // The host's package first: a test installs it with dpkg.
+    dist::package(dist::Arch::X86_64)?;
     // Host: unit, config, policy and end-to-end tests (real eBPF).
     run(cargo().args(["test", "--release"]))?;
     light_client()?;
     if !host_only {
         cross_aarch64()?;
+        let (_, deb) = dist::package(dist::Arch::Aarch64)?;
+        check_deb(&deb, "arm64")?;
+    }
+    Ok(())
+}
+
+/// A package for another architecture cannot be installed here: its
+/// metadata and contents are checked instead.
+fn check_deb(deb: &Path, arch: &str) -> Result<()> {
+    let field = |f: &str| -> Result<String> {
+        let out = Command::new("dpkg-deb").args(["--field"]).arg(deb).arg(f).output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    if field("Architecture")? != arch || field("Package")? != "governor" {
+        bail!("{}: not a governor package for {arch}", deb.display());
+    }
+    let list = Command::new("dpkg-deb").arg("--contents").arg(deb).output()?;
+    let list = String::from_utf8_lossy(&list.stdout);
+    for path in ["./usr/bin/governor", "./lib/systemd/system/governor.service", "./etc/governor/governor.toml"] {
+        if !list.lines().any(|l| l.ends_with(path)) {
+            bail!("{} lacks {path}:\n{list}", deb.display());
+        }
+    }
+    // Its agent runs (under qemu-user) and takes the configuration it ships.
+    let stage = dist::dir().join(format!("governor-{}-aarch64", env!("CARGO_PKG_VERSION")));
+    let out = Command::new("qemu-aarch64")
+        .args(["-L", "/usr/aarch64-linux-gnu"])
+        .arg(stage.join("usr/bin/governor"))
+        .args(["config", "validate"])
+        .arg(stage.join("etc/governor/governor.toml"))
+        .output()
+        .context("running the aarch64 governor under qemu-aarch64")?;
+    if !out.status.success() {
+        bail!("the packaged aarch64 governor: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    eprintln!("{}: governor for {arch}, with binary, unit and configuration; its agent validates its configuration", deb.display());
+    Ok(())
+}
+
+fn dist(arch: Option<dist::Arch>) -> Result<()> {
+    if arch != Some(dist::Arch::Aarch64) {
+        build_release()?;
+        dist::package(dist::Arch::X86_64)?;
+    }
+    if arch != Some(dist::Arch::X86_64) {
+        setup::setup(true)?;
+        run(cross_env(cargo()).args(["build", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", "governor", "--bins"]))?;
+        let (_, deb) = dist::package(dist::Arch::Aarch64)?;
+        check_deb(&deb, "arm64")?;
     }
     Ok(())
 }
@@ -122,21 +182,23 @@ fn light_client() -> Result<()> {
     Ok(())
 }
 
+/// `c` with the aarch64 cross linker and qemu-user runner.
+fn cross_env(mut c: Command) -> Command {
+    for (k, v) in [
+        ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc"),
+        ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", "qemu-aarch64 -L /usr/aarch64-linux-gnu"),
+        ("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc"),
+    ] {
+        c.env(k, v);
+    }
+    c
+}
+
 /// Cross-compiles the userspace for aarch64 and runs the pure unit tests
 /// (layouts, config, policy, regions) under qemu-user.
 fn cross_aarch64() -> Result<()> {
     let target = "aarch64-unknown-linux-gnu";
-    let env = [
-        ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc"),
-        ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", "qemu-aarch64 -L /usr/aarch64-linux-gnu"),
-        ("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc"),
-    ];
-    let with_env = |mut c: Command| {
-        for (k, v) in env {
-            c.env(k, v);
-        }
-        c
-    };
+    let with_env = cross_env;
     run(with_env(cargo()).args(["build", "--release", "--target", target, "-p", "governor", "--bins"]))?;
     run(with_env(cargo()).args(["test", "--release", "--target", target, "-p", "governor-common"]))?;
     // governor's own integration tests are the pure config and policy suites.
@@ -151,6 +213,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::setup(true),
         Task::Test { host_only } => test(host_only),
+        Task::Dist { arch } => dist(arch),
         Task::Demo { json, short } => {
             setup::setup(false)?;
             build_release()?;
