@@ -172,6 +172,29 @@ pub struct StatusReport {
     /// Where capped rule keyspaces are held to their cap, or why they are not.
     #[serde(default)]
     pub rule_enforcement: String,
+    /// What whatever scales the storage tier should know (`agent::autoscale`).
+    #[serde(default)]
+    pub autoscale: AutoscaleSignals,
+}
+
+/// The admission-control seed's autoscaling rules, evaluated on this node.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AutoscaleSignals {
+    /// Admission control refused work recently: the node reads idler than it is.
+    pub scale_down_unsafe: bool,
+    /// One keyspace owns most of the load and is already throttled: more
+    /// capacity would go to the tenant being held back.
+    pub scale_up_unhelpful: bool,
+    /// `tenant_admission_control` refusals in the window.
+    pub admission_refusals_recent: u64,
+    /// The keyspace with the most CPU over the monitor window.
+    pub dominant_keyspace: Option<u32>,
+    /// Its share of the keyspaces' CPU over the monitor window.
+    pub dominant_share: f64,
+    /// Its tickets waited or were refused in the window.
+    pub dominant_throttled: bool,
+    /// How far back "recently" looks, seconds.
+    pub window_seconds: u64,
 }
 
 /// One rule, as `governor rules list` shows it.

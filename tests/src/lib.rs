@@ -37,6 +37,16 @@ pub fn demo_bin() -> PathBuf {
     std::env::var_os("DEMO_BIN").map(PathBuf::from).unwrap_or_else(|| profile_dir().join("demo"))
 }
 
+/// One `GET /metrics` from the agent's exporter at `addr`: the raw reply.
+pub fn scrape_metrics(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("request sent");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).expect("reply read");
+    raw
+}
+
 /// A fresh scratch directory under /tmp, removed on drop.
 pub struct Scratch(pub PathBuf);
 

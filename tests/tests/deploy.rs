@@ -4,7 +4,6 @@
 
 use governor_tests::{essential_config, governor_bin, run_workload, Agent, Scratch};
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
 use std::path::Path;
 use std::process::Command;
 
@@ -47,14 +46,6 @@ fn the_systemd_unit_verifies_against_an_installed_binary() {
     assert!(String::from_utf8_lossy(&help.stdout).contains("--config"));
 }
 
-fn scrape(addr: &str) -> String {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    raw
-}
-
 #[test]
 fn every_metric_the_dashboard_queries_is_in_a_scrape() {
     let dash: serde_json::Value =
@@ -89,7 +80,7 @@ fn every_metric_the_dashboard_queries_is_in_a_scrape() {
     run_workload(&agent.socket, &["tickets", "--keyspace", "5", "--threads", "2", "--seconds", "1", "--work-us", "2000"]).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
     let addr = agent.status().unwrap().metrics_addr.unwrap();
-    let text = scrape(&addr);
+    let text = governor_tests::scrape_metrics(&addr);
     let _ = sleeper.kill();
     let _ = sleeper.wait();
     let present: BTreeSet<&str> = text

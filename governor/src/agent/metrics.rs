@@ -286,6 +286,22 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         "result",
         &[("accepted".to_string(), u.accepted), ("rejected".to_string(), u.rejected)],
     );
+    let a = &status.autoscale;
+    f.gauge(
+        "governor_autoscale_scale_down_unsafe",
+        "1 while admission control refused work in the last minute (tenant_admission_control): do not scale down",
+        f64::from(u8::from(a.scale_down_unsafe)),
+    );
+    f.gauge(
+        "governor_autoscale_scale_up_unhelpful",
+        "1 while one keyspace owns most of the load and is already throttled: more capacity would go to it",
+        f64::from(u8::from(a.scale_up_unhelpful)),
+    );
+    f.gauge(
+        "governor_autoscale_dominant_share",
+        "Share of the keyspaces' CPU over the monitor window held by the busiest keyspace",
+        a.dominant_share,
+    );
     f.gauges(
         "governor_rule_keyspace",
         "Keyspace each [[rules]] entry charges the processes it matches to",

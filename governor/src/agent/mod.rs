@@ -13,6 +13,7 @@
 //! - `usage`: per-keyspace CPU from the measurement cells, as the policy's
 //!   usage samples.
 //! - `rules`: unmodified processes measured by `[[rules]]`.
+//! - `autoscale`: the two autoscaling signals of the admission-control seed.
 //! - `cgroups`: the kernel holds capped rule keyspaces to their cap.
 //! - `status`: what `governor status` shows.
 
@@ -20,6 +21,7 @@ mod ledgers;
 mod server;
 pub mod slots;
 mod live_config;
+mod autoscale;
 mod cgroups;
 mod metrics;
 mod rules;
@@ -102,6 +104,8 @@ pub(crate) struct Shared {
     config: Mutex<live_config::Running>,
     /// Rule measurement (after `measurement` in lock order).
     rules: Mutex<rules::Rules>,
+    /// Counter samples behind the autoscaling signals.
+    autoscale: Mutex<autoscale::History>,
     /// Where `/metrics` is served, as bound.
     metrics_addr: Option<std::net::SocketAddr>,
     /// The control socket's path.
@@ -131,6 +135,28 @@ impl Shared {
 
     fn lock_config(&self) -> MutexGuard<'_, live_config::Running> {
         self.config.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `tenant_admission_control` refusals since start, and per keyspace the
+    /// tickets that waited or were refused: what the autoscaling rules read.
+    fn held_back(&self) -> (u64, std::collections::HashMap<u32, u64>) {
+        let r = self.policy.regions();
+        let per_keyspace = r
+            .directory()
+            .live()
+            .filter_map(|(id, cell)| {
+                let (b, _) = r.keyspace_cell(cell)?;
+                let c = crate::policy::KeyspaceCounters::of(b);
+                Some((id, c.waited + c.refused_keyspace + c.refused_global + c.refused_write + c.refused_concurrency))
+            })
+            .collect();
+        (self.policy.counters().concurrency_refused, per_keyspace)
+    }
+
+    /// The autoscaling signals now.
+    fn autoscale_signals(&self, window_cpu: &std::collections::HashMap<u32, u64>) -> crate::proto::AutoscaleSignals {
+        let (refused, held_back) = self.held_back();
+        self.autoscale.lock().unwrap_or_else(|p| p.into_inner()).signals(refused, &held_back, window_cpu)
     }
 
     /// `agent.access` in force.
@@ -244,6 +270,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         metrics_max_keyspaces: (opts.config.agent().metrics_max_keyspaces as usize).into(),
         config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
         rules: Mutex::new(rules::Rules::default()),
+        autoscale: Mutex::new(autoscale::History::default()),
         metrics_addr,
         socket: opts.socket.clone(),
         measurement: Mutex::new(measurement),
@@ -335,6 +362,10 @@ async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
             None
         };
         shared.policy.tick_with(now_us(), sample.as_ref(), || shared.pinned_cells());
+        if sample.is_some() {
+            let (refused, held_back) = shared.held_back();
+            shared.autoscale.lock().unwrap_or_else(|p| p.into_inner()).record(refused, held_back);
+        }
         header.agent.heartbeat_ns.store(sys::monotonic_ns(), Ordering::Release);
     }
 }

@@ -126,6 +126,7 @@ impl Shared {
             rule_events: rules.events,
             rule_events_dropped: rules.dropped,
             rule_enforcement: rules.enforcer.as_ref().map_or_else(String::new, |e| e.describe()),
+            autoscale: self.autoscale_signals(&window),
         }
     }
 }
