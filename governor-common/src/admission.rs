@@ -101,7 +101,9 @@ pub mod counter {
     pub const FAIL_OPEN: usize = 16;
     /// Overrun charged as debt, µs.
     pub const DEBT_US: usize = 17;
-    // 18: free (refunds are derived from `head_us` by the agent).
+    /// Requests the server's thread pool rejected (reported by the server):
+    /// kept apart from admission refusals, and feeding no scaling rule.
+    pub const POOL_REJECTED: usize = 18;
     /// Overrun beyond the bucket's debt bound, not charged, µs.
     pub const DEBT_FORGIVEN_US: usize = 19;
     /// Admitted with no bucket (no quota, no cap): legacy skip-throttle.

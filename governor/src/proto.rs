@@ -286,6 +286,10 @@ pub struct KeyspaceStatus {
     pub waited: u64,
     pub inflight_requests: u64,
     pub pending_write_bytes: u64,
+    /// Requests the server's thread pool rejected (reported by the server);
+    /// apart from `refused`, and feeding no autoscaling rule.
+    #[serde(default)]
+    pub pool_rejections: u64,
     /// The rules that charge unmodified processes to it, comma-separated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,

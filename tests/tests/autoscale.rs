@@ -53,3 +53,22 @@ fn scale_up_is_unhelpful_only_for_a_dominant_tenant_that_is_held_back() {
     assert_eq!(s["dominant_keyspace"], 6, "{s}");
     assert_eq!((s["dominant_throttled"].clone(), s["scale_up_unhelpful"].clone()), (false.into(), false.into()), "{s}");
 }
+
+#[test]
+fn thread_pool_rejections_are_counted_apart_and_feed_no_rule() {
+    let agent =
+        Agent::start("ebpf", "[admission-control]\nmode = \"enforced\"\nmax-concurrent-per-tenant = 1\n").unwrap();
+    let mut h = Holder::start(&agent.socket);
+    for _ in 0..7 {
+        assert_eq!(h.say("pool-reject 9")["reported"], true);
+    }
+    let status = agent.status().unwrap();
+    let k = status.keyspaces.iter().find(|k| k.keyspace_id == 9).expect("keyspace 9");
+    assert_eq!((k.pool_rejections, k.refused), (7, 0));
+    // Not admission control: scale-down stays safe, nothing is held back.
+    let s = signals(&agent);
+    assert_eq!((s["scale_down_unsafe"].clone(), s["admission_refusals_recent"].clone()), (false.into(), 0.into()), "{s}");
+    let text = scrape(&agent);
+    assert!(text.lines().any(|l| l == "governor_thread_pool_rejections_total{keyspace_id=\"9\"} 7"), "{text}");
+    assert!(!text.lines().any(|l| l.starts_with("governor_keyspace_tickets_refused_total{keyspace_id=\"9\"} ") && !l.ends_with(" 0")));
+}

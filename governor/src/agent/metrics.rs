@@ -137,6 +137,7 @@ struct Row {
     waited: u64,
     granted: u64,
     refused: u64,
+    pool_rejected: u64,
 }
 
 impl Row {
@@ -153,6 +154,7 @@ impl Row {
         self.waited += o.waited;
         self.granted += o.granted;
         self.refused += o.refused;
+        self.pool_rejected += o.pool_rejected;
     }
 }
 
@@ -211,6 +213,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 waited: k.waited,
                 granted: k.granted,
                 refused: k.refused,
+                pool_rejected: k.pool_rejections,
             };
             (k.keyspace_id, row)
         })
@@ -252,6 +255,12 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     f.registry.register(Box::new(cpu)).expect("registered once");
     f.counters("governor_keyspace_tickets_granted_total", "Tickets granted", KS, &per_count(&|r| r.granted));
     f.counters("governor_keyspace_tickets_refused_total", "Tickets refused, every reason", KS, &per_count(&|r| r.refused));
+    f.counters(
+        "governor_thread_pool_rejections_total",
+        "Requests the server's thread pool rejected (reported by the server): not admission refusals, and no autoscaling rule reads them",
+        KS,
+        &per_count(&|r| r.pool_rejected),
+    );
 
     // Write bytes (keyspace-write-quota.md) and admission control
     // (tenant-admission-control.md).

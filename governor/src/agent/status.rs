@@ -66,6 +66,7 @@ impl Shared {
                     waited: c.waited,
                     inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
                     pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
+                    pool_rejections: c.pool_rejected,
                     rule: rule_names.get(&id).cloned(),
                 }
             })

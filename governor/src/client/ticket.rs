@@ -230,6 +230,24 @@ fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
 }
 
 impl Client {
+    /// Reports that the server's own thread pool rejected a request of
+    /// `keyspace` (it overflowed): counted apart from admission refusals,
+    /// since an overflowing pool says the node needs capacity, where an
+    /// admission refusal says a tenant is being held back. Call it on the
+    /// rejecting thread, while the request's keyspace is known. A store in
+    /// shared memory; nothing happens when the agent is away.
+    pub fn report_pool_rejection(&self, keyspace: u32) {
+        let att = self.attachment();
+        if !att.alive() {
+            return;
+        }
+        if let Ok((c, _)) = att.cell_of(keyspace)
+            && let Some((b, _)) = att.admission.keyspace_cell(c)
+        {
+            b.count(counter::POOL_REJECTED, 1);
+        }
+    }
+
     /// Admits one request of `keyspace`, or refuses it (after waiting in line
     /// for CPU tokens until the demand's deadline, if it has one).
     pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket<'_>, Refused> {

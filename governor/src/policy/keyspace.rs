@@ -161,6 +161,8 @@ pub struct KeyspaceCounters {
     pub fail_open: u64,
     pub debt_forgiven_us: u64,
     pub reclaimed: u64,
+    /// Thread-pool rejections the server reported (not admission refusals).
+    pub pool_rejected: u64,
 }
 
 impl KeyspaceCounters {
@@ -184,6 +186,7 @@ impl KeyspaceCounters {
             fail_open: b.counter(c::FAIL_OPEN),
             debt_forgiven_us: b.counter(c::DEBT_FORGIVEN_US),
             reclaimed: b.counter(c::RECLAIMED),
+            pool_rejected: b.counter(c::POOL_REJECTED),
         }
     }
 }

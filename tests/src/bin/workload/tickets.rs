@@ -121,6 +121,11 @@ pub fn hold(args: &[String]) -> Result<serde_json::Value> {
                 }
             }
             ["held"] => json!({"held": held.len()}),
+            // The server's own pool rejected a request of this keyspace.
+            ["pool-reject", ks] => {
+                client.report_pool_rejection(ks.parse().context("keyspace")?);
+                json!({"reported": true})
+            }
             ["release"] => {
                 let n = held.len();
                 held.clear();
