@@ -47,6 +47,26 @@ pub fn scrape_metrics(addr: &str) -> String {
     raw
 }
 
+/// `root` and every process below it, from `/proc/<pid>/stat`.
+pub fn process_tree(root: u32) -> std::collections::BTreeSet<u32> {
+    let mut parent = std::collections::HashMap::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        if let Some(pp) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok()) {
+            parent.insert(pid, pp);
+        }
+    }
+    let mut out = std::collections::BTreeSet::from([root]);
+    loop {
+        let more: Vec<u32> = parent.iter().filter(|(p, pp)| out.contains(pp) && !out.contains(p)).map(|(p, _)| *p).collect();
+        if more.is_empty() {
+            return out;
+        }
+        out.extend(more);
+    }
+}
+
 /// A fresh scratch directory under /tmp, removed on drop.
 pub struct Scratch(pub PathBuf);
 

@@ -5,8 +5,8 @@
 //! a matched process stays its tags'; bad rules are refused naming the rule
 //! and the key.
 
-use governor_tests::{governor_bin, spawn_workload_started, workload_bin, Agent, Scratch};
-use std::collections::{BTreeSet, HashMap};
+use governor_tests::{governor_bin, process_tree as tree, spawn_workload_started, workload_bin, Agent, Scratch};
+use std::collections::BTreeSet;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -23,27 +23,6 @@ fn governor(agent: &Agent, args: &[&str]) -> Output {
 
 fn text(o: &Output) -> String {
     format!("exit {:?}\nstdout:\n{}\nstderr:\n{}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
-
-/// `root` and every process below it.
-fn tree(root: u32) -> BTreeSet<u32> {
-    let mut parent = HashMap::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        if let Some(pp) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok()) {
-            parent.insert(pid, pp);
-        }
-    }
-    let mut out = BTreeSet::from([root]);
-    loop {
-        let more: Vec<u32> =
-            parent.iter().filter(|(p, pp)| out.contains(pp) && !out.contains(p)).map(|(p, _)| *p).collect();
-        if more.is_empty() {
-            return out;
-        }
-        out.extend(more);
-    }
 }
 
 /// Σ schedstat run time of every thread of every process in `pids`.

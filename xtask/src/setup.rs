@@ -26,6 +26,10 @@ pub fn setup(cross: bool) -> Result<()> {
         ("stress-ng", "/usr/bin/stress-ng"),
         ("xz-utils", "/usr/bin/xz"),
         ("tmux", "/usr/bin/tmux"),
+        // The package test: `dpkg -i` needs the .deb's dependency, and the
+        // unit is checked with systemd-analyze.
+        ("adduser", "/usr/sbin/adduser"),
+        ("systemd", "/usr/bin/systemd-analyze"),
     ];
     if cross {
         packages.extend([

@@ -49,28 +49,17 @@ pub(crate) struct Enforcer {
     caps: HashMap<u32, f64>,
 }
 
-fn write(path: &Path, value: &str) -> std::io::Result<()> {
-    std::fs::write(path, value)
-}
-
 /// The hierarchy with the cpu controller: v2 when it has it, else v1.
 fn detect() -> Result<(PathBuf, Version), String> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").map_err(|e| format!("cannot read /proc/self/mounts: {e}"))?;
-    let mut v1 = None;
-    for line in mounts.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (Some(dir), Some(fs), Some(opts)) = (f.get(1), f.get(2), f.get(3)) else { continue };
-        if *fs == "cgroup2" {
-            let controllers = std::fs::read_to_string(Path::new(dir).join("cgroup.controllers")).unwrap_or_default();
-            if controllers.split_whitespace().any(|c| c == "cpu") {
-                return Ok((PathBuf::from(dir), Version::V2));
-            }
-        } else if *fs == "cgroup" && opts.split(',').any(|o| o == "cpu") {
-            v1 = Some(PathBuf::from(dir));
+    let mounts = crate::sys::cgroup_mounts();
+    let pick = |v2: bool| mounts.iter().find(|m| m.cpu && m.v2 == v2).map(|m| m.dir.clone());
+    match (pick(true), pick(false)) {
+        (Some(dir), _) => Ok((dir, Version::V2)),
+        (None, Some(dir)) => Ok((dir, Version::V1)),
+        (None, None) => {
+            Err("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)".into())
         }
     }
-    v1.map(|d| (d, Version::V1))
-        .ok_or_else(|| "no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)".into())
 }
 
 /// The child processes of `tgid` (every thread's `children`).
@@ -85,16 +74,7 @@ fn children(tgid: u32) -> Vec<u32> {
 
 /// The cgroup of `tgid` in a hierarchy of `version` (relative path).
 fn cgroup_of(tgid: u32, version: Version) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).ok()?;
-    text.lines().find_map(|l| {
-        let mut f = l.splitn(3, ':');
-        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-        let ours = match version {
-            Version::V2 => controllers.is_empty(),
-            Version::V1 => controllers.split(',').any(|c| c == "cpu"),
-        };
-        ours.then(|| path.to_string())
-    })
+    crate::sys::process_cgroups(tgid).into_iter().find(|(v2, _)| *v2 == (version == Version::V2)).map(|(_, p)| p)
 }
 
 impl Enforcer {
@@ -166,13 +146,13 @@ impl Enforcer {
         let slice_dir = root.join(&self.slice);
         if !caps.is_empty() && !slice_dir.is_dir() {
             if version == Version::V2 {
-                let _ = write(&root.join("cgroup.subtree_control"), "+cpu");
+                let _ = std::fs::write(root.join("cgroup.subtree_control"), "+cpu");
             }
             if let Err(e) = std::fs::create_dir_all(&slice_dir) {
                 return self.fail(format!("cannot create {}: {e}", slice_dir.display()));
             }
             if version == Version::V2
-                && let Err(e) = write(&slice_dir.join("cgroup.subtree_control"), "+cpu")
+                && let Err(e) = std::fs::write(slice_dir.join("cgroup.subtree_control"), "+cpu")
             {
                 return self.fail(format!("cannot enable the cpu controller in {}: {e}", slice_dir.display()));
             }
@@ -197,9 +177,9 @@ impl Enforcer {
             self.save();
             let quota = ((cores * PERIOD_US as f64).round() as u64).max(1000);
             let result = match version {
-                Version::V2 => write(&dir.join("cpu.max"), &format!("{quota} {PERIOD_US}")),
-                Version::V1 => write(&dir.join("cpu.cfs_period_us"), &PERIOD_US.to_string())
-                    .and_then(|()| write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())),
+                Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {PERIOD_US}")),
+                Version::V1 => std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())
+                    .and_then(|()| std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())),
             };
             if let Err(e) = result {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
@@ -233,7 +213,7 @@ impl Enforcer {
                     if orig != format!("/{rel}") {
                         self.state.moved.entry(p).or_insert(orig);
                         self.save();
-                        if let Err(e) = write(&root.join(&rel).join("cgroup.procs"), &p.to_string()) {
+                        if let Err(e) = std::fs::write(root.join(&rel).join("cgroup.procs"), p.to_string()) {
                             log::warn!("cgroups: cannot move process {p} into {rel}: {e}");
                             self.state.moved.remove(&p);
                         }
@@ -253,7 +233,7 @@ impl Enforcer {
     fn move_back(&self, root: &Path, tgid: u32, orig: &str) {
         let target = root.join(orig.trim_start_matches('/'));
         let target = if target.is_dir() { target } else { root.to_path_buf() };
-        if let Err(e) = write(&target.join("cgroup.procs"), &tgid.to_string())
+        if let Err(e) = std::fs::write(target.join("cgroup.procs"), tgid.to_string())
             && e.raw_os_error() != Some(libc::ESRCH)
         {
             log::warn!("cgroups: cannot move process {tgid} back to {}: {e}", target.display());

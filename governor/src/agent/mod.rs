@@ -153,11 +153,6 @@ impl Shared {
         (self.policy.counters().concurrency_refused, per_keyspace)
     }
 
-    /// The autoscaling signals now.
-    fn autoscale_signals(&self, window_cpu: &std::collections::HashMap<u32, u64>) -> crate::proto::AutoscaleSignals {
-        let (refused, held_back) = self.held_back();
-        self.autoscale.lock().unwrap_or_else(|p| p.into_inner()).signals(refused, &held_back, window_cpu)
-    }
 
     /// `agent.access` in force.
     fn access(&self) -> crate::config::Access {

@@ -82,15 +82,7 @@ pub(crate) fn identity(tgid: u32) -> Option<ProcessIdentity> {
         .find_map(|l| l.strip_prefix("Uid:"))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|u| u.parse().ok());
-    let cgroups = std::fs::read_to_string(format!("{dir}/cgroup"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.splitn(3, ':');
-            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-            (controllers.is_empty() || controllers.split(',').any(|c| c == "cpu")).then(|| path.to_string())
-        })
-        .collect();
+    let cgroups = crate::sys::process_cgroups(tgid).into_iter().map(|(_, path)| path).collect();
     Some(ProcessIdentity { tgid, comm, exe, uid, cgroups })
 }
 

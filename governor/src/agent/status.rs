@@ -81,6 +81,10 @@ impl Shared {
         };
         let g = r.bucket(crate::region::GLOBAL);
         let c = snap.counters;
+        // From the counters the rows above already read: tickets that waited
+        // or were refused, per keyspace.
+        let held_back = keyspaces.iter().map(|k| (k.keyspace_id, k.waited + k.refused)).collect();
+        let autoscale = self.autoscale.lock().unwrap_or_else(|p| p.into_inner()).signals(c.concurrency_refused, &held_back, &window);
         StatusReport {
             backend: m.kind,
             thread_clock_source: thread_clock_source.to_string(),
@@ -127,7 +131,7 @@ impl Shared {
             rule_events: rules.events,
             rule_events_dropped: rules.dropped,
             rule_enforcement: rules.enforcer.as_ref().map_or_else(String::new, |e| e.describe()),
-            autoscale: self.autoscale_signals(&window),
+            autoscale,
         }
     }
 }

@@ -54,10 +54,6 @@ pub struct Frame {
     pub rows: Vec<Row>,
 }
 
-fn status(socket: &Path) -> Result<StatusReport, CliError> {
-    super::status::run(socket)
-}
-
 fn frame(before: &StatusReport, after: &StatusReport, seconds: f64, sort: SortKey) -> Frame {
     let old: HashMap<u32, &KeyspaceStatus> = before.keyspaces.iter().map(|k| (k.keyspace_id, k)).collect();
     let mut rows: Vec<Row> = after
@@ -156,12 +152,12 @@ pub struct Options {
 /// Prints frames with `emit` until done (or the agent goes away).
 pub fn run(socket: &Path, o: &Options, mut emit: impl FnMut(&str)) -> Result<(), CliError> {
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdout()) && !o.json;
-    let mut before = status(socket)?;
+    let mut before = super::status::run(socket)?;
     let mut at = Instant::now();
     let mut n = 0;
     while o.iterations.is_none_or(|max| n < max) {
         std::thread::sleep(o.interval);
-        let after = status(socket)?;
+        let after = super::status::run(socket)?;
         let now = Instant::now();
         let f = frame(&before, &after, now.duration_since(at).as_secs_f64(), o.sort);
         let body = if o.json {

@@ -148,17 +148,7 @@ impl Rule {
 /// Roots a rule's cgroup path may live under: the cgroup v2 hierarchy and
 /// the cgroup v1 `cpu` hierarchy, wherever this host mounts them.
 pub fn cgroup_roots() -> Vec<std::path::PathBuf> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut roots = Vec::new();
-    for line in mounts.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (Some(dir), Some(fs), Some(opts)) = (f.get(1), f.get(2), f.get(3)) else { continue };
-        let cpu_v1 = *fs == "cgroup" && opts.split(',').any(|o| o == "cpu");
-        if *fs == "cgroup2" || cpu_v1 {
-            roots.push(std::path::PathBuf::from(dir));
-        }
-    }
-    roots
+    crate::sys::cgroup_mounts().into_iter().map(|m| m.dir).collect()
 }
 
 /// Checks every rule; returns the valid ones. Each failure names the rule

@@ -42,17 +42,6 @@ pub fn attribution_error_pct() -> Result<f64> {
     let agent = Agent::start("ebpf", "[[rules]]\nname = \"stress\"\nkeyspace = 77\ncomm-prefix = \"stress-ng\"\n")?;
     let mut child = stress_ng()?;
     std::thread::sleep(Duration::from_millis(500));
-    let pids = |root: u32| -> Vec<u32> {
-        let mut out = vec![root];
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            if stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<u32>().ok()) == Some(root) {
-                out.push(pid);
-            }
-        }
-        out
-    };
     let snapshot = |pids: &[u32]| -> Result<(f64, f64)> {
         pids.iter().for_each(|&p| unsafe_kill(p, libc::SIGSTOP));
         std::thread::sleep(Duration::from_millis(100));
@@ -61,7 +50,7 @@ pub fn attribution_error_pct() -> Result<f64> {
         pids.iter().for_each(|&p| unsafe_kill(p, libc::SIGCONT));
         Ok((charged, truth as f64 / 1e9))
     };
-    let group = pids(child.id());
+    let group: Vec<u32> = governor_tests::process_tree(child.id()).into_iter().collect();
     let (c0, s0) = snapshot(&group)?;
     std::thread::sleep(Duration::from_secs(3));
     let (c1, s1) = snapshot(&group)?;
