@@ -28,7 +28,7 @@ fn seed_cap_essential_profile_validates() {
 }
 
 #[test]
-fn seed_throttle_full_example_is_refused_only_for_what_governor_does_not_implement() {
+fn seed_throttle_full_example_is_refused_only_for_what_governor_does_not_implement_or_lacks() {
     let errors = ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap_err();
     assert_eq!(
         errors.keys(),
@@ -37,12 +37,19 @@ fn seed_throttle_full_example_is_refused_only_for_what_governor_does_not_impleme
             "resource-control.cpu-throttle.enable-pd-service-limit",
         ]
     );
-    assert!(errors.to_string().matches("not supported").count() == 2, "{errors}");
+    let text = errors.to_string();
+    assert!(text.matches("not supported").count() == 1, "{errors}");
+    // A TiKV node knows PD from its own [pd] section; governor needs it written.
+    assert!(text.contains("enable-pd-service-limit: needs pd.endpoints"), "{errors}");
+    let with_pd = format!("{THROTTLE_FULL}\n[pd]\nendpoints = [\"127.0.0.1:2379\"]\n");
+    let errors = ValidatedConfig::from_toml_str(&with_pd).unwrap_err();
+    assert_eq!(errors.keys(), vec!["resource-control.enable-qps-bytes-limiter"]);
 }
 
 #[test]
 fn seed_throttle_full_example_validates_in_premium_mode() {
-    // The seed's sample with the two keys governor does not implement off.
+    // The seed's sample with the QPS limiter (not implemented) and PD (no
+    // endpoints given) off.
     let text = common::throttle_full_supported();
     let cfg = ValidatedConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}"));
     let t = cfg.cpu_throttle();

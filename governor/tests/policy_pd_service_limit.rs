@@ -36,7 +36,9 @@ fn pd_quotas_are_proportional_to_positive_limits() {
             (3, PdLimit::Limit(0.0)),
         ]),
     );
-    assert_eq!(a.len(), 2);
+    // Two quotas set; keyspace 3 reported unlimited (no quota of any source).
+    assert_eq!(a.len(), 3);
+    assert!(a.contains(&PdAction::Remove { keyspace: 3 }));
     assert_eq!(quota(&p, 1), Some(36_000));
     assert_eq!(quota(&p, 2), Some(12_000));
     assert_eq!(quota(&p, 3), None, "0 = unlimited, does not participate");
@@ -89,6 +91,16 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
         Some(48_000),
         "pd-override-config = true: PD wins"
     );
+    // ...its "unlimited" too: the static quota goes while PD says 0, and
+    // comes back when PD stops answering for the keyspace.
+    p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
+    assert!(p.keyspace(1).is_none(), "unlimited overrides the static quota");
+    p.apply_pd_service_limits(2 * SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
+    assert!(p.keyspace(1).is_none());
+    for n in 0..3 {
+        p.apply_pd_service_limits((3 + n) * SEC, &fetched(&[(1, PdLimit::NotFound)]));
+    }
+    assert_eq!(quota(&p, 1), Some(10_000), "static quota back after PD dropped the keyspace");
 }
 
 #[test]
@@ -140,6 +152,16 @@ fn pd_unreachable_keeps_last_quotas() {
         );
     }
     assert_eq!(quota(&p, 1), Some(48_000));
+    // PD is back after 99 minutes: the outage (from the first round that
+    // missed it, at 60 s) does not count towards the 600 s TTL, so a
+    // keyspace whose first fetches fail keeps its quota...
+    let back = 99 * 60 * SEC + SEC;
+    assert!(p.apply_pd_service_limits(back, &fetched(&[])).is_empty());
+    assert!(p.apply_pd_service_limits(back + 539 * SEC, &fetched(&[])).is_empty());
+    assert_eq!(quota(&p, 1), Some(48_000));
+    // ...until the TTL has run while PD answered (60 s before, 540 s after).
+    let a = p.apply_pd_service_limits(back + 541 * SEC, &fetched(&[]));
+    assert_eq!(a, vec![PdAction::Remove { keyspace: 1 }]);
 }
 
 #[test]

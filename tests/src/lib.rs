@@ -67,6 +67,36 @@ pub fn process_tree(root: u32) -> std::collections::BTreeSet<u32> {
     }
 }
 
+pub mod fake_pd;
+
+/// What `promtool check metrics` finds wrong with an exposition. The seeds
+/// name their bucket gauges in µs (`…_us`), which promtool's naming lint
+/// flags; those names are kept verbatim on purpose. Anything else promtool
+/// says (format, types, help, duplicates) is a problem.
+pub fn promtool_check(exposition: &str) -> Vec<String> {
+    use std::io::Write;
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is installed (cargo xtask setup)");
+    promtool.stdin.take().unwrap().write_all(exposition.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let mut problems: Vec<String> = report
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter(|l| !(l.contains("metric names should not contain abbreviated units") && l.contains("_us")))
+        .map(str::to_string)
+        .collect();
+    if !out.status.success() && !report.contains("abbreviated units") {
+        problems.push(format!("promtool failed: {report}"));
+    }
+    problems
+}
+
 /// A fresh scratch directory under /tmp, removed on drop.
 pub struct Scratch(pub PathBuf);
 

@@ -176,27 +176,8 @@ fn a_real_prometheus_scrapes_what_status_reports() {
     for family in FAMILIES {
         assert!(body.contains(&format!("# TYPE {family} ")), "{family} missing from the exposition:\n{body}");
     }
-    // promtool's own checks of the text format.
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool is installed (cargo xtask setup)");
-    promtool.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
-    let out = promtool.wait_with_output().unwrap();
-    let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    // The seeds name their bucket gauges in µs (`…_us`), which promtool's
-    // naming lint flags; those names are kept verbatim on purpose. Anything
-    // else promtool says (format, types, help, duplicates) fails the test.
-    let problems: Vec<&str> = report
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .filter(|l| !(l.contains("metric names should not contain abbreviated units") && l.contains("_us")))
-        .collect();
+    let problems = governor_tests::promtool_check(&body);
     assert!(problems.is_empty(), "promtool check metrics: {problems:#?}");
-    assert!(out.status.success() || report.contains("abbreviated units"), "promtool failed: {report}");
     // Other paths and methods.
     assert!(get(&addr, "/nope").0.contains("404"));
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 /// The configuration in force and its history.
 pub(crate) struct Running {
-    config: ValidatedConfig,
+    pub(super) config: ValidatedConfig,
     path: Option<PathBuf>,
     accepted: u64,
     rejected: u64,

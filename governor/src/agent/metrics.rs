@@ -77,7 +77,9 @@ async fn scrape(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let (status, content_type, body) = match (method, path) {
         (b"GET", b"/metrics") | (b"GET", b"/") => {
             let snap = shared.policy.snapshot();
-            ("200 OK", TextEncoder::new().format_type().to_string(), render(&shared.status_of(&snap), &snap, max_keyspaces))
+            let mut text = render(&shared.status_of(&snap), &snap, max_keyspaces);
+            text.push_str(&render_pd_duration(&shared.pd.duration));
+            ("200 OK", TextEncoder::new().format_type().to_string(), text)
         }
         (b"GET", _) => ("404 Not Found", "text/plain".into(), "only /metrics here\n".into()),
         _ => ("405 Method Not Allowed", "text/plain".into(), "GET /metrics\n".into()),
@@ -156,6 +158,13 @@ impl Row {
         self.refused += o.refused;
         self.pool_rejected += o.pool_rejected;
     }
+}
+
+/// `tikv_service_limit_fetch_duration_seconds`, kept across scrapes.
+fn render_pd_duration(h: &prometheus::Histogram) -> String {
+    let mut out = Vec::new();
+    TextEncoder::new().encode(&prometheus::core::Collector::collect(h), &mut out).expect("text encoding");
+    String::from_utf8(out).expect("text format is UTF-8")
 }
 
 /// The exposition for one scrape.
@@ -348,6 +357,36 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     }
     f.registry.register(Box::new(run_time)).expect("registered once");
     f.gauge("governor_uptime_seconds", "Seconds since the agent started", status.uptime_seconds);
+
+    // PD service limits (keyspace-cpu-throttle.md, Metrics), while PD is on.
+    if let Some(pd) = &status.pd {
+        f.counters(
+            "tikv_service_limit_fetch_total",
+            "Keyspace service-limit fetches from PD by result",
+            "result",
+            &pd.results.iter().map(|(k, v)| (k.clone(), *v)).collect::<Vec<_>>(),
+        );
+        f.gauge(
+            "tikv_service_limit_last_success_timestamp",
+            "Unix time of the last fetch round PD answered (0: never)",
+            pd.last_success_unix.unwrap_or(0.0),
+        );
+        let shown: std::collections::HashSet<&str> = shown.iter().map(|(l, _)| l.as_str()).collect();
+        let pick = |v: &dyn Fn(&crate::proto::PdKeyspaceStatus) -> Option<f64>| -> Vec<(String, f64)> {
+            pd.keyspaces
+                .iter()
+                .filter(|k| shown.contains(k.keyspace_id.to_string().as_str()))
+                .filter_map(|k| v(k).map(|x| (k.keyspace_id.to_string(), x)))
+                .collect()
+        };
+        f.gauges("tikv_service_limit_keyspace_value", "Last service_limit PD gave the keyspace (RU/s; 0: unlimited)", KS, &pick(&|k| k.service_limit));
+        f.gauges(
+            "tikv_service_limit_keyspace_quota_us",
+            "Keyspace quota derived from PD service limits, µs per refill interval",
+            KS,
+            &pick(&|k| k.quota_us.map(|q| q as f64)),
+        );
+    }
 
     let mut out = Vec::new();
     TextEncoder::new().encode(&f.registry.gather(), &mut out).expect("text encoding");

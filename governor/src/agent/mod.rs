@@ -15,6 +15,7 @@
 //! - `rules`: unmodified processes measured by `[[rules]]`.
 //! - `autoscale`: the two autoscaling signals of the admission-control seed.
 //! - `cgroups`: the kernel holds capped rule keyspaces to their cap.
+//! - `pd`: keyspace quotas from PD's service limits.
 //! - `status`: what `governor status` shows.
 
 mod ledgers;
@@ -24,6 +25,7 @@ mod live_config;
 mod autoscale;
 mod cgroups;
 mod metrics;
+mod pd;
 mod rules;
 mod status;
 mod usage;
@@ -106,6 +108,8 @@ pub(crate) struct Shared {
     rules: Mutex<rules::Rules>,
     /// Counter samples behind the autoscaling signals.
     autoscale: Mutex<autoscale::History>,
+    /// The PD service-limit client's memory and metrics.
+    pd: pd::PdClient,
     /// Where `/metrics` is served, as bound.
     metrics_addr: Option<std::net::SocketAddr>,
     /// The control socket's path.
@@ -135,6 +139,11 @@ impl Shared {
 
     fn lock_config(&self) -> MutexGuard<'_, live_config::Running> {
         self.config.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The configuration in force now.
+    fn running_config(&self) -> ValidatedConfig {
+        self.lock_config().config.clone()
     }
 
     /// `tenant_admission_control` refusals since start, and per keyspace the
@@ -266,6 +275,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
         rules: Mutex::new(rules::Rules::default()),
         autoscale: Mutex::new(autoscale::History::default()),
+        pd: pd::PdClient::default(),
         metrics_addr,
         socket: opts.socket.clone(),
         measurement: Mutex::new(measurement),
@@ -296,10 +306,12 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
     let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
     let reloader = tokio::spawn(live_config::on_sighup(shared.clone()));
+    let pd_client = tokio::spawn(pd::run(shared.clone()));
     let result = server::serve(listener, shared.clone(), shutdown).await;
     background.abort();
     exporter.abort();
     reloader.abort();
+    pd_client.abort();
     if let Some(e) = shared.lock_rules().enforcer.as_mut() {
         e.restore_all();
     }

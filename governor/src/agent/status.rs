@@ -26,6 +26,8 @@ impl Shared {
     /// The status report built from `snap`: a scrape renders both from the
     /// same snapshot.
     pub(crate) fn status_of(&self, snap: &crate::policy::PolicySnapshot) -> StatusReport {
+        // Before the measurement lock: the policy's engine lock comes first.
+        let pd = self.pd.status(self);
         let s = self.policy.settings();
         let r = self.policy.regions();
         let m = self.lock_measurement();
@@ -132,6 +134,7 @@ impl Shared {
             rule_events_dropped: rules.dropped,
             rule_enforcement: rules.enforcer.as_ref().map_or_else(String::new, |e| e.describe()),
             autoscale,
+            pd,
         }
     }
 }

@@ -24,6 +24,14 @@ pub fn run(socket: &Path, id: u32) -> Result<Explanation, CliError> {
     explain(&status, id)
 }
 
+/// PD's name and service limit for `id`, and the sum of positive limits.
+fn pd_row(s: &StatusReport, id: u32) -> Option<(String, f64, f64)> {
+    let pd = s.pd.as_ref()?;
+    let k = pd.keyspaces.iter().find(|k| k.keyspace_id == id)?;
+    let total = pd.keyspaces.iter().filter_map(|k| k.service_limit).filter(|v| *v > 0.0).sum();
+    Some((k.name.clone().unwrap_or_default(), k.service_limit?, total))
+}
+
 /// The explanation of keyspace `id` in `s`.
 pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     let Some(k) = s.keyspaces.iter().find(|k| k.keyspace_id == id).cloned() else {
@@ -51,7 +59,15 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
                 s.logical_cores
             )),
             "config" => why.push("its quota is configured (resource-control.cpu-throttle.keyspace-cpu-quotas)".into()),
-            "pd" => why.push("its quota comes from PD's service limit for the keyspace".into()),
+            "pd" => why.push(match pd_row(s, id) {
+                Some((name, limit, total)) => format!(
+                    "its quota comes from PD: keyspace {name:?} has service_limit {limit} RU/s of {total} among the keyspaces PD limits, so that share of the global refill"
+                ),
+                None => "its quota comes from PD's service limit for the keyspace".into(),
+            }),
+            "none" if pd_row(s, id).is_some_and(|(_, limit, _)| limit == 0.0) => {
+                why.push("PD's service_limit for it is 0 (unlimited): no bucket of its own, only the node's global bucket limits it".into())
+            }
             "none" => why.push("it has no bucket of its own (no tenant cap, no configured or PD quota): only the node's global bucket limits it".into()),
             other => why.push(format!("its bucket's quota source is {other}")),
         }

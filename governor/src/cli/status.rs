@@ -72,6 +72,32 @@ pub fn render(s: &StatusReport) -> String {
             None => writeln!(out),
         };
     }
+    if let Some(pd) = &s.pd {
+        let last = match pd.last_success_unix {
+            Some(t) => {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+                format!("last answer {:.0} s ago", (now - t).max(0.0))
+            }
+            None => "never answered".into(),
+        };
+        let reach = if pd.reachable { "reachable" } else { "NOT reachable, quotas kept" };
+        let _ = writeln!(out, "
+pd           {} ({reach}, {last}, {} rounds)", pd.endpoints.join(", "), pd.rounds);
+        let _ = writeln!(out, "{:>12} {:>20} {:>10} {:>14} {:>12} {:>6} {:>12}", "keyspace", "name", "state", "service limit", "quota µs", "404s", "last result");
+        for k in &pd.keyspaces {
+            let _ = writeln!(
+                out,
+                "{:>12} {:>20} {:>10} {:>14} {:>12} {:>6} {:>12}",
+                k.keyspace_id,
+                k.name.as_deref().unwrap_or("?"),
+                k.state.as_deref().unwrap_or("?"),
+                k.service_limit.map_or("-".into(), |v| if v == 0.0 { "unlimited".into() } else { format!("{v}") }),
+                k.quota_us.map_or("-".into(), |q| q.to_string()),
+                k.consecutive_404,
+                k.last_result
+            );
+        }
+    }
     if !s.programs.is_empty() && s.programs.iter().all(|p| p.run_count == 0) {
         let _ = writeln!(out, "\nprograms     {} attached; run times need sysctl kernel.bpf_stats_enabled=1", s.programs.len());
     } else if !s.programs.is_empty() {

@@ -14,6 +14,7 @@
 //! - `update`: online updates ([`ValidatedConfig::apply_update`],
 //!   [`ValidatedConfig::apply_set`]), restart-only keys, [`ConfigDiff`].
 //! - `access`: `[agent.access]`, the control socket's mode and roles ([`Access`]).
+//! - `pd`: `[pd]`, the PD members service limits come from ([`Pd`]).
 //! - `rules`: `[[rules]]`, unmodified processes measured by rule ([`Rule`]).
 //! - `source`: maps dotted keys to lines so every error names both.
 //! - `error`: [`ConfigError`], [`ConfigErrors`], [`UpdateRejected`].
@@ -28,6 +29,7 @@ mod access;
 mod checker;
 mod error;
 mod keyspace_list;
+mod pd;
 mod raw;
 mod raw_throttle;
 mod rules;
@@ -38,6 +40,7 @@ mod validate;
 mod validated;
 
 pub use access::{Access, Peer, RawAccess, Role};
+pub use pd::{Pd, RawPd};
 pub use error::{ConfigError, ConfigErrors, UpdateRejected};
 pub use keyspace_list::{KeyspaceId, KeyspaceList, ListValue};
 pub use raw::{

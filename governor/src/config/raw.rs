@@ -24,6 +24,8 @@ pub struct RawConfig {
     pub admission_control: RawAdmissionControl,
     /// `[agent]`: the daemon itself (socket, metrics, measurement backend).
     pub agent: RawAgent,
+    /// `[pd]`: the PD members service limits are fetched from.
+    pub pd: super::pd::RawPd,
     /// `[[rules]]`: unmodified processes measured by rule, first match wins.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub rules: Vec<super::rules::RawRule>,

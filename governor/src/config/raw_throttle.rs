@@ -25,16 +25,18 @@ pub struct RawCpuThrottle {
     /// Default `false` (the seed's Premium sample).
     pub enforce_global_limit: bool,
 
-    /// Derives keyspace quotas from PD `service_limit` (RU/s) ratios. Off by
-    /// default: the governor has no PD endpoint unless one is wired in.
+    /// Derives keyspace quotas from PD `service_limit` (RU/s) ratios, fetched
+    /// from `[pd] endpoints`. Off by default.
     pub enable_pd_service_limit: bool,
     /// How often service limits are fetched. Default `30s`.
     pub pd_service_limit_fetch_interval: ConfigDuration,
-    /// Timeout of one fetch; at most the fetch interval so fetches never
-    /// overlap. Default `5s`.
+    /// Timeout of one request to PD; at most the fetch interval. A round
+    /// that outlasts the interval leaves its remaining keyspaces for the
+    /// next one. Default `5s`.
     pub pd_service_limit_request_timeout: ConfigDuration,
-    /// A keyspace missing from PD for this long is treated as deleted.
-    /// Default `10m`.
+    /// A keyspace without a successful answer from PD for this long (404s,
+    /// errors) loses its PD quota. While PD cannot be reached at all, quotas
+    /// stay. Default `10m`.
     pub pd_service_limit_ttl: ConfigDuration,
     /// ...or after this many consecutive 404s (at least 1). Default 3.
     pub pd_service_limit_consecutive_404: u32,

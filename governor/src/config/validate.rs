@@ -70,12 +70,6 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             raw.agent.max_keyspaces
         ),
     );
-    c.check(
-        !t.enable_pd_service_limit,
-        CT,
-        "enable-pd-service-limit",
-        "is not supported yet: this build has no PD service-limit client (set it to false)",
-    );
     c.duration(
         CT,
         "pd-service-limit-fetch-interval",
@@ -269,6 +263,8 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     let keyspaces_per_uid = a.max_keyspaces_per_uid.unwrap_or(a.max_keyspaces / 2).max(1);
     let rules = super::rules::check(&mut c, &raw.rules);
     let access = super::access::check(&mut c, &a.access);
+    // In tenant-cap mode PD is refused on its own (below the Essential rules).
+    let pd = super::pd::check(&mut c, &raw.pd, t.enable_pd_service_limit && t.tenant_max_cpu_ratio <= 0.0);
 
     let validated = ValidatedConfig {
         resource_control: ResourceControl {
@@ -331,6 +327,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             max_keyspaces_per_uid: keyspaces_per_uid,
             access,
         },
+        pd,
         rules,
     };
     c.errors.into_result(validated)

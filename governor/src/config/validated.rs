@@ -34,6 +34,7 @@ pub struct ValidatedConfig {
     pub(crate) write_quota: WriteQuota,
     pub(crate) admission_control: AdmissionControl,
     pub(crate) agent: AgentConfig,
+    pub(crate) pd: super::pd::Pd,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) rules: Vec<super::rules::Rule>,
 }
@@ -199,6 +200,11 @@ impl ValidatedConfig {
     /// `[agent]`.
     pub fn agent(&self) -> &AgentConfig {
         &self.agent
+    }
+
+    /// `[pd]`.
+    pub fn pd(&self) -> &super::pd::Pd {
+        &self.pd
     }
 
     /// `[[rules]]`, in order (first match wins).

@@ -220,8 +220,12 @@ impl Policy {
     pub(crate) fn source_for(&self, e: &Engine, s: &Settings, keyspace: u32) -> Option<(QuotaSource, u64)> {
         let cfg = s.keyspace_cpu_quotas_millicores.get(&keyspace).map(|&mc| millicores_to_us_per_interval(mc, s.refill_interval_us));
         let pd = if s.enable_pd_service_limit { e.pd.applied_us(keyspace) } else { None };
+        // PD's "unlimited" (service_limit 0) removes a static quota too,
+        // unless the static one wins (pd-override-config = false).
+        let unlimited = s.enable_pd_service_limit && s.pd_override_config && e.pd.unlimited(keyspace);
         match (s.tenant_cap_refill_us(s.tenant_max_cpu_ratio), pd, cfg) {
             (Some(cap), _, _) => Some((QuotaSource::TenantCap, cap)),
+            (None, None, Some(_)) if unlimited => None,
             (None, Some(pd), Some(_)) if s.pd_override_config => Some((QuotaSource::Pd, pd)),
             (None, _, Some(cfg)) => Some((QuotaSource::Config, cfg)),
             (None, Some(pd), None) => Some((QuotaSource::Pd, pd)),

@@ -61,7 +61,7 @@ pub use {
     fair::{fair_allocate, FairInput, FairShare},
     keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource},
     manager::{Policy, DEFAULT_CELLS},
-    pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracker},
+    pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracked, PdTracker},
     settings::{millicores_to_us_per_interval, Settings},
     snapshot::{KeyspaceSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot},
     window::{MonitorWindow, UsageSample},

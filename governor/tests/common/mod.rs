@@ -149,9 +149,9 @@ pub fn assert_close(actual: f64, expected: f64, tol: f64, what: &str) {
 }
 
 /// The seed's full Premium sample (`fixtures/seed_throttle_full.toml`) with
-/// the two keys governor refuses as unsupported (`enable-qps-bytes-limiter`,
-/// `enable-pd-service-limit`) turned off: burst, fair allocation, dynamic
-/// adjustment and quotas on.
+/// the key governor refuses as unsupported (`enable-qps-bytes-limiter`) and
+/// `enable-pd-service-limit` (the sample names no PD endpoints) turned off:
+/// burst, fair allocation, dynamic adjustment and quotas on.
 pub fn throttle_full_supported() -> String {
     include_str!("../fixtures/seed_throttle_full.toml")
         .replace("enable-qps-bytes-limiter = true", "enable-qps-bytes-limiter = false")
