@@ -36,6 +36,8 @@ pub mod config;
 #[cfg(feature = "agent")]
 pub mod measure;
 pub mod policy;
+#[cfg(feature = "agent")]
+pub mod procs;
 pub mod proto;
 pub mod region;
 pub mod sys;

@@ -164,54 +164,6 @@ pub fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// A mounted cgroup hierarchy, from `/proc/self/mounts`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CgroupMount {
-    pub dir: std::path::PathBuf,
-    /// cgroup2 (the unified hierarchy); else a v1 hierarchy.
-    pub v2: bool,
-    /// Offers the `cpu` controller (v2: listed in `cgroup.controllers`).
-    pub cpu: bool,
-}
-
-/// The v2 hierarchy and every v1 hierarchy with the `cpu` controller.
-pub fn cgroup_mounts() -> Vec<CgroupMount> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    mounts
-        .lines()
-        .filter_map(|line| {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let (dir, fs, opts) = (*f.get(1)?, *f.get(2)?, *f.get(3)?);
-            let dir = std::path::PathBuf::from(dir);
-            match fs {
-                "cgroup2" => {
-                    let controllers = std::fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
-                    let cpu = controllers.split_whitespace().any(|c| c == "cpu");
-                    Some(CgroupMount { dir, v2: true, cpu })
-                }
-                "cgroup" if opts.split(',').any(|o| o == "cpu") => Some(CgroupMount { dir, v2: false, cpu: true }),
-                _ => None,
-            }
-        })
-        .collect()
-}
-
-/// The cgroup paths of process `pid` (`/proc/<pid>/cgroup`): the v2 one and
-/// the v1 `cpu` one, where present, as (v2, path).
-pub fn process_cgroups(pid: u32) -> Vec<(bool, String)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.splitn(3, ':');
-            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-            if controllers.is_empty() {
-                Some((true, path.to_string()))
-            } else {
-                controllers.split(',').any(|c| c == "cpu").then(|| (false, path.to_string()))
-            }
-        })
-        .collect()
-}
 
 /// The effective gid of this process.
 pub fn effective_gid() -> u32 {
@@ -567,16 +519,6 @@ pub fn peer_cred(sock: RawFd) -> io::Result<(u32, u32, u32)> {
 /// Pid of the peer of a unix socket.
 pub fn peer_pid(sock: RawFd) -> io::Result<u32> {
     peer_cred(sock).map(|c| c.0)
-}
-
-/// Effective capability set of this process, from /proc/self/status.
-pub fn effective_caps() -> io::Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no CapEff in /proc/self/status"))
 }
 
 pub const CAP_SYS_ADMIN: u32 = 21;

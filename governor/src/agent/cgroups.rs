@@ -51,7 +51,7 @@ pub(crate) struct Enforcer {
 
 /// The hierarchy with the cpu controller: v2 when it has it, else v1.
 fn detect() -> Result<(PathBuf, Version), String> {
-    let mounts = crate::sys::cgroup_mounts();
+    let mounts = crate::procs::cgroup_mounts();
     let pick = |v2: bool| mounts.iter().find(|m| m.cpu && m.v2 == v2).map(|m| m.dir.clone());
     match (pick(true), pick(false)) {
         (Some(dir), _) => Ok((dir, Version::V2)),
@@ -62,19 +62,9 @@ fn detect() -> Result<(PathBuf, Version), String> {
     }
 }
 
-/// The child processes of `tgid` (every thread's `children`).
-fn children(tgid: u32) -> Vec<u32> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{tgid}/task")) else { return Vec::new() };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
-        .flat_map(|s| s.split_whitespace().filter_map(|c| c.parse().ok()).collect::<Vec<u32>>())
-        .collect()
-}
-
 /// The cgroup of `tgid` in a hierarchy of `version` (relative path).
 fn cgroup_of(tgid: u32, version: Version) -> Option<String> {
-    crate::sys::process_cgroups(tgid).into_iter().find(|(v2, _)| *v2 == (version == Version::V2)).map(|(_, p)| p)
+    crate::procs::process_cgroups(tgid).into_iter().find(|(v2, _)| *v2 == (version == Version::V2)).map(|(_, p)| p)
 }
 
 impl Enforcer {
@@ -218,7 +208,7 @@ impl Enforcer {
                             self.state.moved.remove(&p);
                         }
                     }
-                    todo.extend(children(p));
+                    todo.extend(crate::procs::children(p));
                 }
             }
             None => {

@@ -12,7 +12,8 @@
 //!
 //! The listener is small on purpose: HTTP/1.1 `GET /metrics` (and `/`),
 //! one response per connection, a request head of at most 8 KiB read within
-//! 5 s, at most 16 scrapes at once.
+//! 5 s, at most 16 scrapes at once, each exposition built on the blocking
+//! pool.
 
 use super::Shared;
 use crate::policy::{KeyspaceSnapshot, PolicySnapshot};
@@ -39,7 +40,7 @@ pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
             Ok((stream, _)) => {
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = scrape(stream, &shared).await {
+                    if let Err(e) = scrape(stream, shared).await {
                         log::debug!("metrics scrape: {e}");
                     }
                     drop(permit);
@@ -53,7 +54,7 @@ pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-async fn scrape(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+async fn scrape(mut stream: TcpStream, shared: Arc<Shared>) -> std::io::Result<()> {
     let max_keyspaces = shared.metrics_max_keyspaces.load(std::sync::atomic::Ordering::Relaxed);
     let mut head = Vec::with_capacity(512);
     let read = tokio::time::timeout(READ_TIMEOUT, async {
@@ -76,9 +77,15 @@ async fn scrape(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
     let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
     let (status, content_type, body) = match (method, path) {
         (b"GET", b"/metrics") | (b"GET", b"/") => {
-            let snap = shared.policy.snapshot();
-            let mut text = render(&shared.status_of(&snap), &snap, max_keyspaces);
-            text.push_str(&render_pd_duration(&shared.pd.duration));
+            // Built off the runtime's thread: it waits on the measurement locks.
+            let text = tokio::task::spawn_blocking(move || {
+                let snap = shared.policy.snapshot();
+                let mut text = render(&shared.status_of(&snap), &snap, max_keyspaces);
+                text.push_str(&render_pd_duration(&shared.pd.duration));
+                text
+            })
+            .await
+            .map_err(std::io::Error::other)?;
             ("200 OK", TextEncoder::new().format_type().to_string(), text)
         }
         (b"GET", _) => ("404 Not Found", "text/plain".into(), "only /metrics here\n".into()),

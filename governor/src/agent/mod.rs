@@ -54,6 +54,8 @@ pub enum AgentError {
     AlreadyRunning { path: PathBuf },
     #[error("starting the async runtime failed")]
     Runtime(#[source] std::io::Error),
+    #[error("starting the housekeeping thread failed")]
+    Thread(#[source] std::io::Error),
     #[error("cannot serve /metrics on {addr} (agent.metrics-addr)")]
     Metrics { addr: std::net::SocketAddr, #[source] source: std::io::Error },
 }
@@ -303,12 +305,20 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         shared.lock_rules().enforcer = Some(enforcer);
     }
     shared.apply_rules(&opts.config)?;
-    let background = tokio::spawn(housekeeping(shared.clone(), opts.clone()));
+    let stop_housekeeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let background = {
+        let (shared, opts, stop) = (shared.clone(), opts.clone(), stop_housekeeping.clone());
+        std::thread::Builder::new()
+            .name("governor-tick".into())
+            .spawn(move || housekeeping(&shared, &opts, &stop))
+            .map_err(AgentError::Thread)?
+    };
     let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
     let reloader = tokio::spawn(live_config::on_sighup(shared.clone()));
     let pd_client = tokio::spawn(pd::run(shared.clone()));
     let result = server::serve(listener, shared.clone(), shutdown).await;
-    background.abort();
+    stop_housekeeping.store(true, Ordering::Release);
+    let _ = background.join();
     exporter.abort();
     reloader.abort();
     pd_client.abort();
@@ -327,13 +337,15 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
 }
 
 /// Periodic work: fallback sampling, the TSC clock, the policy's refills
-/// and its monitor window, idle eviction, the heartbeat, slot reclaim.
-async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
+/// and its monitor window, idle eviction, the heartbeat, slot reclaim. It
+/// runs on a thread of its own until `stop`: its `/proc` reads (schedstat
+/// samples, rule matching) and lock waits never hold up the control
+/// socket's runtime.
+fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::AtomicBool) {
     let timer = Duration::from_nanos(opts.sizing.timer_period_ns);
     let refill = opts.config.cpu_throttle().refill_interval.get();
     let tick = timer.min(refill).max(Duration::from_millis(1));
-    let mut interval = tokio::time::interval(tick);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut next = Instant::now();
     let mut last_reclaim = Instant::now();
     let mut last_sample = None::<Instant>;
     // The TSC clock only serves the eBPF backend's thread clock.
@@ -346,7 +358,13 @@ async fn housekeeping(shared: Arc<Shared>, opts: AgentOptions) {
                 cal.publish(&header.clock);
                 last_calibration = Some(Instant::now());
             }
-        interval.tick().await;
+        // Missed ticks are skipped, not made up in a burst.
+        let now = Instant::now();
+        next = if next + tick > now { next + tick } else { now };
+        std::thread::sleep(next.saturating_duration_since(now));
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
         {
             let mut m = shared.lock_measurement();
             if m.is_fallback() {

@@ -73,23 +73,13 @@ pub(crate) struct Rules {
 /// Reads what rules match on from `/proc/<tgid>`; `None` once it is gone
 /// (or for a kernel thread, which has no executable).
 pub(crate) fn identity(tgid: u32) -> Option<ProcessIdentity> {
-    let dir = format!("/proc/{tgid}");
-    let comm = std::fs::read_to_string(format!("{dir}/comm")).ok()?.trim_end_matches('\n').to_string();
-    let exe = std::fs::read_link(format!("{dir}/exe")).ok().map(|p| p.display().to_string());
-    let status = std::fs::read_to_string(format!("{dir}/status")).unwrap_or_default();
-    let uid = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Uid:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|u| u.parse().ok());
-    let cgroups = crate::sys::process_cgroups(tgid).into_iter().map(|(_, path)| path).collect();
-    Some(ProcessIdentity { tgid, comm, exe, uid, cgroups })
+    let id = crate::procs::identity(tgid)?;
+    let cgroups = crate::procs::process_cgroups(tgid).into_iter().map(|(_, path)| path).collect();
+    Some(ProcessIdentity { tgid, comm: id.comm, exe: id.exe, uid: id.uid, cgroups })
 }
 
-/// Parent of `tgid` (field 4 of `/proc/<tgid>/stat`).
 fn parent_of(tgid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{tgid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    crate::procs::parent(tgid)
 }
 
 fn cstr(b: &[u8]) -> String {
@@ -170,9 +160,7 @@ impl Rules {
         };
         maps.set_exec_events(!rules.is_empty());
         let started = Instant::now();
-        let tgids: Vec<u32> = std::fs::read_dir("/proc")
-            .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
-            .unwrap_or_default();
+        let tgids = crate::procs::all_tgids();
         // Match every process, then resolve parents before children: like
         // the kernel at fork, a child that runs its parent's executable
         // (it did not exec) inherits the parent's keyspace; one that runs

@@ -65,18 +65,18 @@ pub(super) fn set_socket_access(path: &Path, access: &Access) -> std::io::Result
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode))
 }
 
+/// Who a peer is taken for when its credentials cannot be read: the least.
+fn nobody() -> Peer {
+    Peer { pid: 0, uid: 65534, gids: vec![65534] }
+}
+
 /// The peer of a connection: uid, pid and every group it is in.
 fn peer_of(fd: RawFd) -> Peer {
-    // A peer whose credentials cannot be read gets the least: nobody.
     let Ok((pid, uid, gid)) = sys::peer_cred(fd) else {
-        return Peer { pid: 0, uid: 65534, gids: vec![65534] };
+        return nobody();
     };
     let mut gids = vec![gid];
-    if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        && let Some(groups) = status.lines().find_map(|l| l.strip_prefix("Groups:"))
-    {
-        gids.extend(groups.split_whitespace().filter_map(|g| g.parse::<u32>().ok()));
-    }
+    gids.extend(crate::procs::groups(pid));
     Peer { pid, uid, gids }
 }
 
@@ -166,8 +166,18 @@ pub(super) async fn serve(
     }
 }
 
+/// Runs `f` on the blocking pool: the runtime's one thread keeps serving.
+async fn blocking(shared: &Arc<Shared>, f: impl FnOnce(&Shared) -> Reply + Send + 'static) -> Reply {
+    let shared = shared.clone();
+    tokio::task::spawn_blocking(move || f(&shared))
+        .await
+        .unwrap_or_else(|e| Reply::Error { message: format!("the agent failed to answer: {e}") })
+}
+
 async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
-    let who = peer_of(stream.as_raw_fd());
+    // Reads /proc: off the runtime's thread (the stream, so its fd, outlives it).
+    let fd = stream.as_raw_fd();
+    let who = tokio::task::spawn_blocking(move || peer_of(fd)).await.unwrap_or_else(|_| nobody());
     let (peer, uid) = (who.pid, who.uid);
     let agent_uid = sys::effective_uid();
     let mut reader = BufReader::new(stream);
@@ -222,26 +232,28 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 said_hello = true;
                 hello(&shared, conn)
             }
-            Request::Status => (Reply::Status(Box::new(shared.status())), None),
+            // Status waits on the measurement locks; thread names come from
+            // /proc: both off the runtime's thread.
+            Request::Status => (blocking(&shared, |s| Reply::Status(Box::new(s.status()))).await, None),
             Request::Threads => {
-                let rows = shared.thread_rows();
-                // Names come from /proc: off the runtime's thread.
-                match tokio::task::spawn_blocking(move || super::status::name_threads(rows)).await {
-                    Ok(threads) => (Reply::Threads { threads }, None),
-                    Err(e) => (Reply::Error { message: format!("listing threads failed: {e}") }, None),
-                }
+                (blocking(&shared, |s| Reply::Threads { threads: super::status::name_threads(s.thread_rows()) }).await, None)
             }
             Request::Acquire { keyspace, estimate_us, write_bytes } => {
                 (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
             }
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
             // Operators' verbs (the admin role, checked above).
-            Request::ConfigReload => (super::live_config::request(&shared, uid, Change::Reload), None),
-            Request::ConfigSet { key, value } => (super::live_config::request(&shared, uid, Change::Set(&key, &value)), None),
-            Request::RuleAdd { rule, position } => {
-                (super::live_config::request(&shared, uid, Change::AddRule(&rule, position)), None)
+            // A change may read its file and scan /proc for the rules.
+            Request::ConfigReload => (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Reload)).await, None),
+            Request::ConfigSet { key, value } => {
+                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Set(&key, &value))).await, None)
             }
-            Request::RuleRemove { name } => (super::live_config::request(&shared, uid, Change::RemoveRule(&name)), None),
+            Request::RuleAdd { rule, position } => {
+                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::AddRule(&rule, position))).await, None)
+            }
+            Request::RuleRemove { name } => {
+                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::RemoveRule(&name))).await, None)
+            }
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {
                 let s = shared.clone();

@@ -146,7 +146,7 @@ impl Slots {
         // so far is where its charging starts. It is blocked waiting for this
         // reply, so the value holds still (what it ran before blocking, if
         // anything, is charged to no tag at its switch-out).
-        let start = crate::measure::schedstat_ns(tgid, tid).ok_or(SlotError::NotYourThread { tid, pid: tgid })?;
+        let start = crate::procs::schedstat_ns(tgid, tid).ok_or(SlotError::NotYourThread { tid, pid: tgid })?;
         let generation = view.generation.load(Ordering::Relaxed) + 1;
         view.oncpu_ns.store(start, Ordering::Relaxed);
         view.charged_ns.store(start, Ordering::Relaxed);
@@ -283,25 +283,18 @@ impl Slots {
     }
 }
 
-/// The innermost-namespace pid list of a task (`NSpid:` in its status).
-fn nspid(tgid: u32, task: u32) -> Option<Vec<u32>> {
-    let status = std::fs::read_to_string(format!("/proc/{tgid}/task/{task}/status")).ok()?;
-    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
-    line.split_whitespace().map(|v| v.parse().ok()).collect()
-}
-
 /// The tid, as the kernel (and so the eBPF programs) and the agent see it,
 /// of the thread of process `tgid` that calls itself `client_tid` in its
 /// own PID namespace. A client in a container sees other numbers than the
 /// host: its thread is the one whose innermost NSpid is `client_tid`.
 fn host_tid(tgid: u32, client_tid: u32) -> Option<u32> {
     // Same namespace: the task exists under that number and has no inner id.
+    use crate::procs::nspid;
     if nspid(tgid, client_tid).is_some_and(|ids| ids == [client_tid]) {
         return Some(client_tid);
     }
-    std::fs::read_dir(format!("/proc/{tgid}/task"))
-        .ok()?
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+    crate::procs::threads(tgid)
+        .into_iter()
         .find(|&task| nspid(tgid, task).is_some_and(|ids| ids.len() > 1 && ids.last() == Some(&client_tid)))
 }
 

@@ -169,11 +169,10 @@ impl Shared {
 /// Fills in process and thread names from /proc (a name that cannot be
 /// read, of a thread that just exited, stays empty).
 pub(crate) fn name_threads(mut rows: Vec<crate::proto::ThreadInfo>) -> Vec<crate::proto::ThreadInfo> {
-    let comm = |path: String| std::fs::read_to_string(path).map(|s| s.trim_end().to_string()).unwrap_or_default();
     let mut processes: std::collections::HashMap<u32, String> = std::collections::HashMap::new();
     for t in &mut rows {
-        t.process = processes.entry(t.pid).or_insert_with(|| comm(format!("/proc/{}/comm", t.pid))).clone();
-        t.name = comm(format!("/proc/{}/task/{}/comm", t.pid, t.tid));
+        t.process = processes.entry(t.pid).or_insert_with(|| crate::procs::comm(t.pid).unwrap_or_default()).clone();
+        t.name = crate::procs::thread_comm(t.pid, t.tid).unwrap_or_default();
     }
     rows
 }

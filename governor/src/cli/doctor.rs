@@ -145,8 +145,7 @@ fn clocksource() -> Check {
 }
 
 fn pid_max() -> Check {
-    let pid_max = read("/proc/sys/kernel/pid_max").and_then(|s| s.parse::<u32>().ok());
-    match pid_max {
+    match crate::procs::pid_max() {
         Some(p) if p <= governor_common::DEFAULT_MAX_TIDS => {
             ok("pid-max", format!("kernel.pid_max = {p}: the tid table is sized to it at start"))
         }
@@ -162,20 +161,11 @@ fn pid_max() -> Check {
 /// Where the cgroup hierarchies are and which one holds the cpu controller
 /// (for holding unmodified readers to a cap).
 fn cgroups() -> Check {
-    let mounts = read("/proc/self/mountinfo").unwrap_or_default();
-    let mut v2 = None;
-    let mut v1_cpu = None;
-    for line in mounts.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = fields.iter().position(|f| *f == "-") else { continue };
-        let (point, fstype, options) = (fields.get(4), fields.get(sep + 1), fields.get(sep + 3));
-        match (point, fstype) {
-            (Some(p), Some(&"cgroup2")) => v2 = Some(p.to_string()),
-            (Some(p), Some(&"cgroup")) if options.is_some_and(|o| o.split(',').any(|x| x == "cpu")) => v1_cpu = Some(p.to_string()),
-            _ => {}
-        }
-    }
-    let v2_cpu = v2.as_ref().and_then(|p| read(&format!("{p}/cgroup.controllers"))).is_some_and(|c| c.split(' ').any(|x| x == "cpu"));
+    // One reader of the mounts for doctor, rule validation and the caps.
+    let mounts = crate::procs::cgroup_mounts();
+    let v2 = mounts.iter().find(|m| m.v2).map(|m| m.dir.display().to_string());
+    let v2_cpu = mounts.iter().any(|m| m.v2 && m.cpu);
+    let v1_cpu = mounts.iter().find(|m| !m.v2).map(|m| m.dir.display().to_string());
     match (v2, v1_cpu) {
         (Some(p), _) if v2_cpu => ok("cgroups", format!("cgroup v2 at {p} with the cpu controller (cpu.max)")),
         (v2, Some(p)) => ok(

@@ -148,7 +148,7 @@ impl Rule {
 /// Roots a rule's cgroup path may live under: the cgroup v2 hierarchy and
 /// the cgroup v1 `cpu` hierarchy, wherever this host mounts them.
 pub fn cgroup_roots() -> Vec<std::path::PathBuf> {
-    crate::sys::cgroup_mounts().into_iter().map(|m| m.dir).collect()
+    crate::procs::cgroup_mounts().into_iter().map(|m| m.dir).collect()
 }
 
 /// Checks every rule; returns the valid ones. Each failure names the rule

@@ -38,7 +38,7 @@ fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> Box<dyn std::err
 
 /// Checks the capabilities eBPF loading needs, naming what is missing.
 pub fn check_capabilities() -> Result<(), MeasureError> {
-    let caps = sys::effective_caps().unwrap_or(0);
+    let caps = crate::procs::effective_caps().unwrap_or(0);
     let has = |c: u32| caps & (1u64 << c) != 0;
     if has(sys::CAP_SYS_ADMIN) || (has(sys::CAP_BPF) && has(sys::CAP_PERFMON)) {
         return Ok(());
@@ -154,10 +154,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
 
 /// Possible tids: `kernel.pid_max` (the tid table has one entry each).
 fn pid_max() -> u32 {
-    std::fs::read_to_string("/proc/sys/kernel/pid_max")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(governor_common::DEFAULT_MAX_TIDS)
+    crate::procs::pid_max().unwrap_or(governor_common::DEFAULT_MAX_TIDS)
 }
 
 impl EbpfSide {
@@ -215,13 +212,6 @@ pub struct RuleMaps {
     ctl: Array<MapData, u64>,
 }
 
-/// The threads of process `tgid` (none once it is gone).
-fn threads(tgid: u32) -> Vec<u32> {
-    std::fs::read_dir(format!("/proc/{tgid}/task"))
-        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
-        .unwrap_or_default()
-}
-
 impl RuleMaps {
     fn take(ebpf: &mut Ebpf, tids: Table<AtomicU32>) -> Result<RuleMaps, MeasureError> {
         let missing = |name: &str| MeasureError::Load(format!("map {name} missing or of another type").into());
@@ -250,7 +240,7 @@ impl RuleMaps {
     pub fn replace_tag(&self, tgid: u32, from: Option<u32>, to: u32) -> bool {
         for _ in 0..4 {
             let mut changed = false;
-            for tid in threads(tgid).into_iter().chain([tgid]) {
+            for tid in crate::procs::threads(tgid).into_iter().chain([tgid]) {
                 let Some(e) = self.half(tid) else { continue };
                 let now = e.load(Ordering::Acquire);
                 let ok = match from {

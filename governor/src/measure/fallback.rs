@@ -3,7 +3,7 @@
 //! part by sampling /proc schedstat of each registered thread and charging
 //! the unclaimed interval with the same CAS on `charged_ns` the thread uses.
 
-use super::{schedstat_ns, Inner, MeasureError, Measurement, Sizing};
+use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
 use crate::region::{fd, Access, MeasureRegions, RegionSizes, SlotView};
 use crate::sys;
@@ -55,7 +55,7 @@ pub fn sample(m: &Measurement) {
             continue;
         }
         let (tgid, tid) = (slot.tgid.load(Ordering::Relaxed), slot.tid.load(Ordering::Relaxed));
-        if let Some(ns) = schedstat_ns(tgid, tid) {
+        if let Some(ns) = crate::procs::schedstat_ns(tgid, tid) {
             slot.oncpu_ns.store(ns, Ordering::Release);
             charge_up_to(m, slot, ns);
         }

@@ -59,13 +59,6 @@ enum Inner {
     Fallback,
 }
 
-/// On-CPU ns of `tid` of `tgid` as the scheduler counts it (the same
-/// counter CLOCK_THREAD_CPUTIME_ID reads), or `None` once it is gone.
-pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{tgid}/task/{tid}/schedstat")).ok()?;
-    text.split_whitespace().next()?.parse().ok()
-}
-
 impl Measurement {
     /// Starts the backend `mode` asks for.
     pub fn start(mode: MeasureMode, sizing: Sizing) -> Result<Measurement, MeasureError> {
