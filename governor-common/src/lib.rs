@@ -49,6 +49,11 @@ pub const MAP_RULE_CTL: &str = "GOV_RULE_CTL";
 pub const RULE_CTL_ON: u32 = 0;
 /// Control entry: events the ring buffer had no room for.
 pub const RULE_CTL_DROPPED: u32 = 1;
+/// Control entry: non-zero while a rule matches thread names (renames are
+/// reported).
+pub const RULE_CTL_RENAME: u32 = 2;
+/// Entries of the rule control array.
+pub const RULE_CTL_ENTRIES: u32 = 3;
 /// Processes whose rule can be undecided at once.
 pub const MAX_PENDING: u32 = 8192;
 
@@ -63,6 +68,9 @@ pub const TAG_PENDING: u32 = u32::MAX;
 pub const EVENT_EXEC: u32 = 1;
 /// [`RuleEvent::kind`]: a process whose rule is undecided forked.
 pub const EVENT_FORK: u32 = 2;
+/// [`RuleEvent::kind`]: a thread changed its name (`prctl(PR_SET_NAME)`,
+/// `pthread_setname_np`, a write to its `comm`, or an exec).
+pub const EVENT_RENAME: u32 = 3;
 
 /// What the agent hears when a process's identity changes: from the ring
 /// buffer, in order.
@@ -77,7 +85,10 @@ pub struct RuleEvent {
     /// earlier rule): what it keeps when no rule matches. [`TAG_PENDING`]
     /// when it was itself pending: it inherits what its parent gets.
     pub prior: u32,
-    /// `comm` after the event.
+    /// The thread renamed ([`EVENT_RENAME`]); 0 otherwise.
+    pub tid: u32,
+    pub _reserved: u32,
+    /// `comm` after the event (the thread's new name for [`EVENT_RENAME`]).
     pub comm: [u8; 16],
     /// The path given to `execve`, NUL-terminated, cut to fit.
     pub filename: [u8; 128],
@@ -100,6 +111,9 @@ pub const PROG_TIMER: &str = "gov_timer";
 pub const PROG_FORK: &str = "gov_fork";
 /// `tp_btf/sched_process_exec`: a process that calls `execve` is reported.
 pub const PROG_EXEC: &str = "gov_exec";
+/// `tp_btf/task_rename`: a renamed thread is reported while a rule matches
+/// thread names.
+pub const PROG_RENAME: &str = "gov_rename";
 /// An empty sched_switch program, for benchmarks only.
 pub const PROG_CALIBRATE: &str = "gov_calibrate";
 /// A sched_switch program that only reads the clock, for benchmarks only.
@@ -274,7 +288,7 @@ const _: () = assert!(size_of::<KeyspaceCell>() == 64);
 const _: () = assert!(align_of::<CpuCell>() == 8);
 const _: () = assert!(align_of::<ThreadSlot>() == 8);
 const _: () = assert!(align_of::<KeyspaceCell>() == 8);
-const _: () = assert!(size_of::<RuleEvent>() == 160);
+const _: () = assert!(size_of::<RuleEvent>() == 168);
 const _: () = assert!(size_of::<RuleCpu>() == 16);
 
 /// First probe position of `keyspace_id` in a table of `len` cells

@@ -56,8 +56,8 @@ use aya_ebpf::{
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use governor_common::{
     cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, RuleCpu, RuleEvent, ThreadSlot, DEFAULT_MAX_KEYSPACES,
-    DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, FRESH_OFFSET_NS, MAX_CPUS, MAX_PENDING,
-    RULE_CTL_DROPPED, RULE_CTL_ON, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,
+    DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, FRESH_OFFSET_NS, MAX_CPUS, MAX_PENDING,
+    RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -106,9 +106,9 @@ static GOV_PENDING: HashMap<u32, u64> = HashMap::with_max_entries(MAX_PENDING, 0
 /// Exec and fork events for the agent's rules.
 #[map]
 static GOV_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
-/// `[rules on, events dropped]`.
+/// `[rules on, events dropped, thread-name rules on]`.
 #[map]
-static GOV_RULE_CTL: Array<u64> = Array::with_max_entries(2, 0);
+static GOV_RULE_CTL: Array<u64> = Array::with_max_entries(RULE_CTL_ENTRIES, 0);
 
 /// A field of a kernel task at a BTF-resolved offset.
 ///
@@ -322,7 +322,7 @@ pub fn gov_fork(ctx: BtfTracePointContext) -> i32 {
         let tgid = task_field::<u32>(child, &GOV_OFF_TGID);
         if tag == TAG_PENDING
             && tgid == tid
-            && !report(EVENT_FORK, tgid, task_field::<u32>(parent, &GOV_OFF_TGID), 0, 0 as *const u8)
+            && !report(EVENT_FORK, tgid, task_field::<u32>(parent, &GOV_OFF_TGID), 0, 0, 0 as *const u8, 0 as *const u8)
         {
             // Unreported: the child is left unmeasured rather than pending forever.
             write_volatile(entry.add(1), 0);
@@ -352,19 +352,41 @@ pub fn gov_exec(ctx: BtfTracePointContext) -> i32 {
             .unwrap_or(0 as *const u8);
         // Pending first: the slices that follow the report wait for the decision.
         write_volatile(entry.add(1), TAG_PENDING);
-        if !report(EVENT_EXEC, tgid, 0, prior, filename) {
+        if !report(EVENT_EXEC, tgid, 0, prior, 0, 0 as *const u8, filename) {
             write_volatile(entry.add(1), if prior == TAG_PENDING { 0 } else { prior });
         }
     }
     0
 }
 
+/// A thread renamed while a rule matches thread names is reported; the agent
+/// decides whether its new name moves it to another keyspace than its
+/// process's. A process's rename at exec is reported too: its exec report
+/// follows and decides.
+#[btf_tracepoint(function = "task_rename")]
+pub fn gov_rename(ctx: BtfTracePointContext) -> i32 {
+    // SAFETY: task_rename(struct task_struct *task, const char *comm).
+    unsafe {
+        // SAFETY: a map value pointer.
+        if !GOV_RULE_CTL.get_ptr_mut(RULE_CTL_RENAME).is_some_and(|p| read_volatile(p) != 0) {
+            return 0;
+        }
+        let task: *const u8 = ctx.arg(0);
+        let comm: *const u8 = ctx.arg(1);
+        let tgid = task_field::<u32>(task, &GOV_OFF_TGID);
+        let tid = task_field::<u32>(task, &GOV_OFF_PID);
+        report(EVENT_RENAME, tgid, 0, 0, tid, comm, 0 as *const u8);
+    }
+    0
+}
+
 /// Puts one event in the ring buffer; false (and counted) when it is full.
+/// `comm` is the name to report (null: the current task's).
 ///
 /// # Safety
-/// `filename` is null or a kernel string pointer.
+/// `comm` and `filename` are null or kernel string pointers.
 #[inline(always)]
-unsafe fn report(kind: u32, tgid: u32, parent: u32, prior: u32, filename: *const u8) -> bool {
+unsafe fn report(kind: u32, tgid: u32, parent: u32, prior: u32, tid: u32, comm: *const u8, filename: *const u8) -> bool {
     let Some(mut e) = GOV_EVENTS.reserve::<RuleEvent>(0) else {
         if let Some(p) = GOV_RULE_CTL.get_ptr_mut(RULE_CTL_DROPPED) {
             // SAFETY: a map value pointer.
@@ -379,7 +401,14 @@ unsafe fn report(kind: u32, tgid: u32, parent: u32, prior: u32, filename: *const
         write_volatile(addr_of_mut!((*ev).tgid), tgid);
         write_volatile(addr_of_mut!((*ev).parent), parent);
         write_volatile(addr_of_mut!((*ev).prior), prior);
-        (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        write_volatile(addr_of_mut!((*ev).tid), tid);
+        write_volatile(addr_of_mut!((*ev)._reserved), 0);
+        if comm.is_null() {
+            (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        } else {
+            (*ev).comm = [0; 16];
+            let _ = bpf_probe_read_kernel_str_bytes(comm, &mut (*ev).comm);
+        }
         (*ev).filename[0] = 0;
         if !filename.is_null() {
             let _ = bpf_probe_read_kernel_str_bytes(filename, &mut (*ev).filename);

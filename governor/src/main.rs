@@ -166,6 +166,10 @@ enum RulesVerb {
         /// Command name prefix (at most 15 bytes).
         #[arg(long)]
         comm_prefix: Option<String>,
+        /// Thread name prefix (at most 15 bytes): the rule charges only the
+        /// matching process's threads so named.
+        #[arg(long)]
+        thread_name_prefix: Option<String>,
         /// Insert at this position (0: first) instead of last.
         #[arg(long)]
         position: Option<usize>,
@@ -287,9 +291,9 @@ fn main() {
             Err(e) => fail(json, &e),
         },
         Verb::Rules {
-            verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, position, socket, json },
+            verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, position, socket, json },
         } => {
-            let rule = governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix };
+            let rule = governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix };
             match cli::rules::add(&socket.unwrap_or_else(default_socket), &rule, position) {
                 Ok(a) => print(json, &a, cli::config_cmd::render_applied),
                 Err(e) => fail(json, &e),

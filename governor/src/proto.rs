@@ -247,6 +247,10 @@ pub struct RuleStatus {
     /// Live processes the agent matched to it (their children inherit in
     /// the kernel and are not counted here).
     pub processes_matched: u64,
+    /// Threads a thread rule (`thread-name-prefix`) charges apart from
+    /// their process.
+    #[serde(default)]
+    pub threads_matched: u64,
     /// False on the fallback backend, which cannot measure by rule.
     pub measured: bool,
     /// The cores the kernel holds its keyspace to (cgroup), when capped.

@@ -222,14 +222,15 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
          [[rules]]\nname = \"b\"\nkeyspace = -1\ncomm-prefix = \"a-name-much-too-long\"\n\n\
          [[rules]]\nname = \"a\"\nkeyspace = 2\nuid = 0\n\n\
          [[rules]]\nname = \"c\"\nkeyspace = 3\n\n\
-         [[rules]]\nname = \"d\"\nkeyspace = 4\nexe = \"bin/x\"\n",
+         [[rules]]\nname = \"d\"\nkeyspace = 4\nexe = \"bin/x\"\n\n\
+         [[rules]]\nname = \"e\"\nkeyspace = 5\nthread-name-prefix = \"\"\n",
     )
     .unwrap();
     let out = Command::new(governor_bin()).args(["config", "validate", "--json"]).arg(&file).output().unwrap();
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let keys: Vec<&str> = v["errors"].as_array().unwrap().iter().filter_map(|e| e["key"].as_str()).collect();
-    for want in ["rules.a.cgroup", "rules.b.keyspace", "rules.b.comm-prefix", "rules.a.name", "rules.c", "rules.d.exe"] {
+    for want in ["rules.a.cgroup", "rules.b.keyspace", "rules.b.comm-prefix", "rules.a.name", "rules.c", "rules.d.exe", "rules.e.thread-name-prefix"] {
         assert!(keys.contains(&want), "no error for {want}: {keys:?}");
     }
     // Online: refused whole with exit 64; the rules in force stay.
@@ -334,4 +335,104 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     assert!(!ks_dir.exists(), "{} left behind after the restart", ks_dir.display());
     signal_all(&tree(root), libc::SIGKILL);
     let _ = stress.wait();
+}
+
+/// Σ schedstat of the threads of `pid`, split by whether their name starts
+/// with `prefix`: (named so, the others).
+fn schedstat_by_name(pid: u32, prefix: &str) -> (f64, f64, usize) {
+    let (mut named, mut rest, mut n) = (0u64, 0u64, 0);
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let ns: u64 = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default().split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        if name.starts_with(prefix) {
+            named += ns;
+            n += 1;
+        } else {
+            rest += ns;
+        }
+    }
+    (named as f64 / 1e9, rest as f64 / 1e9, n)
+}
+
+/// Keyspaces 700 and 701 as charged, and redis's threads by name, read
+/// while redis is stopped (every slice closed).
+fn redis_reading(agent: &Agent, redis: u32) -> [f64; 4] {
+    signal_all(&BTreeSet::from([redis]), libc::SIGSTOP);
+    std::thread::sleep(Duration::from_millis(100));
+    let (io, rest, _) = schedstat_by_name(redis, "io_thd_");
+    let (k700, k701) = (agent.keyspace_seconds(700).unwrap_or(0.0), agent.keyspace_seconds(701).unwrap_or(0.0));
+    signal_all(&BTreeSet::from([redis]), libc::SIGCONT);
+    [k700, k701, io, rest]
+}
+
+fn redis_load(port: u16) {
+    let o = Command::new("redis-benchmark")
+        .args(["-p", &port.to_string(), "-c", "50", "-P", "16", "-n", "80000", "-t", "get,set", "-q", "--threads", "2"])
+        .output()
+        .expect("redis-benchmark runs (cargo xtask setup installs redis-tools)");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_thread_rule_charges_redis_io_threads_apart_from_the_rest_of_redis() {
+    let _s = serial();
+    // Redis names its I/O threads io_thd_<n> (pthread_setname_np) as it
+    // starts them; its main, bio_* and jemalloc threads go by the process rule.
+    let config = "[[rules]]\nname = \"redis-io\"\nkeyspace = 700\ncomm-prefix = \"redis-server\"\nthread-name-prefix = \"io_thd_\"\n\n\
+                  [[rules]]\nname = \"redis\"\nkeyspace = 701\ncomm-prefix = \"redis-server\"\n";
+    let agent = Agent::start("ebpf", config).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut redis = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--io-threads", "3", "--io-threads-do-reads", "yes", "--daemonize", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server runs (cargo xtask setup installs it)");
+    let pid = redis.id();
+    let _reap = KillTree(pid);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis did not listen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let check = |phase: &str, before: [f64; 4], after: [f64; 4], split: bool| {
+        let d: Vec<f64> = (0..4).map(|i| after[i] - before[i]).collect();
+        let (k700, k701, io, rest) = (d[0], d[1], d[2], d[3]);
+        eprintln!("{phase}: keyspace 700 {k700:.4} s, 701 {k701:.4} s; schedstat io_thd_* {io:.4} s, other threads {rest:.4} s");
+        assert!(io > 0.3 && rest > 0.3, "{phase}: redis hardly ran (io {io:.3} s, rest {rest:.3} s)");
+        let (want700, want701) = if split { (io, rest) } else { (0.0, io + rest) };
+        for (ks, got, want) in [(700, k700, want700), (701, k701, want701)] {
+            assert!((got - want).abs() <= 0.005 * want + 0.002, "{phase}: keyspace {ks} charged {got:.4} s, schedstat {want:.4} s\n{}", agent.log_text());
+        }
+    };
+    // Named after the rules: the rename reports.
+    let start = redis_reading(&agent, pid);
+    redis_load(port);
+    let loaded = redis_reading(&agent, pid);
+    check("renamed under the rule", start, loaded, true);
+    let (_, _, io_threads) = schedstat_by_name(pid, "io_thd_");
+    let listed = governor(&agent, &["rules", "list", "--json"]);
+    let list: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
+    assert_eq!((io_threads, list["rules"][0]["threads_matched"].as_u64()), (2, Some(2)), "{list}");
+    assert_eq!(list["rules"][1]["processes_matched"], 1, "{list}");
+    // Without the thread rule its threads go back to the process's keyspace...
+    let o = governor(&agent, &["rules", "remove", "redis-io"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let start = redis_reading(&agent, pid);
+    redis_load(port);
+    let loaded = redis_reading(&agent, pid);
+    check("thread rule removed", start, loaded, false);
+    // ...and with it back, the scan finds the named threads again.
+    let o = governor(
+        &agent,
+        &["rules", "add", "redis-io", "--keyspace", "700", "--comm-prefix", "redis-server", "--thread-name-prefix", "io_thd_", "--position", "0"],
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let start = redis_reading(&agent, pid);
+    redis_load(port);
+    let loaded = redis_reading(&agent, pid);
+    check("thread rule added back", start, loaded, true);
+    signal_all(&BTreeSet::from([pid]), libc::SIGKILL);
+    let _ = redis.wait();
 }

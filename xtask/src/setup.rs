@@ -19,13 +19,17 @@ pub fn setup(cross: bool) -> Result<()> {
     bpf_linker()?;
     // setpriv: attacks run as nobody; prometheus: a real server scrapes the
     // agent, and promtool checks the exposition; stress-ng: the unmodified
-    // processes rules measure (with xz); tmux: `governor top` in a terminal.
+    // processes rules measure (with xz, and redis with its load generator);
+    // tmux: `governor top` in a terminal.
     let mut packages = vec![
         ("util-linux", "/usr/bin/setpriv"),
         ("prometheus", "/usr/bin/promtool"),
         ("stress-ng", "/usr/bin/stress-ng"),
         ("xz-utils", "/usr/bin/xz"),
         ("tmux", "/usr/bin/tmux"),
+        // A real server whose threads a thread-name rule tells apart.
+        ("redis-server", "/usr/bin/redis-server"),
+        ("redis-tools", "/usr/bin/redis-benchmark"),
         // The package test: `dpkg -i` needs the .deb's dependency, and the
         // unit is checked with systemd-analyze.
         ("adduser", "/usr/sbin/adduser"),

@@ -215,7 +215,8 @@ impl Shared {
 
 /// Cores each rule keyspace may use, where the configuration caps it:
 /// its configured quota, else the tenant cap; nothing while cpu-throttle is
-/// off (measuring only).
+/// off (measuring only). Thread rules are measured, not capped: a cgroup
+/// holds processes, and their threads share it.
 fn rule_caps(config: &ValidatedConfig, cores: u32) -> std::collections::HashMap<u32, f64> {
     let t = config.cpu_throttle();
     if !t.enabled {
@@ -224,6 +225,7 @@ fn rule_caps(config: &ValidatedConfig, cores: u32) -> std::collections::HashMap<
     config
         .rules()
         .iter()
+        .filter(|r| r.thread_name_prefix.is_none())
         .filter_map(|r| {
             let cap = match t.keyspace_cpu_quotas.get(r.keyspace) {
                 Some(millicores) => millicores as f64 / 1000.0,

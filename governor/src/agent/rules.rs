@@ -19,7 +19,14 @@
 //!   aside to it (every thread of the process). A process that lives for
 //!   one slice is counted too;
 //! - **scan** (agent): at start and whenever the rules change, every process
-//!   in `/proc` is matched, children inheriting from parents.
+//!   in `/proc` is matched, children inheriting from parents;
+//! - **rename** (kernel, then agent): while a rule matches thread names, a
+//!   renamed thread is reported, and the agent gives that one thread the
+//!   keyspace of the first thread rule its new name matches, or its
+//!   process's again. Thread rules never decide a whole process: a process
+//!   is decided by the first rule without a thread name it matches, then
+//!   each of its threads (the main one included) that a thread rule before
+//!   that matches is charged apart.
 //!
 //! Nothing reads `/proc` on a timer. On the fallback backend there is no
 //! kernel side: rules are kept and reported as not measured.
@@ -28,7 +35,7 @@ use crate::config::{ProcessIdentity, Rule};
 use crate::measure::ebpf::RuleMaps;
 use crate::measure::Measurement;
 use crate::proto::RuleStatus;
-use governor_common::{RuleEvent, EVENT_EXEC, EVENT_FORK, TAG_PENDING};
+use governor_common::{RuleEvent, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, TAG_PENDING};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -68,6 +75,18 @@ pub(crate) struct Rules {
     pub(crate) pending_ns: u64,
     /// True when the backend cannot measure by rule.
     unsupported: bool,
+    /// Threads a thread rule charges apart from their process, by tid.
+    threads: HashMap<u32, ThreadTag>,
+}
+
+/// A thread the agent tagged apart from its process.
+#[derive(Clone, Copy, Debug)]
+struct ThreadTag {
+    tgid: u32,
+    tag: u32,
+    rule: usize,
+    /// Its process's tag, which it takes back when no thread rule wants it.
+    base: u32,
 }
 
 /// Reads what rules match on from `/proc/<tgid>`; `None` once it is gone
@@ -101,8 +120,54 @@ impl Rules {
         }
     }
 
+    /// The first rule that decides process `p` (thread rules never do).
     fn first_match(&self, p: &ProcessIdentity) -> Option<usize> {
-        self.active.iter().position(|a| a.rule.matches(p))
+        self.active.iter().position(|a| a.rule.thread_name_prefix.is_none() && a.rule.matches(p))
+    }
+
+    /// The thread rule that charges a thread called `name` of `p` apart
+    /// from its process: the first rule matching the thread, if it is a
+    /// thread rule.
+    fn thread_rule(&self, p: &ProcessIdentity, name: &str) -> Option<usize> {
+        let i = self.active.iter().position(|a| a.rule.matches_thread(p, name))?;
+        self.active[i].rule.thread_name_prefix.is_some().then_some(i)
+    }
+
+    fn thread_rules(&self) -> bool {
+        self.active.iter().any(|a| a.rule.thread_name_prefix.is_some())
+    }
+
+    /// Gives thread `tid` of `p` (now called `name`) its thread rule's tag,
+    /// or its process's back when none wants it. A pending thread waits for
+    /// its process's decision, which comes here after.
+    fn retag_thread(&mut self, maps: &RuleMaps, p: &ProcessIdentity, tid: u32, name: &str) {
+        let now = maps.thread_tag(tid);
+        if now == TAG_PENDING {
+            return;
+        }
+        let known = self.threads.get(&tid).copied().filter(|t| t.tgid == p.tgid);
+        match self.thread_rule(p, name) {
+            Some(i) => {
+                let tag = self.active[i].tag;
+                let base = known.map_or(now, |t| t.base);
+                if maps.set_thread_tag(tid, now, tag) {
+                    self.threads.insert(tid, ThreadTag { tgid: p.tgid, tag, rule: i, base });
+                }
+            }
+            None => {
+                if let Some(t) = known {
+                    self.threads.remove(&tid);
+                    maps.set_thread_tag(tid, now, t.base);
+                }
+            }
+        }
+    }
+
+    /// Puts back the process tag of every thread charged apart.
+    fn untag_threads(&mut self, maps: &RuleMaps) {
+        for (tid, t) in self.threads.drain() {
+            maps.set_thread_tag(tid, t.tag, t.base);
+        }
     }
 
     /// Keyspace cells the rules charge (never evicted while a rule names them).
@@ -133,6 +198,7 @@ impl Rules {
                 keyspace: a.rule.keyspace,
                 matches: a.rule.matchers(),
                 processes_matched: self.decided.values().filter(|(_, r)| *r == Some(i)).count() as u64,
+                threads_matched: self.threads.values().filter(|t| t.rule == i).count() as u64,
                 measured: !self.unsupported,
                 cap_cores: self.enforcer.as_ref().and_then(|e| e.cap_of(a.rule.keyspace)),
             })
@@ -159,6 +225,11 @@ impl Rules {
             return;
         };
         maps.set_exec_events(!rules.is_empty());
+        let thread_rules = self.thread_rules();
+        maps.set_rename_events(thread_rules);
+        // Threads charged apart under the old rules go back to their
+        // process first; the scan decides them again.
+        self.untag_threads(maps);
         let started = Instant::now();
         let tgids = crate::procs::all_tgids();
         // Match every process, then resolve parents before children: like
@@ -216,6 +287,16 @@ impl Rules {
                 self.decided.remove(&t);
             }
         }
+        if thread_rules {
+            for &t in resolved.keys() {
+                let Some(p) = identity(t) else { continue };
+                for tid in crate::procs::threads(t) {
+                    if let Some(name) = crate::procs::thread_comm(t, tid) {
+                        self.retag_thread(maps, &p, tid, &name);
+                    }
+                }
+            }
+        }
         let placed: Vec<(u32, u32)> = resolved.iter().map(|(&t, &(tag, _))| (t, tag)).collect();
         for (t, tag) in placed {
             self.place(t, tag);
@@ -228,9 +309,10 @@ impl Rules {
             }
         }
         log::info!(
-            "rules: {} in force; {} processes matched or inherited, {set} entries changed, in {:?}",
+            "rules: {} in force; {} processes matched or inherited, {} threads charged apart, {set} entries changed, in {:?}",
             self.active.len(),
             self.decided.len(),
+            self.threads.len(),
             started.elapsed()
         );
     }
@@ -248,12 +330,25 @@ impl Rules {
         // that forked while pending and whose child exec'd since reports
         // both, and only what the child runs now counts.
         let mut last: HashMap<u32, usize> = HashMap::new();
+        let mut renamed: HashMap<u32, usize> = HashMap::new();
         for (i, e) in events.iter().enumerate() {
-            last.insert(e.tgid, i);
+            if e.kind == EVENT_RENAME {
+                renamed.insert(e.tid, i);
+            } else {
+                last.insert(e.tgid, i);
+            }
         }
         for (i, e) in events.iter().enumerate() {
             if last.get(&e.tgid) == Some(&i) {
                 self.decide(maps, e, now);
+            }
+        }
+        // Renames after the decisions: a thread renamed while its process
+        // was pending is matched against what its process became.
+        for (&tid, &i) in &renamed {
+            let e = &events[i];
+            if let Some(p) = identity(e.tgid).filter(|p| p.exe.is_some()) {
+                self.retag_thread(maps, &p, tid, &cstr(&e.comm));
             }
         }
         let mut due = Vec::new();
@@ -265,6 +360,7 @@ impl Rules {
             self.last_sweep = Some(now);
             self.recent.retain(|_, (_, t)| now.duration_since(*t) < REMEMBER);
             self.decided.retain(|t, _| std::path::Path::new(&format!("/proc/{t}")).exists());
+            self.threads.retain(|tid, t| std::path::Path::new(&format!("/proc/{}/task/{tid}", t.tgid)).exists());
             let waiting: HashSet<u32> = self.settle.iter().map(|(_, t, _)| *t).collect();
             for tgid in maps.pending_tgids() {
                 if waiting.contains(&tgid) {
@@ -356,8 +452,12 @@ impl Rules {
             } else {
                 self.decided.remove(&e.tgid);
             }
-            if alive.is_some() {
+            if let Some(p) = &alive {
                 self.place(e.tgid, tag);
+                // Its main thread may be one a thread rule charges apart.
+                if self.thread_rules() {
+                    self.retag_thread(maps, p, e.tgid, &p.comm.clone());
+                }
             }
             self.settle.push_back((now + SETTLE, e.tgid, tag));
         }

@@ -37,7 +37,16 @@ pub fn render_list(l: &RuleList) -> String {
     let mut out = format!("{:<3} {:<24} {:>10} {:>9} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "CAP", "MATCHES");
     for (i, r) in l.rules.iter().enumerate() {
         let cap = r.cap_cores.map_or("-".to_string(), |c| format!("{c:.2}"));
-        let _ = writeln!(out, "{:<3} {:<24} {:>10} {:>9} {:>9}  {}", i, r.name, r.keyspace, r.processes_matched, cap, r.matches);
+        // A thread rule matches threads: their count, marked.
+        let matched = if r.matches.contains("thread-name-prefix=") {
+            format!("{}t", r.threads_matched)
+        } else {
+            r.processes_matched.to_string()
+        };
+        let _ = writeln!(out, "{:<3} {:<24} {:>10} {:>9} {:>9}  {}", i, r.name, r.keyspace, matched, cap, r.matches);
+    }
+    if l.rules.iter().any(|r| r.matches.contains("thread-name-prefix=")) {
+        let _ = writeln!(out, "MATCHED: live processes; Nt: threads a thread rule charges apart from their process");
     }
     let _ = writeln!(out, "caps: {}", l.enforcement);
     if l.rules.iter().any(|r| !r.measured) {

@@ -4,7 +4,12 @@
 //! process's identity — cgroup path (exact or prefix, on the cgroup v2
 //! hierarchy or the cgroup v1 `cpu` hierarchy), tgid, effective uid,
 //! executable path, or command-name prefix; every matcher a rule lists must
-//! hold. Rules are tried in order and the first match wins. A process is
+//! hold. Rules are tried in order and the first match wins. A rule with a
+//! `thread-name-prefix` matches threads rather than processes: the threads
+//! of a matching process whose name starts with it (a process's main thread
+//! is named by its command name), so one process's threads can be charged
+//! to different keyspaces; its other threads go by the rules after it. A
+//! thread is matched again whenever it is renamed. A process is
 //! matched when it starts a program (exec) and whenever the rules change; a
 //! child belongs to its parent's keyspace from its first slice (fork), and
 //! keeps it through an exec no rule matches. Threads a client registers and
@@ -56,6 +61,10 @@ pub struct RawRule {
     /// The process's command name (`comm`, 15 bytes) starts with this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_prefix: Option<String>,
+    /// The thread's name (15 bytes, as `pthread_setname_np` sets it) starts
+    /// with this: the rule charges those threads only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread_name_prefix: Option<String>,
 }
 
 /// A validated rule.
@@ -76,6 +85,8 @@ pub struct Rule {
     pub exe: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub comm_prefix: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thread_name_prefix: Option<String>,
 }
 
 /// What a process is, as rules see it.
@@ -96,9 +107,17 @@ fn under(path: &str, dir: &str) -> bool {
 }
 
 impl Rule {
-    /// Whether `p` matches every matcher of the rule.
+    /// Whether `p`'s main thread (named by its command name) matches every
+    /// matcher of the rule.
     pub fn matches(&self, p: &ProcessIdentity) -> bool {
-        self.tgid.is_none_or(|t| t == p.tgid)
+        self.matches_thread(p, &p.comm)
+    }
+
+    /// Whether a thread called `thread` of process `p` matches every
+    /// matcher of the rule.
+    pub fn matches_thread(&self, p: &ProcessIdentity, thread: &str) -> bool {
+        self.thread_name_prefix.as_deref().is_none_or(|t| thread.starts_with(t))
+            && self.tgid.is_none_or(|t| t == p.tgid)
             && self.uid.is_none_or(|u| p.uid == Some(u))
             && self.comm_prefix.as_deref().is_none_or(|c| p.comm.starts_with(c))
             && self.exe.as_deref().is_none_or(|e| p.exe.as_deref() == Some(e))
@@ -127,6 +146,9 @@ impl Rule {
         if let Some(v) = &self.comm_prefix {
             out.push(format!("comm-prefix={v}"));
         }
+        if let Some(v) = &self.thread_name_prefix {
+            out.push(format!("thread-name-prefix={v}"));
+        }
         out.join(" ")
     }
 
@@ -141,6 +163,7 @@ impl Rule {
             uid: self.uid.map(Into::into),
             exe: self.exe.clone(),
             comm_prefix: self.comm_prefix.clone(),
+            thread_name_prefix: self.thread_name_prefix.clone(),
         }
     }
 }
@@ -204,13 +227,12 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         {
             c.invalid(format!("{id}.exe"), format!("{e:?} is not an absolute path"));
         }
-        if let Some(p) = &r.comm_prefix
-            && (p.is_empty() || p.len() > COMM_MAX)
-        {
-            c.invalid(
-                format!("{id}.comm-prefix"),
-                format!("{p:?} can never match: a command name holds 1 to {COMM_MAX} bytes"),
-            );
+        for (key, what, v) in [("comm-prefix", "a command name", &r.comm_prefix), ("thread-name-prefix", "a thread name", &r.thread_name_prefix)] {
+            if let Some(p) = v
+                && (p.is_empty() || p.len() > COMM_MAX)
+            {
+                c.invalid(format!("{id}.{key}"), format!("{p:?} can never match: {what} holds 1 to {COMM_MAX} bytes"));
+            }
         }
         let rule = Rule {
             name: r.name.clone(),
@@ -221,10 +243,14 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
             uid,
             exe: r.exe.clone(),
             comm_prefix: r.comm_prefix.clone(),
+            thread_name_prefix: r.thread_name_prefix.clone(),
         };
         let matchers = rule.matchers();
         if matchers.is_empty() {
-            c.invalid(id.clone(), "matches nothing: give at least one of cgroup, cgroup-prefix, tgid, uid, exe, comm-prefix");
+            c.invalid(
+                id.clone(),
+                "matches nothing: give at least one of cgroup, cgroup-prefix, tgid, uid, exe, comm-prefix, thread-name-prefix",
+            );
         } else if let Some(first) = seen.insert(matchers.clone(), r.name.clone()) {
             c.invalid(id.clone(), format!("duplicate of rule {first:?} ({matchers}): it could never match first"));
         }
@@ -259,6 +285,7 @@ mod tests {
             uid: None,
             exe: None,
             comm_prefix: None,
+            thread_name_prefix: None,
         };
         f(&mut r);
         r
@@ -287,5 +314,12 @@ mod tests {
         let mut gone = p.clone();
         gone.uid = None;
         assert!(!rule(|r| r.uid = Some(1000)).matches(&gone));
+        // Thread names: the main thread is named by the command name.
+        let io = rule(|r| {
+            r.exe = Some("/usr/bin/stress-ng".into());
+            r.thread_name_prefix = Some("io_thd_".into());
+        });
+        assert!(io.matches_thread(&p, "io_thd_1") && !io.matches_thread(&p, "bio_aof") && !io.matches(&p));
+        assert!(rule(|r| r.thread_name_prefix = Some("stress".into())).matches(&p));
     }
 }

@@ -14,7 +14,7 @@ use aya::{Btf, Ebpf, EbpfLoader};
 use governor_common::{
     RuleEvent, GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUNTIME,
     GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS,
-    MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON,
+    MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME,
 };
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -81,7 +81,12 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     let btf = Btf::from_sys_fs().map_err(|e| MeasureError::Load(boxed(e)))?;
 
     for (name, tracepoint) in
-        [(PROG_SCHED_SWITCH, "sched_switch"), (PROG_FORK, "sched_process_fork"), (PROG_EXEC, "sched_process_exec")]
+        [
+            (PROG_SCHED_SWITCH, "sched_switch"),
+            (PROG_FORK, "sched_process_fork"),
+            (PROG_EXEC, "sched_process_exec"),
+            (PROG_RENAME, "task_rename"),
+        ]
     {
         let prog: &mut BtfTracePoint = ebpf
             .program_mut(name)
@@ -175,7 +180,7 @@ impl EbpfSide {
     }
 
     pub(super) fn program_stats(&self) -> Vec<ProgramStats> {
-        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_FORK, PROG_EXEC]
+        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_FORK, PROG_EXEC, PROG_RENAME]
             .into_iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;
@@ -198,8 +203,10 @@ fn parse_event(b: &[u8]) -> Option<RuleEvent> {
         tgid: u(4)?,
         parent: u(8)?,
         prior: u(12)?,
-        comm: b.get(16..32)?.try_into().ok()?,
-        filename: b.get(32..160)?.try_into().ok()?,
+        tid: u(16)?,
+        _reserved: 0,
+        comm: b.get(24..40)?.try_into().ok()?,
+        filename: b.get(40..168)?.try_into().ok()?,
     })
 }
 
@@ -263,6 +270,25 @@ impl RuleMaps {
         if let Err(e) = self.ctl.set(RULE_CTL_ON, u64::from(on), 0) {
             log::warn!("cannot switch exec reports {}: {e}", if on { "on" } else { "off" });
         }
+    }
+
+    /// Turns rename reports (rules on thread names) on or off.
+    pub fn set_rename_events(&mut self, on: bool) {
+        if let Err(e) = self.ctl.set(RULE_CTL_RENAME, u64::from(on), 0) {
+            log::warn!("cannot switch rename reports {}: {e}", if on { "on" } else { "off" });
+        }
+    }
+
+    /// The rule tag of thread `tid` alone.
+    pub fn thread_tag(&self, tid: u32) -> u32 {
+        self.tag(tid)
+    }
+
+    /// Sets the rule tag of thread `tid` alone, if it is not pending and
+    /// still holds `from`. True if it holds `to` afterwards.
+    pub fn set_thread_tag(&self, tid: u32, from: u32, to: u32) -> bool {
+        let Some(e) = self.half(tid) else { return false };
+        from == to || (from != governor_common::TAG_PENDING && e.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok())
     }
 
     /// Events the ring buffer had no room for, since start.
