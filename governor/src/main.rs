@@ -170,6 +170,10 @@ enum RulesVerb {
         /// matching process's threads so named.
         #[arg(long)]
         thread_name_prefix: Option<String>,
+        /// Cap the rule's --cgroup itself instead of moving its processes
+        /// into a cgroup of governor's.
+        #[arg(long)]
+        cap_in_place: bool,
         /// Insert at this position (0: first) instead of last.
         #[arg(long)]
         position: Option<usize>,
@@ -291,9 +295,9 @@ fn main() {
             Err(e) => fail(json, &e),
         },
         Verb::Rules {
-            verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, position, socket, json },
+            verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place, position, socket, json },
         } => {
-            let rule = governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix };
+            let rule = governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place };
             match cli::rules::add(&socket.unwrap_or_else(default_socket), &rule, position) {
                 Ok(a) => print(json, &a, cli::config_cmd::render_applied),
                 Err(e) => fail(json, &e),

@@ -259,6 +259,33 @@ fn cpu_cgroup(pid: u32) -> Option<String> {
     v1.or_else(|| text.lines().find_map(|l| l.strip_prefix("0::").map(str::to_string)))
 }
 
+/// Where the hierarchy with the cpu controller is mounted.
+fn cpu_hierarchy() -> std::path::PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    let mount = mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let cpu_v1 = f[2] == "cgroup" && f[3].split(',').any(|o| o == "cpu");
+            let v2 = f[2] == "cgroup2"
+                && std::fs::read_to_string(format!("{}/cgroup.controllers", f[1])).unwrap_or_default().contains("cpu");
+            (cpu_v1 || v2).then(|| f[1].to_string())
+        })
+        .next_back()
+        .unwrap();
+    std::path::PathBuf::from(mount)
+}
+
+/// The CFS bandwidth settings of a cgroup directory, as written there.
+fn bandwidth(dir: &std::path::Path) -> String {
+    ["cpu.max", "cpu.cfs_quota_us", "cpu.cfs_period_us"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+        .map(|v| v.trim().to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 #[test]
 fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     let _s = serial();
@@ -298,21 +325,7 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     }
     assert!(worst <= 5.0, "a window was {worst:.2} % off the 0.5-core cap");
     // Stopped politely: every process back where it was, no cgroup left.
-    let cgdir = |rel: &str| -> std::path::PathBuf {
-        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
-        let mount = mounts
-            .lines()
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                let cpu_v1 = f[2] == "cgroup" && f[3].split(',').any(|o| o == "cpu");
-                let v2 = f[2] == "cgroup2"
-                    && std::fs::read_to_string(format!("{}/cgroup.controllers", f[1])).unwrap_or_default().contains("cpu");
-                (cpu_v1 || v2).then(|| f[1].to_string())
-            })
-            .next_back()
-            .unwrap();
-        std::path::Path::new(&mount).join(rel.trim_start_matches('/'))
-    };
+    let cgdir = |rel: &str| cpu_hierarchy().join(rel.trim_start_matches('/'));
     let ks_dir = cgdir(&inside);
     assert!(ks_dir.is_dir());
     let quota = std::fs::read_to_string(ks_dir.join("cpu.cfs_quota_us")).or_else(|_| std::fs::read_to_string(ks_dir.join("cpu.max")));
@@ -435,4 +448,114 @@ fn a_thread_rule_charges_redis_io_threads_apart_from_the_rest_of_redis() {
     check("thread rule added back", start, loaded, true);
     signal_all(&BTreeSet::from([pid]), libc::SIGKILL);
     let _ = redis.wait();
+}
+
+#[test]
+fn with_fair_allocation_capped_keyspaces_split_a_saturated_node_by_their_caps() {
+    let _s = serial();
+    // Two stress-ng, each wanting both cores, capped at 1.6 and 0.8 cores
+    // (more than the node together). By weight alone the kernel splits the
+    // node evenly, and the 0.8 cap then gives 1.2 : 0.8; weighing the caps,
+    // it splits 2 : 1.
+    let spawn = || Command::new("stress-ng").args(["--cpu", "2", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let (mut big, mut small) = (spawn(), spawn());
+    let (_reap_big, _reap_small) = (KillTree(big.id()), KillTree(small.id()));
+    let config = |fair: bool| {
+        format!(
+            "[resource-control.cpu-throttle]\nenabled = true\nenable-fair-allocation = {fair}\nkeyspace-cpu-quotas = \"971:1600,972:800\"\n\n\
+             [[rules]]\nname = \"big\"\nkeyspace = 971\ntgid = {}\n\n[[rules]]\nname = \"small\"\nkeyspace = 972\ntgid = {}\n",
+            big.id(),
+            small.id()
+        )
+    };
+    let agent = Agent::start("ebpf", &config(true)).unwrap();
+    let rates = |agent: &Agent| -> (f64, f64) {
+        std::thread::sleep(Duration::from_millis(700));
+        let t0 = (Instant::now(), agent.keyspace_seconds(971).unwrap(), agent.keyspace_seconds(972).unwrap());
+        std::thread::sleep(Duration::from_secs(3));
+        let t1 = (Instant::now(), agent.keyspace_seconds(971).unwrap(), agent.keyspace_seconds(972).unwrap());
+        let wall = (t1.0 - t0.0).as_secs_f64();
+        ((t1.1 - t0.1) / wall, (t1.2 - t0.2) / wall)
+    };
+    let list = governor(&agent, &["rules", "list", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap_or_else(|_| panic!("{}", text(&list)));
+    let how = v["enforcement"].as_str().unwrap_or_default().to_string();
+    assert!(how.contains("cpu.shares") || how.contains("cpu.weight"), "{v}");
+    let (b, s) = rates(&agent);
+    eprintln!("weighted by cap: {b:.3} and {s:.3} cores (ratio {:.2})", b / s);
+    // Saturated by the two alone (anything else running skews the split).
+    assert!(b + s > 1.8, "the node was not saturated by the two: {b:.3} + {s:.3} cores");
+    assert!((1.8..=2.2).contains(&(b / s)), "caps 1.6 : 0.8 weighted, got {b:.3} : {s:.3}");
+    // Fairness off, online: default weights, and the even split the caps cut.
+    let o = governor(&agent, &["config", "set", "resource-control.cpu-throttle.enable-fair-allocation=false"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (b, s) = rates(&agent);
+    eprintln!("default weights: {b:.3} and {s:.3} cores (ratio {:.2})", b / s);
+    assert!(b + s > 1.8, "the node was not saturated by the two: {b:.3} + {s:.3} cores");
+    assert!((1.3..=1.7).contains(&(b / s)), "default weights, got {b:.3} : {s:.3}");
+    for c in [&mut big, &mut small] {
+        signal_all(&tree(c.id()), libc::SIGKILL);
+        let _ = c.wait();
+    }
+}
+
+#[test]
+fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
+    let _s = serial();
+    // The operator's cgroup, with a stress-ng in it.
+    let rel = format!("/governor-test-own-{}", std::process::id());
+    let dir = cpu_hierarchy().join(rel.trim_start_matches('/'));
+    std::fs::create_dir_all(&dir).unwrap();
+    struct Rmdir(std::path::PathBuf);
+    impl Drop for Rmdir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let _rmdir = Rmdir(dir.clone());
+    let before = bandwidth(&dir);
+    let mut stress = Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo $$ > {}/cgroup.procs && exec stress-ng --cpu 2 --timeout 60", dir.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let root = stress.id();
+    let _reap = KillTree(root);
+    std::thread::sleep(Duration::from_millis(500));
+    let config = format!(
+        "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"981:500\"\n\n\
+         [[rules]]\nname = \"own\"\nkeyspace = 981\ncgroup = \"{rel}\"\ncap-in-place = true\n"
+    );
+    let mut agent = Agent::start("ebpf", &config).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(bandwidth(&dir).contains("50000"), "capped in place: {}", bandwidth(&dir));
+    for p in tree(root) {
+        assert_eq!(cpu_cgroup(p).as_deref(), Some(rel.as_str()), "process {p} stays in the operator's cgroup");
+    }
+    let mut last = (Instant::now(), agent.keyspace_seconds(981).unwrap());
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = (Instant::now(), agent.keyspace_seconds(981).unwrap());
+        let rate = (now.1 - last.1) / (now.0 - last.0).as_secs_f64();
+        eprintln!("window: {rate:.3} cores (cap 0.5, in place)");
+        assert!((0.475..=0.525).contains(&rate), "{rate:.3} cores against a 0.5 cap");
+        last = now;
+    }
+    agent.restart_with_config("").unwrap();
+    assert_eq!(bandwidth(&dir), before, "put back when the agent stopped");
+    // SIGKILLed while capping: the next agent on the socket puts it back.
+    agent.restart_with_config(&config).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(bandwidth(&dir).contains("50000"));
+    agent.kill9().unwrap();
+    agent.restart_with_config("").unwrap();
+    assert_eq!(bandwidth(&dir), before, "put back by the next agent");
+    // Without a cgroup to cap, the key is refused naming the rule.
+    let bad = governor(&agent, &["rules", "add", "loose", "--keyspace", "982", "--comm-prefix", "x", "--cap-in-place"]);
+    assert_eq!(bad.status.code(), Some(64), "{}", text(&bad));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("rules.loose.cap-in-place"), "{}", text(&bad));
+    signal_all(&tree(root), libc::SIGKILL);
+    let _ = stress.wait();
 }

@@ -7,6 +7,15 @@
 //! cgroup v2 one (`cpu.max`) where it offers it, else cgroup v1's `cpu`
 //! hierarchy (`cpu.cfs_quota_us` / `cpu.cfs_period_us`), as on hybrid hosts.
 //! Its processes are moved in (children follow at fork, as cgroups do).
+//! Where fairness is asked (`enable-fair-allocation`), each keyspace cgroup
+//! also weighs its cap (`cpu.weight` on v2, `cpu.shares` on v1: one core is
+//! the default weight), so capped keyspaces that contend for a saturated
+//! node split it in proportion to their caps, as the fair-allocation seed
+//! splits tokens in proportion to quotas.
+//!
+//! A rule with `cap-in-place` names a cgroup the operator owns: the agent
+//! writes the cap (and weight) into that cgroup and moves nothing, and puts
+//! back the values it found there, from the state file after a crash too.
 //! Everything the agent changes is written to a state file first; on stop
 //! the agent moves every process back where it was and removes its
 //! cgroups, and a start after a crash does the same from the file. Without
@@ -36,6 +45,38 @@ struct State {
     created: BTreeMap<u32, String>,
     /// tgid → the cgroup it was in (relative to the root).
     moved: BTreeMap<u32, String>,
+    /// Keyspaces capped on the operator's own cgroup: the cgroup, and the
+    /// files the agent wrote with what they held before.
+    #[serde(default)]
+    in_place: BTreeMap<u32, InPlace>,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct InPlace {
+    rel: String,
+    saved: Vec<(String, String)>,
+}
+
+/// The files a cap and a weight are written to, in the order to write them.
+fn cap_files(version: Version) -> &'static [&'static str] {
+    match version {
+        Version::V2 => &["cpu.max", "cpu.weight"],
+        Version::V1 => &["cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"],
+    }
+}
+
+/// Writes `cores` (and its weight, or the default one) into `dir`.
+fn write_cap(dir: &Path, version: Version, cores: f64, weighted: bool) -> std::io::Result<()> {
+    let quota = ((cores * PERIOD_US as f64).round() as u64).max(1000);
+    match version {
+        Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {PERIOD_US}"))?,
+        Version::V1 => {
+            std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())?;
+            std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
+        }
+    }
+    let (file, w) = weight(version, if weighted { cores } else { 1.0 });
+    std::fs::write(dir.join(file), w.to_string())
 }
 
 pub(crate) struct Enforcer {
@@ -47,6 +88,17 @@ pub(crate) struct Enforcer {
     state: State,
     /// keyspace → cores.
     caps: HashMap<u32, f64>,
+    /// Keyspace cgroups weigh their caps (`enable-fair-allocation`).
+    weighted: bool,
+}
+
+/// The CPU weight of a cgroup capped at `cores`, as its version writes it:
+/// the default weight per core.
+fn weight(version: Version, cores: f64) -> (&'static str, u64) {
+    match version {
+        Version::V2 => ("cpu.weight", ((cores * 100.0).round() as u64).clamp(1, 10_000)),
+        Version::V1 => ("cpu.shares", ((cores * 1024.0).round() as u64).clamp(2, 262_144)),
+    }
 }
 
 /// The hierarchy with the cpu controller: v2 when it has it, else v1.
@@ -75,14 +127,15 @@ impl Enforcer {
             Ok(h) => (Some(h), None),
             Err(why) => (None, Some(why)),
         };
-        let mut e = Enforcer { hierarchy, unavailable, slice, state_path, state: State::default(), caps: HashMap::new() };
+        let mut e = Enforcer { hierarchy, unavailable, slice, state_path, state: State::default(), caps: HashMap::new(), weighted: false };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
                 Ok(left) => {
                     log::warn!(
-                        "cgroups: a previous agent left {} keyspace cgroups and {} moved processes ({}); putting them back",
+                        "cgroups: a previous agent left {} keyspace cgroups, {} moved processes and {} caps in place ({}); putting them back",
                         left.created.len(),
                         left.moved.len(),
+                        left.in_place.len(),
                         e.state_path.display()
                     );
                     e.state = left;
@@ -103,8 +156,15 @@ impl Enforcer {
     pub(crate) fn describe(&self) -> String {
         match (&self.hierarchy, &self.unavailable) {
             (_, Some(why)) => format!("unavailable: {why}"),
-            (Some((root, Version::V2)), None) => format!("cgroup v2 cpu.max under {}/{}", root.display(), self.slice),
-            (Some((root, Version::V1)), None) => format!("cgroup v1 cpu.cfs_quota_us under {}/{}", root.display(), self.slice),
+            (Some((root, Version::V2)), None) => {
+                format!("cgroup v2 cpu.max{} under {}/{}", if self.weighted { " and cpu.weight" } else { "" }, root.display(), self.slice)
+            }
+            (Some((root, Version::V1)), None) => format!(
+                "cgroup v1 cpu.cfs_quota_us{} under {}/{}",
+                if self.weighted { " and cpu.shares" } else { "" },
+                root.display(),
+                self.slice
+            ),
             (None, None) => "unavailable".into(),
         }
     }
@@ -121,9 +181,13 @@ impl Enforcer {
         self.unavailable = Some(what);
     }
 
-    /// Sets the cap (cores) of every capped rule keyspace; keyspaces no
-    /// longer capped give their processes back.
-    pub(crate) fn set_caps(&mut self, caps: HashMap<u32, f64>) {
+    /// Sets the cap (cores) of every capped rule keyspace, and with
+    /// `weighted` its weight too; keyspaces no longer capped give their
+    /// processes back. Keyspaces in `in_place` are capped on that cgroup
+    /// (relative to the hierarchy's root) instead of one of governor's.
+    pub(crate) fn set_caps(&mut self, caps: HashMap<u32, f64>, weighted: bool, in_place: &HashMap<u32, String>) {
+        self.weighted = weighted;
+        let all_caps = caps.clone();
         let Some((root, version)) = self.hierarchy.clone() else {
             self.caps = caps;
             return;
@@ -133,6 +197,31 @@ impl Enforcer {
             return;
         }
         self.state.root = Some((root.clone(), version));
+        // In place: the operator's cgroups, values kept to put back.
+        let dropped: Vec<u32> = self.state.in_place.keys().copied().filter(|k| !caps.contains_key(k) || !in_place.contains_key(k)).collect();
+        for ks in dropped {
+            self.restore_in_place(ks);
+        }
+        for (&ks, rel) in in_place {
+            let Some(&cores) = caps.get(&ks) else { continue };
+            let dir = root.join(rel.trim_start_matches('/'));
+            if !dir.is_dir() {
+                log::warn!("cgroups: keyspace {ks} is to be capped on {}, which does not exist in the cpu hierarchy", dir.display());
+                continue;
+            }
+            if !self.state.in_place.contains_key(&ks) {
+                let saved = cap_files(version)
+                    .iter()
+                    .filter_map(|f| Some((f.to_string(), std::fs::read_to_string(dir.join(f)).ok()?.trim().to_string())))
+                    .collect();
+                self.state.in_place.insert(ks, InPlace { rel: rel.clone(), saved });
+                self.save();
+            }
+            if let Err(e) = write_cap(&dir, version, cores, weighted) {
+                log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
+            }
+        }
+        let caps: HashMap<u32, f64> = caps.into_iter().filter(|(k, _)| !in_place.contains_key(k)).collect();
         let slice_dir = root.join(&self.slice);
         if !caps.is_empty() && !slice_dir.is_dir() {
             if version == Version::V2 {
@@ -165,20 +254,14 @@ impl Enforcer {
             }
             self.state.created.insert(ks, rel);
             self.save();
-            let quota = ((cores * PERIOD_US as f64).round() as u64).max(1000);
-            let result = match version {
-                Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {PERIOD_US}")),
-                Version::V1 => std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())
-                    .and_then(|()| std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())),
-            };
-            if let Err(e) = result {
+            if let Err(e) = write_cap(&dir, version, cores, weighted) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
             }
         }
         if caps.is_empty() && self.state.created.is_empty() {
             self.remove_slice();
         }
-        self.caps = caps;
+        self.caps = all_caps;
         self.save();
     }
 
@@ -259,6 +342,21 @@ impl Enforcer {
         self.save();
     }
 
+    /// Puts back what a keyspace's in-place cap replaced.
+    fn restore_in_place(&mut self, keyspace: u32) {
+        let Some(p) = self.state.in_place.remove(&keyspace) else { return };
+        let Some((root, _)) = self.state.root.clone() else { return };
+        let dir = root.join(p.rel.trim_start_matches('/'));
+        for (file, value) in &p.saved {
+            if let Err(e) = std::fs::write(dir.join(file), value)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                log::warn!("cgroups: cannot put {value:?} back into {}: {e}", dir.join(file).display());
+            }
+        }
+        self.save();
+    }
+
     fn remove_slice(&mut self) {
         if let (Some((root, _)), Some(slice)) = (self.state.root.clone(), self.state.slice.take()) {
             let _ = std::fs::remove_dir(root.join(slice));
@@ -270,6 +368,10 @@ impl Enforcer {
         let keyspaces: Vec<u32> = self.state.created.keys().copied().collect();
         for ks in keyspaces {
             self.release_keyspace(ks);
+        }
+        let in_place: Vec<u32> = self.state.in_place.keys().copied().collect();
+        for ks in in_place {
+            self.restore_in_place(ks);
         }
         if let Some((root, _)) = self.state.root.clone() {
             let moved = std::mem::take(&mut self.state.moved);

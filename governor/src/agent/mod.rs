@@ -191,7 +191,8 @@ impl Shared {
         }
         let caps = rule_caps(config, self.cores);
         let mut m = self.lock_measurement();
-        self.lock_rules().apply(&mut m, list, &cells, caps);
+        let weighted = config.cpu_throttle().enabled && config.cpu_throttle().enable_fair_allocation;
+        self.lock_rules().apply(&mut m, list, &cells, caps, weighted);
         Ok(())
     }
 

@@ -65,6 +65,12 @@ pub struct RawRule {
     /// with this: the rule charges those threads only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thread_name_prefix: Option<String>,
+    /// Hold the keyspace to its cap on the rule's `cgroup` itself (its
+    /// `cpu.max`, or `cpu.cfs_quota_us` on cgroup v1) instead of moving its
+    /// processes into a cgroup of governor's; what was there is put back
+    /// when the agent stops. Needs `cgroup`. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cap_in_place: bool,
 }
 
 /// A validated rule.
@@ -87,6 +93,8 @@ pub struct Rule {
     pub comm_prefix: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub thread_name_prefix: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub cap_in_place: bool,
 }
 
 /// What a process is, as rules see it.
@@ -164,6 +172,7 @@ impl Rule {
             exe: self.exe.clone(),
             comm_prefix: self.comm_prefix.clone(),
             thread_name_prefix: self.thread_name_prefix.clone(),
+            cap_in_place: self.cap_in_place,
         }
     }
 }
@@ -244,7 +253,14 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
             exe: r.exe.clone(),
             comm_prefix: r.comm_prefix.clone(),
             thread_name_prefix: r.thread_name_prefix.clone(),
+            cap_in_place: r.cap_in_place,
         };
+        if r.cap_in_place && (r.cgroup.is_none() || r.thread_name_prefix.is_some()) {
+            c.invalid(
+                format!("{id}.cap-in-place"),
+                "needs cgroup (the cgroup to cap) and no thread-name-prefix: a cgroup holds whole processes",
+            );
+        }
         let matchers = rule.matchers();
         if matchers.is_empty() {
             c.invalid(
@@ -256,6 +272,15 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         }
         if c.errors.errors.len() == before {
             out.push(rule);
+        }
+    }
+    // An in-place cap holds one cgroup: its keyspace is that rule's alone.
+    for r in out.iter().filter(|r| r.cap_in_place) {
+        if let Some(other) = out.iter().find(|o| o.keyspace == r.keyspace && o.name != r.name) {
+            c.invalid(
+                format!("rules.{}.cap-in-place", r.name),
+                format!("keyspace {} is also rule {:?}'s: an in-place cap holds one cgroup, give it a keyspace of its own", r.keyspace, other.name),
+            );
         }
     }
     out
@@ -286,6 +311,7 @@ mod tests {
             exe: None,
             comm_prefix: None,
             thread_name_prefix: None,
+            cap_in_place: false,
         };
         f(&mut r);
         r
