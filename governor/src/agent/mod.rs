@@ -309,6 +309,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     }
     shared.apply_rules(&opts.config)?;
     let stop_housekeeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The autoscaling rules' first sample, before any request can be
+    // refused: "recently" starts here.
+    shared.autoscale.lock().unwrap_or_else(|p| p.into_inner()).record(0, std::collections::HashMap::new());
     let background = {
         let (shared, opts, stop) = (shared.clone(), opts.clone(), stop_housekeeping.clone());
         std::thread::Builder::new()
@@ -348,7 +351,8 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
     let timer = Duration::from_nanos(opts.sizing.timer_period_ns);
     let refill = opts.config.cpu_throttle().refill_interval.get();
     let tick = timer.min(refill).max(Duration::from_millis(1));
-    let mut next = Instant::now();
+    // The first tick runs at once; then one per `tick`.
+    let mut next = None::<Instant>;
     let mut last_reclaim = Instant::now();
     let mut last_sample = None::<Instant>;
     // The TSC clock only serves the eBPF backend's thread clock.
@@ -363,8 +367,9 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
             }
         // Missed ticks are skipped, not made up in a burst.
         let now = Instant::now();
-        next = if next + tick > now { next + tick } else { now };
-        std::thread::sleep(next.saturating_duration_since(now));
+        let due = next.map_or(now, |n| if n + tick > now { n + tick } else { now });
+        next = Some(due);
+        std::thread::sleep(due.saturating_duration_since(now));
         if stop.load(Ordering::Acquire) {
             return;
         }
