@@ -6,7 +6,8 @@
 //! `GOVERNOR_EBPF_OBJECT=<path>` embeds that already built object instead:
 //! a cross build for another architecture then carries the very bytes the
 //! host build carries (aya-build would compile them again for each target
-//! architecture, with different debug info). `cargo xtask vm-test` uses it.
+//! architecture: the same instructions, with different BTF and debug line
+//! info). `cargo xtask vm-test` uses it.
 
 #[cfg(feature = "agent")]
 fn main() -> anyhow::Result<()> {
