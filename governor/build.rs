@@ -2,12 +2,26 @@
 //! (through aya-build, with the nightly toolchain and bpf-linker that
 //! `cargo xtask setup` installs) and leaves the object in OUT_DIR for
 //! `include_bytes_aligned!`. The client alone needs none of it.
+//!
+//! `GOVERNOR_EBPF_OBJECT=<path>` embeds that already built object instead:
+//! a cross build for another architecture then carries the very bytes the
+//! host build carries (aya-build would compile them again for each target
+//! architecture: the same instructions, with different BTF and debug line
+//! info). `cargo xtask vm-test` uses it.
 
 #[cfg(feature = "agent")]
 fn main() -> anyhow::Result<()> {
     use anyhow::Context as _;
     use std::path::PathBuf;
 
+    println!("cargo:rerun-if-env-changed=GOVERNOR_EBPF_OBJECT");
+    if let Some(object) = std::env::var_os("GOVERNOR_EBPF_OBJECT") {
+        let out = PathBuf::from(std::env::var("OUT_DIR")?).join("governor-programs");
+        println!("cargo:rerun-if-changed={}", PathBuf::from(&object).display());
+        std::fs::copy(&object, &out)
+            .with_context(|| format!("copying GOVERNOR_EBPF_OBJECT {}", PathBuf::from(&object).display()))?;
+        return Ok(());
+    }
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
     let root = manifest.parent().context("governor/ has no parent")?;
     let ebpf_dir = root.join("governor-ebpf");

@@ -20,14 +20,14 @@ pub enum Arch {
 }
 
 impl Arch {
-    fn deb(self) -> &'static str {
+    pub fn deb(self) -> &'static str {
         match self {
             Arch::X86_64 => "amd64",
             Arch::Aarch64 => "arm64",
         }
     }
 
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Arch::X86_64 => "x86_64",
             Arch::Aarch64 => "aarch64",

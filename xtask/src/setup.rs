@@ -53,6 +53,27 @@ pub fn setup(cross: bool) -> Result<()> {
     Ok(())
 }
 
+/// What `cargo xtask vm-test` needs beyond [`setup`]: qemu for `arch`, and
+/// for arm64 apt's package lists of that architecture (the guest's kernel
+/// and busybox come from them, through `apt-get download`).
+pub fn vm(arch: crate::dist::Arch) -> Result<()> {
+    match arch {
+        crate::dist::Arch::X86_64 => debian_packages(&[("qemu-system-x86", "/usr/bin/qemu-system-x86_64")]),
+        crate::dist::Arch::Aarch64 => {
+            debian_packages(&[("qemu-system-arm", "/usr/bin/qemu-system-aarch64")])?;
+            let foreign = output(Command::new("dpkg").arg("--print-foreign-architectures")).unwrap_or_default();
+            if foreign.lines().any(|l| l.trim() == "arm64") {
+                return Ok(());
+            }
+            if output(Command::new("id").arg("-u")).map(|s| s.trim().to_string()) != Some("0".into()) {
+                bail!("apt has no arm64 package lists; run `cargo xtask vm-test --arch aarch64` as root");
+            }
+            run(Command::new("dpkg").args(["--add-architecture", "arm64"]))?;
+            run(Command::new("apt-get").args(["update", "-q"]))
+        }
+    }
+}
+
 fn nightly_rust_src() -> Result<()> {
     let toolchains = output(Command::new("rustup").args(["toolchain", "list"])).context("rustup is not installed")?;
     if !toolchains.lines().any(|l| l.starts_with(NIGHTLY)) {

@@ -1,0 +1,92 @@
+#!/bin/busybox sh
+# /init of the `cargo xtask vm-test` guest: mounts what the agent needs, on a
+# pure cgroup2 hierarchy, runs the agent and the kernel tests, prints
+# VM-TEST-EXIT=<code> (the first failing step's code, 0 when all pass) and
+# powers the VM off.
+/bin/busybox --install -s /bin
+export PATH=/opt/governor:/bin LD_LIBRARY_PATH=/lib HOME=/root TMPDIR=/tmp RUST_BACKTRACE=1
+
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts /dev/shm
+mount -t tmpfs tmpfs /dev/shm
+mount -t tmpfs tmpfs /tmp
+mount -t tmpfs tmpfs /run
+mount -t bpf bpf /sys/fs/bpf
+mount -t debugfs debugfs /sys/kernel/debug
+mount -t tracefs tracefs /sys/kernel/tracing
+mount -t cgroup2 cgroup2 /sys/fs/cgroup
+echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
+ip link set lo up
+hostname vm-test
+
+echo "VM-TEST-INIT kernel $(uname -r) $(uname -m), $(nproc) CPUs, $(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)," \
+    "clocksource $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)," \
+    "cgroup2 controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
+
+status=0
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+
+# step NAME COMMAND...: runs it, prints its code and time, keeps the first
+# failure. vm_test_only=NAME,NAME on the kernel command line (`cargo xtask
+# vm-test --only`) runs only those steps.
+step() {
+    name=$1
+    shift
+    case ",${vm_test_only:-$name}," in *",$name,"*) ;; *) return ;; esac
+    echo "VM-TEST-STEP $name: $*"
+    t0=$(uptime_s)
+    "$@"
+    rc=$?
+    echo "VM-TEST-STEP $name rc=$rc seconds=$(awk -v a="$t0" -v b="$(uptime_s)" 'BEGIN {printf "%.1f", b - a}')"
+    if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+}
+
+# The agent as an operator starts it (--measure auto): it must come up on the
+# eBPF backend, not on the fallback. Its log says why if it falls back.
+agent_backend() {
+    sock=/run/governor/governor.sock
+    mkdir -p /run/governor
+    governor agent --measure auto --socket "$sock" --metrics-addr 127.0.0.1:0 2>/tmp/agent.log &
+    pid=$!
+    i=0
+    until governor status --socket "$sock" --json >/tmp/status.json 2>/dev/null; do
+        i=$((i + 1))
+        if [ "$i" -ge 600 ] || ! kill -0 "$pid" 2>/dev/null; then
+            echo "the agent did not answer:"
+            cat /tmp/agent.log
+            kill "$pid" 2>/dev/null
+            return 1
+        fi
+        sleep 0.1
+    done
+    governor status --socket "$sock"
+    kill "$pid"
+    wait "$pid"
+    cat /tmp/agent.log
+    grep -q '"backend": *"ebpf"' /tmp/status.json
+}
+
+cd /opt/governor || exit 1
+step doctor governor doctor
+step agent-backend agent_backend
+# The two tests that drop privileges need util-linux's setpriv (--reuid),
+# which busybox lacks; the host run covers them.
+step measurement ./measurement --test-threads 1 --nocapture --skip without_capabilities
+step kernel_exact ./kernel_exact --test-threads 1 --nocapture
+step client_api ./client_api --test-threads 1 --nocapture
+# What CI runs on every kernel and architecture (only when named in --only):
+# exactly-once attribution on the eBPF backend and the long slice.
+case ",${vm_test_only:-}," in
+*",core,"*) step core ./measurement --test-threads 1 --nocapture --exact \
+    ebpf_charges_every_nanosecond_exactly_once long_slice_is_charged_while_it_runs ;;
+esac
+
+if [ "$status" -ne 0 ]; then
+    echo "last kernel messages:"
+    dmesg | tail -n 20
+fi
+echo "VM-TEST-EXIT=$status"
+sync
+poweroff -f
