@@ -115,9 +115,18 @@ fn test(host_only: bool) -> Result<()> {
         let (_, deb) = dist::package(dist::Arch::Aarch64)?;
         check_deb(&deb, "arm64")?;
         // Debian 12's 6.1 kernel in qemu, both architectures, one eBPF
-        // object: the agent comes up on eBPF, exactly once, the long slice.
+        // object: the agent comes up on eBPF, exactly once, the long slice,
+        // the client API.
         for arch in ["x86_64", "aarch64"] {
-            run(Command::new(std::env::current_exe()?).args(["vm-test", "--arch", arch, "--kernel", "6.1", "--only", "doctor,agent-backend,core"]))?;
+            run(Command::new(std::env::current_exe()?).args([
+                "vm-test",
+                "--arch",
+                arch,
+                "--kernel",
+                "6.1",
+                "--only",
+                "doctor,agent-backend,core,client_api",
+            ]))?;
         }
     }
     Ok(())
@@ -140,8 +149,13 @@ fn check_deb(deb: &Path, arch: &str) -> Result<()> {
             bail!("{} lacks {path}:\n{list}", deb.display());
         }
     }
-    // Its agent runs (under qemu-user) and takes the configuration it ships.
+    // Its agent runs (under qemu-user) and takes the configuration it ships,
+    // and embeds the host's eBPF object, byte for byte.
     let stage = dist::dir().join(format!("governor-{}-aarch64", env!("CARGO_PKG_VERSION")));
+    let object = std::fs::read(host_ebpf_object()?)?;
+    if !vm::contains(&std::fs::read(stage.join("usr/bin/governor"))?, &object) {
+        bail!("the packaged aarch64 governor does not embed the host build's eBPF object");
+    }
     let out = Command::new("qemu-aarch64")
         .args(["-L", "/usr/aarch64-linux-gnu"])
         .arg(stage.join("usr/bin/governor"))
@@ -163,7 +177,7 @@ fn dist(arch: Option<dist::Arch>) -> Result<()> {
     }
     if arch != Some(dist::Arch::X86_64) {
         setup::setup(true)?;
-        run(cross_env(cargo()).args(["build", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", "governor", "--bins"]))?;
+        run(cross_env(cargo())?.args(["build", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", "governor", "--bins"]))?;
         let (_, deb) = dist::package(dist::Arch::Aarch64)?;
         check_deb(&deb, "arm64")?;
     }
@@ -206,7 +220,34 @@ fn light_client() -> Result<()> {
 }
 
 /// `c` with the aarch64 cross linker and qemu-user runner.
-fn cross_env(mut c: Command) -> Command {
+/// The eBPF object the host build embeds (building it if need be): every
+/// architecture's agent embeds these very bytes.
+fn host_ebpf_object() -> Result<PathBuf> {
+    static OBJECT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(p) = OBJECT.get() {
+        return Ok(p.clone());
+    }
+    let mut c = cargo();
+    c.args(["build", "--release", "-p", "governor", "--bin", "governor", "--message-format=json-render-diagnostics"])
+        .current_dir(root())
+        .stderr(std::process::Stdio::inherit());
+    let out = c.output().with_context(|| format!("starting {c:?}"))?;
+    if !out.status.success() {
+        bail!("{c:?} failed with {}", out.status);
+    }
+    let object = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|m| m["reason"] == "build-script-executed" && m["package_id"].as_str().is_some_and(|p| p.contains("/governor#")))
+        .and_then(|m| m["out_dir"].as_str().map(|d| Path::new(d).join("governor-programs")))
+        .context("the host build did not report governor's eBPF object")?;
+    Ok(OBJECT.get_or_init(|| object).clone())
+}
+
+/// The environment of an aarch64 cross build: its linker, qemu-user as the
+/// runner, and the host build's eBPF object to embed.
+fn cross_env(mut c: Command) -> Result<Command> {
+    c.env("GOVERNOR_EBPF_OBJECT", host_ebpf_object()?);
     for (k, v) in [
         ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", "aarch64-linux-gnu-gcc"),
         ("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", "qemu-aarch64 -L /usr/aarch64-linux-gnu"),
@@ -214,18 +255,17 @@ fn cross_env(mut c: Command) -> Command {
     ] {
         c.env(k, v);
     }
-    c
+    Ok(c)
 }
 
 /// Cross-compiles the userspace for aarch64 and runs the pure unit tests
 /// (layouts, config, policy, regions) under qemu-user.
 fn cross_aarch64() -> Result<()> {
     let target = "aarch64-unknown-linux-gnu";
-    let with_env = cross_env;
-    run(with_env(cargo()).args(["build", "--release", "--target", target, "-p", "governor", "--bins"]))?;
-    run(with_env(cargo()).args(["test", "--release", "--target", target, "-p", "governor-common"]))?;
+    run(cross_env(cargo())?.args(["build", "--release", "--target", target, "-p", "governor", "--bins"]))?;
+    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "governor-common"]))?;
     // governor's own integration tests are the pure config and policy suites.
-    run(with_env(cargo()).args(["test", "--release", "--target", target, "-p", "governor", "--lib", "--tests"]))
+    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "governor", "--lib", "--tests"]))
 }
 
 fn tests_bin(name: &str) -> PathBuf {

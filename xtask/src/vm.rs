@@ -146,18 +146,18 @@ fn build(arch: Arch, object: Option<&Path>) -> Result<Built> {
         Arch::X86_64 => vec![],
         Arch::Aarch64 => vec!["--target", "aarch64-unknown-linux-gnu"],
     };
-    let cmd = |verb: &str| {
-        let mut c = if arch == Arch::X86_64 { cargo() } else { cross_env(cargo()) };
+    let cmd = |verb: &str| -> Result<Command> {
+        let mut c = if arch == Arch::X86_64 { cargo() } else { cross_env(cargo())? };
         if let Some(o) = object {
             c.env("GOVERNOR_EBPF_OBJECT", o);
         }
         c.arg(verb).args(["--release", "--message-format=json-render-diagnostics"]).args(&target).current_dir(root());
-        c
+        Ok(c)
     };
     let mut built = Built { exes: BTreeMap::new(), ebpf_object: None };
-    let mut bins = cmd("build");
+    let mut bins = cmd("build")?;
     bins.args(["-p", "governor", "--bin", "governor", "-p", "governor-tests", "--bin", "workload"]);
-    let mut tests = cmd("test");
+    let mut tests = cmd("test")?;
     tests.args(["--no-run", "-p", "governor-tests"]);
     for t in TESTS {
         tests.args(["--test", t]);
@@ -194,7 +194,7 @@ fn build(arch: Arch, object: Option<&Path>) -> Result<Built> {
     Ok(built)
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+pub(crate) fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
 }
 

@@ -157,6 +157,12 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
                 if let Err(e) = client.register_current_thread() {
                     return report(Err(e.into()));
                 }
+                // The keyspace's cell is looked up now (an agent round trip
+                // the first time, charged to the tag before, as set_tag
+                // says): the tagged period below starts with a plain switch.
+                if let Err(e) = client::tag(keyspace) {
+                    return report(Err(e.into()));
+                }
                 report(Ok(json!({"tid": tid, "keyspace": keyspace, "kind": kind.name()})))?;
                 go.wait();
                 let result = (|| -> Result<serde_json::Value> {
