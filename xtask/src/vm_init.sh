@@ -68,6 +68,56 @@ agent_backend() {
     grep -q '"backend": *"ebpf"' /tmp/status.json
 }
 
+# The readers' enforcement on cgroup v2: an unmodified burner (two threads)
+# matched by rule and capped at 0.5 core is moved into the agent's
+# ks-<id> cgroup with cpu.max "50000 100000", held to its cap (by the
+# agent's charge and by schedstat, over 3 s, within 5 %), and the cgroup is
+# gone after the agent stops.
+ks_seconds() {
+    governor keyspace 960 --socket "$1" --json | sed -n 's/.*"cpu_seconds": *\([0-9.e+-]*\).*/\1/p' | head -n 1
+}
+schedstat_sum() {
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%.6f", s / 1e9}'
+}
+cgroup_v2() {
+    sock=/run/governor/cgroup.sock
+    mkdir -p /run/governor
+    printf '[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = "960:500"\n\n[[rules]]\nname = "burner"\nkeyspace = 960\ncomm-prefix = "workload"\n' >/tmp/cgroup.toml
+    governor agent --measure ebpf --config /tmp/cgroup.toml --socket "$sock" --metrics-addr 127.0.0.1:0 2>/tmp/cgroup-agent.log &
+    agent=$!
+    i=0
+    until governor status --socket "$sock" >/dev/null 2>&1; do
+        i=$((i + 1))
+        if [ "$i" -ge 600 ]; then cat /tmp/cgroup-agent.log; return 1; fi
+        sleep 0.1
+    done
+    ./workload burn --threads 2 --seconds 12 >/dev/null &
+    burner=$!
+    sleep 2
+    cg=$(sed -n 's/^0:://p' /proc/"$burner"/cgroup)
+    cg_max=$(cat /sys/fs/cgroup"$cg"/cpu.max 2>/dev/null)
+    echo "burner $burner in $cg, cpu.max $cg_max"
+    # Read while the burner is stopped: both counts cover the same 3 s.
+    kill -STOP "$burner"; sleep 0.2
+    cg_a=$(ks_seconds "$sock"); cg_sa=$(schedstat_sum "$burner")
+    kill -CONT "$burner"; cg_t0=$(uptime_s)
+    sleep 3
+    kill -STOP "$burner"; cg_t1=$(uptime_s); sleep 0.2
+    cg_b=$(ks_seconds "$sock"); cg_sb=$(schedstat_sum "$burner")
+    kill -KILL "$burner" 2>/dev/null
+    wait "$burner" 2>/dev/null
+    kill "$agent"
+    wait "$agent"
+    cg_left=$(ls -d /sys/fs/cgroup/governor*.slice 2>/dev/null)
+    awk -v a="$cg_a" -v b="$cg_b" -v sa="$cg_sa" -v sb="$cg_sb" -v t0="$cg_t0" -v t1="$cg_t1" -v cg="$cg" -v max="$cg_max" -v left="$cg_left" 'BEGIN {
+        agent = (b - a) / (t1 - t0); kernel = (sb - sa) / (t1 - t0)
+        printf "cgroup v2 cap 0.5 core: agent %.3f cores, schedstat %.3f cores over %.1f s\n", agent, kernel, t1 - t0
+        ok = cg ~ /\/ks-960$/ && max == "50000 100000" && left == ""
+        ok = ok && agent >= 0.475 && agent <= 0.525 && kernel >= 0.475 && kernel <= 0.525
+        if (!ok) { printf "FAILED: cgroup %s, cpu.max %s, left behind %s\n", cg, max, left; exit 1 }
+    }' || { cat /tmp/cgroup-agent.log; return 1; }
+}
+
 cd /opt/governor || exit 1
 step doctor governor doctor
 step agent-backend agent_backend
@@ -76,6 +126,7 @@ step agent-backend agent_backend
 step measurement ./measurement --test-threads 1 --nocapture --skip without_capabilities
 step kernel_exact ./kernel_exact --test-threads 1 --nocapture
 step client_api ./client_api --test-threads 1 --nocapture
+step cgroup-v2 cgroup_v2
 # What CI runs on every kernel and architecture (only when named in --only):
 # exactly-once attribution on the eBPF backend and the long slice.
 case ",${vm_test_only:-}," in

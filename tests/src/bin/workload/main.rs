@@ -129,6 +129,17 @@ fn busy(args: &[String]) -> Result<serde_json::Value> {
 
 /// A tagged thread, a registered untagged thread, and an unregistered
 /// thread that "tags" anyway: only the first is charged.
+/// `burn --threads N --seconds S`: an unmodified CPU burner. It never
+/// talks to the agent; rules measure it from outside (the VM guest's cgroup
+/// test caps it by rule).
+fn burn_threads(args: &[String]) -> Result<serde_json::Value> {
+    let secs: f64 = arg(args, "--seconds", 1.0);
+    let n: usize = arg(args, "--threads", 1);
+    let hs: Vec<_> = (0..n).map(|_| std::thread::spawn(move || burn_for(Duration::from_secs_f64(secs)))).collect();
+    let rounds: u64 = hs.into_iter().map(|h| h.join().expect("no panic")).sum();
+    Ok(json!({ "threads": n, "rounds": rounds }))
+}
+
 fn untagged(args: &[String]) -> Result<serde_json::Value> {
     let secs: f64 = arg(args, "--seconds", 1.0);
     let tagged_ks: u32 = arg(args, "--keyspace", 7);
@@ -218,11 +229,12 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|churn|threads|pingpong|tickets|hold|corrupt [--socket PATH] ...") };
+    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|hold|corrupt [--socket PATH] ...") };
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),
         "untagged" => untagged(&args),
+        "burn" => burn_threads(&args),
         "churn" => churn(&args),
         "threads" => kinds::threads(&args),
         "tickets" => tickets::tickets(&args),
