@@ -66,7 +66,7 @@ enum Task {
         #[arg(long, default_value = "6.1")]
         kernel: String,
         /// Only these guest steps (comma-separated: doctor, agent-backend,
-        /// measurement, kernel_exact, client_api, cgroup-v2; and core, CI's subset of
+        /// measurement, kernel_exact, client_api, cgroup-v2, tickets; and core, CI's subset of
         /// measurement, run only when named).
         #[arg(long)]
         only: Option<String>,
@@ -116,7 +116,7 @@ fn test(host_only: bool) -> Result<()> {
         check_deb(&deb, "arm64")?;
         // Debian 12's 6.1 kernel in qemu, both architectures, one eBPF
         // object: the agent comes up on eBPF, exactly once, the long slice,
-        // the client API, a rule cap held by cgroup v2's cpu.max.
+        // the client API, a rule cap held by cgroup v2's cpu.max, tickets.
         for arch in ["x86_64", "aarch64"] {
             run(Command::new(std::env::current_exe()?).args([
                 "vm-test",
@@ -125,7 +125,7 @@ fn test(host_only: bool) -> Result<()> {
                 "--kernel",
                 "6.1",
                 "--only",
-                "doctor,agent-backend,core,client_api,cgroup-v2",
+                "doctor,agent-backend,core,client_api,cgroup-v2,tickets",
             ]))?;
         }
     }

@@ -118,6 +118,45 @@ cgroup_v2() {
     }' || { cat /tmp/cgroup-agent.log; return 1; }
 }
 
+# The ticket API, smoke: an agent with a uniform tenant cap of 0.25 of the
+# node (0.5 core on 2 vCPUs); two worker threads take a ticket per 1 ms of
+# work for 3 s. Tickets are granted and some wait, none is admitted
+# fail-open, the keyspace is charged at least the work the workers' thread
+# clocks counted inside their tickets and at most all their CPU, as much as
+# the tickets say they consumed (within 2 %), and it is held to its cap.
+tickets_smoke() {
+    sock=/run/governor/tickets.sock
+    mkdir -p /run/governor
+    printf '[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\ntenant-max-cpu-ratio = 0.25\nenable-burst = false\nenable-fair-allocation = false\nenable-dynamic-adjustment = false\n' >/tmp/tickets.toml
+    governor agent --measure ebpf --config /tmp/tickets.toml --socket "$sock" --metrics-addr 127.0.0.1:0 2>/tmp/tickets-agent.log &
+    agent=$!
+    i=0
+    until governor status --socket "$sock" >/dev/null 2>&1; do
+        i=$((i + 1))
+        if [ "$i" -ge 600 ]; then cat /tmp/tickets-agent.log; return 1; fi
+        sleep 0.1
+    done
+    tk_t0=$(uptime_s)
+    tk_out=$(./workload tickets --socket "$sock" --keyspace 5 --threads 2 --seconds 3 --work-us 1000 | tail -n 1)
+    tk_t1=$(uptime_s)
+    tk_json=$(governor keyspace 5 --socket "$sock" --json)
+    kill "$agent"
+    wait "$agent"
+    echo "tickets: $tk_out"
+    tk_field() { echo "$1" | sed -n "s/.*\"$2\": *\([0-9.e+-]*\).*/\1/p" | head -n 1; }
+    awk -v granted="$(tk_field "$tk_out" granted)" -v fail_open="$(tk_field "$tk_out" fail_open)" \
+        -v work_ns="$(tk_field "$tk_out" work_cpu_ns)" -v all_ns="$(tk_field "$tk_out" thread_cpu_ns)" \
+        -v consumed_ns="$(tk_field "$tk_out" ticket_consumed_ns)" -v charged="$(tk_field "$tk_json" cpu_seconds)" \
+        -v waited="$(tk_field "$tk_json" waited)" -v t0="$tk_t0" -v t1="$tk_t1" 'BEGIN {
+        cores = charged / (t1 - t0); work = work_ns / 1e9; all = all_ns / 1e9; consumed = consumed_ns / 1e9
+        printf "tickets: %d granted, %d waited, %d fail-open; keyspace charged %.3f s, tickets consumed %.3f s, work inside them %.3f s, workers in all %.3f s; %.3f cores against a 0.5 cap\n", granted, waited, fail_open, charged, consumed, work, all, cores
+        ok = granted > 100 && waited > 0 && fail_open == 0
+        ok = ok && charged >= 0.99 * work && charged <= 1.01 * all
+        ok = ok && charged >= 0.98 * consumed && charged <= 1.02 * consumed && cores <= 0.55 && cores >= 0.3
+        if (!ok) { print "FAILED"; exit 1 }
+    }' || { cat /tmp/tickets-agent.log; return 1; }
+}
+
 cd /opt/governor || exit 1
 step doctor governor doctor
 step agent-backend agent_backend
@@ -127,6 +166,7 @@ step measurement ./measurement --test-threads 1 --nocapture --skip without_capab
 step kernel_exact ./kernel_exact --test-threads 1 --nocapture
 step client_api ./client_api --test-threads 1 --nocapture
 step cgroup-v2 cgroup_v2
+step tickets tickets_smoke
 # What CI runs on every kernel and architecture (only when named in --only):
 # exactly-once attribution on the eBPF backend and the long slice.
 case ",${vm_test_only:-}," in
