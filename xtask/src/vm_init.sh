@@ -73,6 +73,21 @@ agent_backend() {
 # ks-<id> cgroup with cpu.max "50000 100000", held to its cap (by the
 # agent's charge and by schedstat, over 3 s, within 5 %), and the cgroup is
 # gone after the agent stops.
+# start_agent NAME: the agent on the eBPF backend with /tmp/NAME.toml, on
+# /run/governor/NAME.sock ($sock), its pid in $agent, its log in
+# /tmp/NAME-agent.log; fails (printing the log) if it does not answer.
+start_agent() {
+    sock=/run/governor/$1.sock
+    mkdir -p /run/governor
+    governor agent --measure ebpf --config /tmp/"$1".toml --socket "$sock" --metrics-addr 127.0.0.1:0 2>/tmp/"$1"-agent.log &
+    agent=$!
+    i=0
+    until governor status --socket "$sock" >/dev/null 2>&1; do
+        i=$((i + 1))
+        if [ "$i" -ge 600 ]; then cat /tmp/"$1"-agent.log; return 1; fi
+        sleep 0.1
+    done
+}
 ks_seconds() {
     governor keyspace 960 --socket "$1" --json | sed -n 's/.*"cpu_seconds": *\([0-9.e+-]*\).*/\1/p' | head -n 1
 }
@@ -80,17 +95,8 @@ schedstat_sum() {
     cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%.6f", s / 1e9}'
 }
 cgroup_v2() {
-    sock=/run/governor/cgroup.sock
-    mkdir -p /run/governor
     printf '[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = "960:500"\n\n[[rules]]\nname = "burner"\nkeyspace = 960\ncomm-prefix = "workload"\n' >/tmp/cgroup.toml
-    governor agent --measure ebpf --config /tmp/cgroup.toml --socket "$sock" --metrics-addr 127.0.0.1:0 2>/tmp/cgroup-agent.log &
-    agent=$!
-    i=0
-    until governor status --socket "$sock" >/dev/null 2>&1; do
-        i=$((i + 1))
-        if [ "$i" -ge 600 ]; then cat /tmp/cgroup-agent.log; return 1; fi
-        sleep 0.1
-    done
+    start_agent cgroup || return 1
     ./workload burn --threads 2 --seconds 12 >/dev/null &
     burner=$!
     sleep 2
@@ -125,17 +131,8 @@ cgroup_v2() {
 # clocks counted inside their tickets and at most all their CPU, as much as
 # the tickets say they consumed (within 2 %), and it is held to its cap.
 tickets_smoke() {
-    sock=/run/governor/tickets.sock
-    mkdir -p /run/governor
     printf '[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\ntenant-max-cpu-ratio = 0.25\nenable-burst = false\nenable-fair-allocation = false\nenable-dynamic-adjustment = false\n' >/tmp/tickets.toml
-    governor agent --measure ebpf --config /tmp/tickets.toml --socket "$sock" --metrics-addr 127.0.0.1:0 2>/tmp/tickets-agent.log &
-    agent=$!
-    i=0
-    until governor status --socket "$sock" >/dev/null 2>&1; do
-        i=$((i + 1))
-        if [ "$i" -ge 600 ]; then cat /tmp/tickets-agent.log; return 1; fi
-        sleep 0.1
-    done
+    start_agent tickets || return 1
     tk_t0=$(uptime_s)
     tk_out=$(./workload tickets --socket "$sock" --keyspace 5 --threads 2 --seconds 3 --work-us 1000 | tail -n 1)
     tk_t1=$(uptime_s)
