@@ -41,9 +41,10 @@ pub fn vm_test(arch: Arch, kernel: &str, only: Option<&str>) -> Result<()> {
     let busybox = extract(&cache, "busybox-static", arch)?.join("bin/busybox");
 
     // The host build first: its eBPF object is the one every agent embeds.
-    let host = build(Arch::X86_64, None)?;
-    let object = host.ebpf_object.clone().context("the host build did not report governor's eBPF object")?;
-    let bins = if arch == Arch::X86_64 { host } else { build(arch, Some(&object))? };
+    let host = build(Arch::X86_64)?;
+    let object = crate::host_ebpf_object()?;
+    // A cross build embeds it through its environment (`cross_env`).
+    let bins = if arch == Arch::X86_64 { host } else { build(arch)? };
     let bytes = std::fs::read(&object)?;
     let governor = bins.exes.get("governor").context("no governor binary")?;
     if !contains(&std::fs::read(governor)?, &bytes) {
@@ -135,26 +136,21 @@ fn kernel_image(arch: Arch, version: &str, cache: &Path) -> Result<(String, Path
 struct Built {
     /// Guest file name → host path: governor, workload and the tests.
     exes: BTreeMap<String, PathBuf>,
-    /// governor's eBPF object (in its build script's OUT_DIR).
-    ebpf_object: Option<PathBuf>,
 }
 
-/// Builds governor, workload and [`TESTS`] for `arch`; a cross build embeds
-/// `object`.
-fn build(arch: Arch, object: Option<&Path>) -> Result<Built> {
+/// Builds governor, workload and [`TESTS`] for `arch` (a cross build embeds
+/// the host's eBPF object).
+fn build(arch: Arch) -> Result<Built> {
     let target = match arch {
         Arch::X86_64 => vec![],
         Arch::Aarch64 => vec!["--target", "aarch64-unknown-linux-gnu"],
     };
     let cmd = |verb: &str| -> Result<Command> {
         let mut c = if arch == Arch::X86_64 { cargo() } else { cross_env(cargo())? };
-        if let Some(o) = object {
-            c.env("GOVERNOR_EBPF_OBJECT", o);
-        }
         c.arg(verb).args(["--release", "--message-format=json-render-diagnostics"]).args(&target).current_dir(root());
         Ok(c)
     };
-    let mut built = Built { exes: BTreeMap::new(), ebpf_object: None };
+    let mut built = Built { exes: BTreeMap::new() };
     let mut bins = cmd("build")?;
     bins.args(["-p", "governor", "--bin", "governor", "-p", "governor-tests", "--bin", "workload"]);
     let mut tests = cmd("test")?;
@@ -170,19 +166,12 @@ fn build(arch: Arch, object: Option<&Path>) -> Result<Built> {
         }
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let Ok(m) = serde_json::from_str::<serde_json::Value>(line) else { continue };
-            match m["reason"].as_str() {
-                Some("compiler-artifact") => {
-                    let name = m["target"]["name"].as_str().unwrap_or("");
-                    if let Some(exe) = m["executable"].as_str()
-                        && (["governor", "workload"].contains(&name) || TESTS.contains(&name))
-                    {
-                        built.exes.insert(name.to_string(), exe.into());
-                    }
-                }
-                Some("build-script-executed") if m["package_id"].as_str().is_some_and(|p| p.contains("/governor#")) => {
-                    built.ebpf_object = m["out_dir"].as_str().map(|d| Path::new(d).join("governor-programs"));
-                }
-                _ => {}
+            let name = m["target"]["name"].as_str().unwrap_or("");
+            if m["reason"] == "compiler-artifact"
+                && let Some(exe) = m["executable"].as_str()
+                && (["governor", "workload"].contains(&name) || TESTS.contains(&name))
+            {
+                built.exes.insert(name.to_string(), exe.into());
             }
         }
     }

@@ -141,7 +141,7 @@ impl Rules {
     /// or its process's back when none wants it. A pending thread waits for
     /// its process's decision, which comes here after.
     fn retag_thread(&mut self, maps: &RuleMaps, p: &ProcessIdentity, tid: u32, name: &str) {
-        let now = maps.thread_tag(tid);
+        let now = maps.tag(tid);
         if now == TAG_PENDING {
             return;
         }

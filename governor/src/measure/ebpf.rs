@@ -235,7 +235,7 @@ impl RuleMaps {
         self.tids.get(tid.checked_mul(2)?.checked_add(1)?)
     }
 
-    /// The tag of process `tgid` (its main thread's; 0: none).
+    /// The tag of thread `tid` (of a process: its main thread's; 0: none).
     pub fn tag(&self, tgid: u32) -> u32 {
         self.half(tgid).map_or(0, |e| e.load(Ordering::Acquire))
     }
@@ -277,11 +277,6 @@ impl RuleMaps {
         if let Err(e) = self.ctl.set(RULE_CTL_RENAME, u64::from(on), 0) {
             log::warn!("cannot switch rename reports {}: {e}", if on { "on" } else { "off" });
         }
-    }
-
-    /// The rule tag of thread `tid` alone.
-    pub fn thread_tag(&self, tid: u32) -> u32 {
-        self.tag(tid)
     }
 
     /// Sets the rule tag of thread `tid` alone, if it is not pending and
