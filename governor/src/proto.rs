@@ -153,6 +153,11 @@ pub struct StatusReport {
     pub threads: ThreadStats,
     pub admission: AdmissionStatus,
     pub keyspaces: Vec<KeyspaceStatus>,
+    /// CLOCK_MONOTONIC (ns) when the keyspaces' CPU counters were read: a
+    /// rate between two reports divides by the difference of these, not by
+    /// when the reports arrived.
+    #[serde(default)]
+    pub counters_read_at_ns: u64,
     /// Kernel run-time statistics of the eBPF programs (bpf_stats_enabled).
     pub programs: Vec<ProgramStats>,
     /// Where `/metrics` is served.

@@ -37,6 +37,7 @@ impl Shared {
         let rule_names = rules.names_by_keyspace();
         let buckets: std::collections::HashMap<u32, &crate::policy::KeyspaceSnapshot> =
             snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
+        let counters_read_at_ns = crate::sys::monotonic_ns();
         let mut keyspaces: Vec<KeyspaceStatus> = r
             .directory()
             .live()
@@ -126,6 +127,7 @@ impl Shared {
                 global_overdrafts: c.global_best_effort_overdraft,
             },
             keyspaces,
+            counters_read_at_ns,
             programs: m.program_stats(),
             metrics_addr: self.metrics_addr.map(|a| a.to_string()),
             config_updates: self.lock_config().counts(),

@@ -159,7 +159,13 @@ pub fn run(socket: &Path, o: &Options, mut emit: impl FnMut(&str)) -> Result<(),
         std::thread::sleep(o.interval);
         let after = super::status::run(socket)?;
         let now = Instant::now();
-        let f = frame(&before, &after, now.duration_since(at).as_secs_f64(), o.sort);
+        // The agent's own read times when it gives them (an agent busy for a
+        // moment answers late, not wrong).
+        let seconds = match (before.counters_read_at_ns, after.counters_read_at_ns) {
+            (b, a) if b > 0 && a > b => (a - b) as f64 / 1e9,
+            _ => now.duration_since(at).as_secs_f64(),
+        };
+        let f = frame(&before, &after, seconds, o.sort);
         let body = if o.json {
             serde_json::to_string(&f).expect("frames serialize") + "\n"
         } else if tty {

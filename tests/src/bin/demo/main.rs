@@ -8,9 +8,10 @@
 //! Starts the governor agent on its embedded default configuration (it
 //! measures; its CPU throttle is off) and the reader server
 //! (`tests/reader`: tokio workers registered with the agent, every request
-//! under a ticket of its keyspace). Three light tenants send point gets and
-//! short scans open-loop at a fixed rate; the noisy tenant sends long scans
-//! closed-loop, as fast as it is answered. Three phases of equal length:
+//! under a ticket of its keyspace; a request whose keyspace had to wait for
+//! its tokens steps aside for the others, `--levels`). Three light tenants
+//! send point gets and short scans open-loop at a fixed rate; the noisy
+//! tenant sends long scans closed-loop, as fast as it is answered. Three phases of equal length:
 //!
 //! 1. `alone`: the light tenants only;
 //! 2. `monitor`: light + noisy, the agent measuring only;
@@ -64,6 +65,7 @@ struct Opts {
     noisy_scan_rows: u32,
     chunk_blocks: usize,
     worker_slice_us: u64,
+    levels: String,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -77,6 +79,7 @@ fn parse_opts() -> Result<Opts> {
         noisy_scan_rows: 8192,
         chunk_blocks: 1,
         worker_slice_us: 100,
+        levels: "on".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -92,6 +95,7 @@ fn parse_opts() -> Result<Opts> {
             "--noisy-scan-rows" => o.noisy_scan_rows = value()?.parse().context("--noisy-scan-rows")?,
             "--chunk-blocks" => o.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
             "--worker-slice-us" => o.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
+            "--levels" => o.levels = value()?,
             other => bail!("unknown argument {other:?} (see the doc comment of the demo)"),
         }
     }
@@ -178,7 +182,7 @@ fn main() -> Result<()> {
     let cores = f64::from(status.logical_cores);
     let (lights, noisy) = tenants(&o);
     let keyspaces: Vec<u32> = lights.iter().map(|l| l.keyspace).chain([noisy.keyspace]).collect();
-    let mut server = server::ReaderServer::start(&agent.socket, &keyspaces, ROWS, o.chunk_blocks, o.worker_slice_us)?;
+    let mut server = server::ReaderServer::start(&agent.socket, &keyspaces, ROWS, o.chunk_blocks, o.worker_slice_us, &o.levels)?;
     let ratio = CAP_CORES / cores;
     progress.say(&format!(
         "governor agent up: backend {}, thread clock {}, {cores} cores, embedded default configuration (measuring; cpu-throttle off)",
@@ -187,9 +191,10 @@ fn main() -> Result<()> {
     ));
     let workers = server.stats()?.workers;
     progress.say(&format!(
-        "reader server at {}: {workers} tokio workers registered with the agent (scheduler slice {} µs), keyspaces {keyspaces:?}, {ROWS} rows each",
+        "reader server at {}: {workers} tokio workers registered with the agent (scheduler slice {} µs, levels {}), keyspaces {keyspaces:?}, {ROWS} rows each",
         server.addr,
-        o.worker_slice_us
+        o.worker_slice_us,
+        o.levels
     ));
     progress.say(&format!(
         "tenants: light-1..3 open-loop {} req/s each (gets, 1 in 10 a {}-row scan); noisy closed-loop, {} connections of {}-row scans",
@@ -252,7 +257,7 @@ fn main() -> Result<()> {
             "noisy": {"name": noisy.name, "keyspace": noisy.keyspace, "connections": noisy.connections,
                 "scan_rows": noisy.scan_rows, "deadline_ms": noisy.deadline_ms},
         },
-        "server": { "rows_per_keyspace": ROWS, "chunk_blocks": o.chunk_blocks, "worker_slice_us": o.worker_slice_us },
+        "server": { "rows_per_keyspace": ROWS, "chunk_blocks": o.chunk_blocks, "worker_slice_us": o.worker_slice_us, "levels": o.levels },
         "phases": phases,
         "light_p99_ratio": { "monitor": ratio_of(monitor), "enforcing": ratio_of(enforced) },
         "worst_light_tenant_p99_ratio": { "monitor": worst_tenant_ratio(monitor), "enforcing": worst_tenant_ratio(enforced) },

@@ -41,7 +41,11 @@ impl Sample {
         let before = Instant::now();
         let status = agent.status().context("agent status")?;
         let after = Instant::now();
-        let at = before + (after - before) / 2;
+        // When the agent read its counters: Instant is CLOCK_MONOTONIC too.
+        let at = match status.counters_read_at_ns {
+            0 => before + (after - before) / 2,
+            ns => monotonic_instant(ns, before, after),
+        };
         let server = server.stats().context("server stats")?;
         if std::env::var_os("DEMO_DEBUG").is_some() {
             let n = status.keyspaces.iter().find(|k| k.keyspace_id == 900);
@@ -61,6 +65,15 @@ impl Sample {
     fn thread_s(&self, ks: u32) -> f64 {
         self.server.keyspaces.get(&ks).map_or(0.0, |k| k.thread_cpu_ns as f64 / 1e9)
     }
+}
+
+/// The Instant of a CLOCK_MONOTONIC reading taken between `before` and
+/// `after` (clamped into that span).
+fn monotonic_instant(ns: u64, before: Instant, after: Instant) -> Instant {
+    let now_ns = governor::sys::monotonic_ns();
+    let now = Instant::now();
+    let at = now.checked_sub(Duration::from_nanos(now_ns.saturating_sub(ns))).unwrap_or(before);
+    at.clamp(before, after)
 }
 
 /// Latency percentiles, µs.

@@ -22,7 +22,7 @@ pub struct ReaderServer {
 impl ReaderServer {
     /// Starts `reader-server` against the agent at `socket` and waits until
     /// it listens.
-    pub fn start(socket: &Path, keyspaces: &[u32], rows: u64, chunk_blocks: usize, worker_slice_us: u64) -> Result<ReaderServer> {
+    pub fn start(socket: &Path, keyspaces: &[u32], rows: u64, chunk_blocks: usize, worker_slice_us: u64, levels: &str) -> Result<ReaderServer> {
         let dir = Scratch::new("reader");
         let log = dir.0.join("reader-server.log");
         let ks: Vec<String> = keyspaces.iter().map(|k| k.to_string()).collect();
@@ -30,7 +30,7 @@ impl ReaderServer {
             .arg("--socket")
             .arg(socket)
             .args(["--keyspaces", &ks.join(","), "--rows", &rows.to_string(), "--chunk-blocks", &chunk_blocks.to_string()])
-            .args(["--worker-slice-us", &worker_slice_us.to_string()])
+            .args(["--worker-slice-us", &worker_slice_us.to_string(), "--levels", levels])
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).context("creating the server log")?)
             .spawn()

@@ -3,7 +3,7 @@
 //! ```text
 //! reader-server [--listen 127.0.0.1:0] [--socket /run/governor/governor.sock]
 //!               [--keyspaces 101,102,103,900] [--rows 32768] [--chunk-blocks 2] [--workers N]
-//!               [--worker-slice-us 100]
+//!               [--worker-slice-us 100] [--levels on|off]
 //! ```
 //!
 //! Generates each keyspace's rows, connects to the governor agent, starts a
@@ -17,6 +17,10 @@
 //! 0 keeps the kernel's default): a worker deep in a long scan then holds
 //! its core against a wakeup (a light request arriving) for about that
 //! long, not for the default slice of a millisecond or more.
+//!
+//! Admitted requests run on two levels (`--levels`, see `serve::Levels`):
+//! a request of a keyspace the governor holds to its cap steps aside for
+//! the others.
 #![forbid(unsafe_code)]
 
 mod serve;
@@ -38,6 +42,7 @@ struct Args {
     chunk_blocks: usize,
     workers: usize,
     worker_slice_us: u64,
+    levels: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -49,6 +54,7 @@ fn parse_args() -> Result<Args> {
         chunk_blocks: 2,
         workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
         worker_slice_us: 100,
+        levels: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -63,6 +69,13 @@ fn parse_args() -> Result<Args> {
             "--chunk-blocks" => a.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
             "--workers" => a.workers = value()?.parse().context("--workers")?,
             "--worker-slice-us" => a.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
+            "--levels" => {
+                a.levels = match value()?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    v => bail!("--levels takes on or off, not {v:?}"),
+                }
+            }
             other => bail!("unknown argument {other:?} (see the doc comment of reader-server)"),
         }
     }
@@ -117,6 +130,7 @@ fn main() -> Result<()> {
         costs,
         estimate_margin: 1.25,
         workers: args.workers,
+        levels: serve::Levels::new(args.levels, std::time::Duration::from_millis(2)),
     });
     let slice = std::time::Duration::from_micros(args.worker_slice_us);
     let rt = tokio::runtime::Builder::new_multi_thread()

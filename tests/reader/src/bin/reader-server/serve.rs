@@ -20,11 +20,12 @@ use governor_reader::proto::{Op, Reply, Request, MAX_FRAME};
 use governor_reader::store::{CostModel, KeyspaceData, Scan, StoreError};
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 
 /// Connections served at once; more wait in the listen backlog.
 const MAX_CONNECTIONS: usize = 1024;
@@ -43,6 +44,63 @@ pub struct Server {
     /// Blocks a scan reads between two yields.
     pub chunk_blocks: usize,
     pub workers: usize,
+    /// Two levels of priority among admitted requests.
+    pub levels: Levels,
+}
+
+/// Two scheduling levels among admitted requests, the way a storage
+/// server's read pool orders the tasks of resource groups by what they have
+/// consumed: a request whose keyspace the governor is holding to its cap
+/// (it waited in line for its tokens) runs on the lower level, and takes
+/// each step of its work only when no request of the upper level is
+/// running (or after `max_hold`, so it is never starved). Requests of
+/// keyspaces within their share never interleave with the steps of a
+/// capped one; the capped one still gets its tokens' worth, from the time
+/// the others leave. With the throttle off nobody waits, and every request
+/// is on the upper level.
+pub struct Levels {
+    pub enabled: bool,
+    pub max_hold: Duration,
+    upper: AtomicUsize,
+    idle: Notify,
+}
+
+impl Levels {
+    pub fn new(enabled: bool, max_hold: Duration) -> Levels {
+        Levels { enabled, max_hold, upper: AtomicUsize::new(0), idle: Notify::new() }
+    }
+
+    /// A request on the upper level until the guard drops.
+    fn enter_upper(&self) -> Upper<'_> {
+        self.upper.fetch_add(1, Ordering::SeqCst);
+        Upper(self)
+    }
+
+    /// Waits, without holding the worker, until no upper-level request is
+    /// running, at most `max_hold`.
+    async fn lower_turn(&self) {
+        let deadline = tokio::time::Instant::now() + self.max_hold;
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.upper.load(Ordering::SeqCst) == 0 || tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// An upper-level request in progress; the last one out lets the lower
+/// level run.
+struct Upper<'a>(&'a Levels);
+
+impl Drop for Upper<'_> {
+    fn drop(&mut self) {
+        if self.0.upper.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 /// Accepts connections until `shutdown` completes.
@@ -150,6 +208,9 @@ impl Server {
         if ticket.is_fail_open() {
             Counters::add(&c.fail_open, 1);
         }
+        // Capped keyspaces (they waited) below the rest.
+        let lower = pending && self.levels.enabled;
+        let upper = (!lower).then(|| self.levels.enter_upper());
         let done = match req.op {
             Op::Get => {
                 Counters::add(&c.gets, 1);
@@ -157,9 +218,10 @@ impl Server {
             }
             _ => {
                 Counters::add(&c.scans, 1);
-                ticket.run(scan(ks, c, req.key, req.count, self.chunk_blocks)).await
+                ticket.run(scan(ks, c, req.key, req.count, self.chunk_blocks, lower.then_some(&self.levels))).await
             }
         };
+        drop(upper);
         match done {
             Ok(Ok(reply)) => reply,
             Ok(Err(e)) => Reply::Error(e.to_string()),
@@ -184,9 +246,15 @@ async fn get(ks: &KeyspaceData, c: &Counters, row: u64) -> Result<Reply, StoreEr
     Ok(Reply::Row(value))
 }
 
-async fn scan(ks: &KeyspaceData, c: &Counters, start: u64, count: u32, chunk_blocks: usize) -> Result<Reply, StoreError> {
+async fn scan(ks: &KeyspaceData, c: &Counters, start: u64, count: u32, chunk_blocks: usize, lower: Option<&Levels>) -> Result<Reply, StoreError> {
     let mut s = Scan::new(ks, start, u64::from(count));
-    while !timed(c, || s.step(ks, chunk_blocks))? {
+    loop {
+        if let Some(levels) = lower {
+            levels.lower_turn().await;
+        }
+        if timed(c, || s.step(ks, chunk_blocks))? {
+            break;
+        }
         // Let the worker serve others (and the ticket top up) between steps.
         tokio::task::yield_now().await;
     }
