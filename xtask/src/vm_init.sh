@@ -103,11 +103,13 @@ cgroup_v2() {
     cg=$(sed -n 's/^0:://p' /proc/"$burner"/cgroup)
     cg_max=$(cat /sys/fs/cgroup"$cg"/cpu.max 2>/dev/null)
     echo "burner $burner in $cg, cpu.max $cg_max"
-    # Read while the burner is stopped: both counts cover the same 3 s.
+    # Read while the burner is stopped: both counts cover the same 6 s
+    # (cpu.max may hand out one more period's quota at either edge: 1.7 %
+    # of 3 s, too close to the bound).
     kill -STOP "$burner"; sleep 0.2
     cg_a=$(ks_seconds "$sock"); cg_sa=$(schedstat_sum "$burner")
     kill -CONT "$burner"; cg_t0=$(uptime_s)
-    sleep 3
+    sleep 6
     kill -STOP "$burner"; cg_t1=$(uptime_s); sleep 0.2
     cg_b=$(ks_seconds "$sock"); cg_sb=$(schedstat_sum "$burner")
     kill -KILL "$burner" 2>/dev/null
