@@ -11,7 +11,8 @@
 //! under a ticket of its keyspace; a request whose keyspace had to wait for
 //! its tokens steps aside for the others, `--levels`). Three light tenants
 //! send point gets and short scans open-loop at a fixed rate; the noisy
-//! tenant sends long scans closed-loop, as fast as it is answered. Three phases of equal length:
+//! tenant sends long scans closed-loop, as fast as it is answered. Three
+//! phases of equal length:
 //!
 //! 1. `alone`: the light tenants only;
 //! 2. `monitor`: light + noisy, the agent measuring only;

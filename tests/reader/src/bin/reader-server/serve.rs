@@ -51,16 +51,16 @@ pub struct Server {
 /// Two scheduling levels among admitted requests, the way a storage
 /// server's read pool orders the tasks of resource groups by what they have
 /// consumed: a request whose keyspace the governor is holding to its cap
-/// (it waited in line for its tokens) runs on the lower level, and takes
-/// each step of its work only when no request of the upper level is
+/// (it waited in line for its tokens) runs on the lower level, and a scan
+/// there takes each step only when no request of the upper level is
 /// running (or after `max_hold`, so it is never starved). Requests of
 /// keyspaces within their share never interleave with the steps of a
 /// capped one; the capped one still gets its tokens' worth, from the time
 /// the others leave. With the throttle off nobody waits, and every request
 /// is on the upper level.
 pub struct Levels {
-    pub enabled: bool,
-    pub max_hold: Duration,
+    enabled: bool,
+    max_hold: Duration,
     upper: AtomicUsize,
     idle: Notify,
 }
@@ -210,7 +210,7 @@ impl Server {
         }
         // Capped keyspaces (they waited) below the rest.
         let lower = pending && self.levels.enabled;
-        let upper = (!lower).then(|| self.levels.enter_upper());
+        let upper = (self.levels.enabled && !lower).then(|| self.levels.enter_upper());
         let done = match req.op {
             Op::Get => {
                 Counters::add(&c.gets, 1);
