@@ -65,6 +65,10 @@ pub const TICKET_CLAIMED: u32 = 2;
 /// `TicketRecord::flags`: the ticket counts in its keyspace's in-flight
 /// requests.
 pub const T_COUNTED: u64 = 1 << 0;
+/// `TicketRecord::flags`: no ticket, a thread's spare tokens
+/// (`tenant_us` = `global_us`, taken from cell `cell − 1` and the global
+/// bucket): the agent gives them back when the client dies.
+pub const T_SPARE: u64 = 1 << 1;
 
 /// Tickets one client connection can hold at once.
 pub const LEDGER_LEN: u32 = 8192;
@@ -217,7 +221,8 @@ pub struct BucketCell {
 
 /// Cache lines the hot counters are spread over.
 pub const HOT_SHARDS: usize = 4;
-/// Index of the µs granted to tickets not yet released, in a hot shard.
+/// Index of the µs held by tickets not yet released and by threads' spare
+/// tokens, in a hot shard.
 pub const HOT_INFLIGHT_US: usize = 3;
 
 impl Default for BucketCell {

@@ -132,7 +132,12 @@ fn a_client_killed_holding_tickets_gets_everything_returned() {
         let r = holder.say(&format!("acquire {} 100000 100", 40 + i % 2));
         assert_eq!(r["ok"], true, "{r}");
     }
+    // And a ticket of keyspace 42 come and gone: its refund stays with the
+    // holder's thread, spare.
+    assert_eq!(holder.say("pass 42 500")["passed"], true);
     let before = agent.status().unwrap();
+    let spare = before.keyspaces.iter().find(|k| k.keyspace_id == 42).and_then(|k| k.bucket.as_ref()).map(|b| b.inflight_us);
+    assert_eq!(spare, Some(500), "{:?}", before.keyspaces);
     let held: Vec<_> = before.keyspaces.iter().filter(|k| k.keyspace_id == 40 || k.keyspace_id == 41).collect();
     assert_eq!(held.iter().map(|k| k.inflight_requests).sum::<u64>(), 100, "{held:?}");
     assert_eq!(held.iter().map(|k| k.pending_write_bytes).sum::<u64>(), 10_000_000);
@@ -144,7 +149,7 @@ fn a_client_killed_holding_tickets_gets_everything_returned() {
     let mut returned = None;
     while killed.elapsed() < Duration::from_secs(1) {
         let s = agent.status().unwrap();
-        let ks: Vec<_> = s.keyspaces.iter().filter(|k| k.keyspace_id == 40 || k.keyspace_id == 41).collect();
+        let ks: Vec<_> = s.keyspaces.iter().filter(|k| (40..=42).contains(&k.keyspace_id)).collect();
         if s.admission.reclaimed == 100
             && ks.iter().all(|k| k.inflight_requests == 0 && k.pending_write_bytes == 0)
             && ks.iter().all(|k| k.bucket.as_ref().is_some_and(|b| b.inflight_us == 0 && b.available_us == b.capacity_us as i64))

@@ -9,7 +9,7 @@
 
 use crate::policy::{self, Grant, Policy};
 use crate::region::{LedgerMemory, RegionError};
-use governor_common::admission::{counter, LEDGER_LEN, TICKET_FREE, TICKET_HELD, T_COUNTED};
+use governor_common::admission::{counter, LEDGER_LEN, TICKET_FREE, TICKET_HELD, T_COUNTED, T_SPARE};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
@@ -24,6 +24,8 @@ pub(crate) struct Reclaimed {
     pub tickets: u64,
     pub write_bytes: u64,
     pub requests: u64,
+    /// Threads' spare tokens returned, µs.
+    pub spare_us: u64,
 }
 
 impl Ledgers {
@@ -46,9 +48,18 @@ impl Ledgers {
                 continue;
             }
             let cell = rec.cell.load(Ordering::Relaxed);
+            let cell = cell.checked_sub(1).map(|c| (c, rec.generation.load(Ordering::Relaxed)));
+            if rec.flags.load(Ordering::Relaxed) & T_SPARE != 0 {
+                // A thread's spare tokens: no ticket, only tokens to return.
+                let us = rec.tenant_us.load(Ordering::Relaxed).min(rec.global_us.load(Ordering::Relaxed));
+                policy::return_spare(r, cell, us);
+                rec.state.store(TICKET_FREE, Ordering::Release);
+                out.spare_us += us;
+                continue;
+            }
             let g = Grant {
                 keyspace: 0,
-                cell: cell.checked_sub(1).map(|c| (c, rec.generation.load(Ordering::Relaxed))),
+                cell,
                 tenant_us: rec.tenant_us.load(Ordering::Relaxed),
                 global_us: rec.global_us.load(Ordering::Relaxed),
                 burst_us: rec.burst_us.load(Ordering::Relaxed),

@@ -254,7 +254,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     f.gauges("tikv_cpu_throttle_keyspace_bucket_available_us", "Tokens in the keyspace's bucket", KS, &per(&|r| r.bucket.map(|b| b.0)));
     f.gauges("tikv_cpu_throttle_keyspace_bucket_capacity_us", "Capacity of the keyspace's bucket", KS, &per(&|r| r.bucket.map(|b| b.1)));
     f.gauges("tikv_cpu_throttle_keyspace_refill_rate_us_per_interval", "Keyspace refill per refill interval", KS, &per(&|r| r.bucket.map(|b| b.2)));
-    f.gauges("tikv_cpu_throttle_keyspace_inflight_us", "µs granted to the keyspace's requests still running", KS, &per(&|r| r.bucket.map(|b| b.3)));
+    f.gauges("tikv_cpu_throttle_keyspace_inflight_us", "µs the keyspace's running requests and threads' spare tokens hold", KS, &per(&|r| r.bucket.map(|b| b.3)));
     f.gauges("tikv_cpu_throttle_keyspace_debt_us", "The keyspace bucket's debt", KS, &per(&|r| r.bucket.map(|b| b.4)));
     f.counters("tikv_cpu_throttle_fair_allocations_total", "Refill intervals the keyspace's refill was set by fair allocation", KS, &per_count(&|r| r.fair));
     f.counters("tikv_cpu_throttle_burst_total", "Requests admitted by bursting on global tokens", KS, &per_count(&|r| r.burst));

@@ -29,6 +29,7 @@
 mod clock;
 mod conn;
 mod future;
+mod home;
 mod ticket;
 mod wait;
 
@@ -148,6 +149,7 @@ pub fn is_registered() -> bool {
 /// its slot, its tags, its connection. Forget it without running its
 /// destructor (which would give the parent's live slot back).
 extern "C" fn forget_thread_context_after_fork() {
+    home::forget_after_fork();
     let _ = CURRENT.try_with(|c| {
         if let Ok(mut slot) = c.try_borrow_mut()
             && let Some(ctx) = slot.take() {

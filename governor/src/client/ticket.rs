@@ -17,6 +17,7 @@
 //! takes the node down.
 
 use super::conn::{Attachment, Client, ClientError};
+use super::home;
 use crate::policy::{self, Grant, Knobs, Progress, Queued, Refusal};
 use crate::region::TicketView;
 use crate::sys;
@@ -129,16 +130,15 @@ thread_local! {
     static LEDGER_HINT: std::cell::Cell<u32> = const { std::cell::Cell::new(u32::MAX) };
 }
 
-/// Claims a free record of the client's ledger (bounded scan from the
-/// thread's hint).
-fn claim(att: &Attachment) -> Option<u32> {
+/// Claims a free record in the shared half of the client's ledger (bounded
+/// scan from the thread's hint), for a thread without a block of its own
+/// or with every record of its block held.
+fn claim_shared(att: &Attachment) -> Option<u32> {
     static SPREAD: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let len = att.ledger.len();
-    if len == 0 {
-        return None;
-    }
-    let hint = LEDGER_HINT.try_with(|h| h.get()).unwrap_or(0);
-    let mut idx = if hint < len { hint } else { SPREAD.fetch_add(61, Ordering::Relaxed) % len };
+    let (start, end) = (att.blocks.shared_start(), att.ledger.len());
+    let len = end.checked_sub(start).filter(|&n| n > 0)?;
+    let hint = LEDGER_HINT.try_with(|h| h.get()).unwrap_or(u32::MAX);
+    let mut idx = if (start..end).contains(&hint) { hint } else { start + SPREAD.fetch_add(61, Ordering::Relaxed) % len };
     for _ in 0..len {
         let r = att.ledger.get(idx)?;
         if r.state.load(Ordering::Relaxed) == TICKET_FREE
@@ -148,8 +148,8 @@ fn claim(att: &Attachment) -> Option<u32> {
             return Some(idx);
         }
         idx += 1;
-        if idx == len {
-            idx = 0;
+        if idx == end {
+            idx = start;
         }
     }
     None
@@ -160,6 +160,7 @@ fn record(att: &Attachment, idx: u32) -> &TicketView {
 }
 
 /// Writes what a granted ticket holds into its record, then marks it held.
+#[inline]
 fn write_record(att: &Attachment, idx: u32, g: &Grant) {
     let r = record(att, idx);
     let (cell, generation) = g.cell.map_or((0, 0), |(c, g)| (c + 1, g));
@@ -251,63 +252,75 @@ impl Client {
     /// Admits one request of `keyspace`, or refuses it (after waiting in line
     /// for CPU tokens until the demand's deadline, if it has one).
     pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket<'_>, Refused> {
-        match self.begin(keyspace, &demand)? {
-            Begin::Done(t) => Ok(t),
-            Begin::Queued { att, record: idx, q, k } => {
-                let deadline = demand.deadline.expect("queued only with a deadline");
-                match wait_in_line(att, &k, q, deadline) {
-                    Waited::Granted(g) => Ok(self.granted(att, idx, g, demand.deadline)),
-                    Waited::Refused(r) => {
-                        record(att, idx).state.store(TICKET_FREE, Ordering::Release);
-                        Err(r)
-                    }
-                    Waited::FailOpen => {
-                        record(att, idx).state.store(TICKET_FREE, Ordering::Release);
-                        Ok(self.fail_open(keyspace, Some(att)))
-                    }
-                }
+        let mut t = Ticket::blank(keyspace);
+        let Some(w) = self.begin(keyspace, &demand, &mut t)? else { return Ok(t) };
+        let Waiting { att, record: idx, q, k } = *w;
+        let deadline = demand.deadline.expect("queued only with a deadline");
+        match wait_in_line(att, &k, q, deadline) {
+            Waited::Granted(g) => Ok(self.granted(att, idx, g, demand.deadline)),
+            Waited::Refused(r) => {
+                record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+                Err(r)
+            }
+            Waited::FailOpen => {
+                record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+                Ok(self.fail_open(keyspace, Some(att)))
             }
         }
     }
 
-    /// Everything up to the wait: the fast path, or a place in line.
-    pub(crate) fn begin(&self, keyspace: u32, demand: &Demand) -> Result<Begin<'_>, Refused> {
+    /// Everything up to the wait: the fast path fills `t` in place (a ticket
+    /// is too big to move cheaply through every layer), or the request gets
+    /// a place in line.
+    #[inline]
+    pub(crate) fn begin<'c>(&'c self, keyspace: u32, demand: &Demand, t: &mut Ticket<'c>) -> Result<Option<Box<Waiting<'c>>>, Refused> {
         let att = self.attachment();
         if !att.alive() {
-            return Ok(Begin::Done(self.fail_open(keyspace, None)));
+            *t = self.fail_open(keyspace, None);
+            return Ok(None);
         }
         let cell = match att.cell_of(keyspace) {
             Ok(c) => Some(c),
             // No cell (the table is full): the request passes unthrottled.
             Err(ClientError::Refused { .. }) => None,
-            Err(_) => return Ok(Begin::Done(self.fail_open(keyspace, None))),
+            Err(_) => {
+                *t = self.fail_open(keyspace, None);
+                return Ok(None);
+            }
         };
         let k = att.admission.header().knobs.snapshot();
-        let Some(idx) = claim(att) else {
-            return Err(Refused { reason: Refusal::TooManyTickets { limit: att.ledger.len() }, waited: Duration::ZERO });
-        };
         let d = demand.policy();
-        let free = |att: &Attachment| record(att, idx).state.store(TICKET_FREE, Ordering::Release);
-        match demand.deadline {
-            Some(deadline) if deadline > Instant::now() => match policy::acquire_queued(&att.admission, &k, keyspace, cell, &d) {
-                Ok(q) => Ok(Begin::Queued { att, record: idx, q, k }),
-                Err(reason) => {
-                    free(att);
-                    Err(Refused { reason, waited: Duration::ZERO })
+        home::with_home(att, true, |mut home| {
+            let Some(idx) = home.as_ref().and_then(|h| h.claim()).or_else(|| claim_shared(att)) else {
+                return Err(Refused { reason: Refusal::TooManyTickets { limit: att.ledger.len() }, waited: Duration::ZERO });
+            };
+            let spare = home.as_deref_mut().map(|h| &mut h.spare);
+            let queued = demand.deadline.is_some_and(|deadline| deadline > Instant::now());
+            let out = if queued {
+                policy::acquire_queued_with(&att.admission, &k, keyspace, cell, &d, spare).map(|q| Some(Box::new(Waiting { att, record: idx, q, k })))
+            } else {
+                policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(|g| {
+                    write_record(att, idx, &g);
+                    t.att = Some(att);
+                    t.record = idx;
+                    t.grant = g;
+                    t.deadline = demand.deadline;
+                    None
+                })
+            };
+            if let Some(h) = home {
+                h.sync();
+            }
+            out.or_else(|reason| {
+                record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+                // A refusal from buckets nobody refills any more is no refusal.
+                if !queued && reason.is_cpu() && !agent_alive(att) {
+                    *t = self.fail_open(keyspace, Some(att));
+                    return Ok(None);
                 }
-            },
-            _ => match policy::acquire(&att.admission, &k, keyspace, cell, &d) {
-                Ok(g) => Ok(Begin::Done(self.granted(att, idx, g, demand.deadline))),
-                Err(reason) => {
-                    free(att);
-                    // A refusal from buckets nobody refills any more is no refusal.
-                    if reason.is_cpu() && !agent_alive(att) {
-                        return Ok(Begin::Done(self.fail_open(keyspace, Some(att))));
-                    }
-                    Err(Refused { reason, waited: Duration::ZERO })
-                }
-            },
-        }
+                Err(Refused { reason, waited: Duration::ZERO })
+            })
+        })
     }
 
     pub(crate) fn granted<'c>(&'c self, att: &'c Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket<'c> {
@@ -320,6 +333,22 @@ impl Client {
         if let Some(att) = att {
             att.admission.bucket(crate::region::GLOBAL).count(counter::FAIL_OPEN, 1);
         }
+        Ticket::blank(keyspace)
+    }
+}
+
+/// A request that waits in line for CPU tokens, with its ledger record.
+pub(crate) struct Waiting<'c> {
+    pub(crate) att: &'c Arc<Attachment>,
+    pub(crate) record: u32,
+    pub(crate) q: Queued,
+    pub(crate) k: Knobs,
+}
+
+impl<'c> Ticket<'c> {
+    /// A ticket that holds nothing (what a fail-open admission hands out).
+    #[inline]
+    pub(crate) fn blank(keyspace: u32) -> Ticket<'c> {
         Ticket {
             att: None,
             record: 0,
@@ -330,15 +359,7 @@ impl Client {
             deadline: None,
         }
     }
-}
 
-/// Where [`Client::begin`] left a request.
-pub(crate) enum Begin<'c> {
-    Done(Ticket<'c>),
-    Queued { att: &'c Arc<Attachment>, record: u32, q: Queued, k: Knobs },
-}
-
-impl<'c> Ticket<'c> {
     pub fn keyspace(&self) -> u32 {
         self.grant.keyspace()
     }
@@ -470,7 +491,14 @@ impl<'c> Ticket<'c> {
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         let Some(att) = self.att.take() else { return };
-        policy::release(&att.admission, &self.grant, self.consumed_ns / 1000);
+        let consumed_us = self.consumed_ns / 1000;
+        home::with_home(att, false, |home| match home {
+            Some(h) => {
+                policy::release_with(&att.admission, &self.grant, consumed_us, Some(&mut h.spare));
+                h.sync();
+            }
+            None => policy::release(&att.admission, &self.grant, consumed_us),
+        });
         record(att, self.record).state.store(TICKET_FREE, Ordering::Release);
     }
 }

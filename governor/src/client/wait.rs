@@ -11,7 +11,7 @@
 //! dead agent into fail-open admission.
 
 use super::conn::{Attachment, Client};
-use super::ticket::{agent_alive, Begin, Demand, Refused, Ticket, LIVENESS_CHECK};
+use super::ticket::{agent_alive, Demand, Refused, Ticket, LIVENESS_CHECK};
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::BucketView;
 use crate::sys;
@@ -231,22 +231,26 @@ impl Client {
     /// Like [`Client::acquire`], but waits for CPU tokens without blocking
     /// the executor's thread.
     pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture<'_> {
-        let state = match self.begin(keyspace, &demand) {
-            Ok(Begin::Done(t)) => AcquireState::Ready(Some(Ok(t))),
+        let mut t = Ticket::blank(keyspace);
+        let state = match self.begin(keyspace, &demand, &mut t) {
+            Ok(None) => AcquireState::Ready(Some(Ok(t))),
             Err(r) => AcquireState::Ready(Some(Err(r))),
-            Ok(Begin::Queued { att, record, q, k }) => AcquireState::Waiting {
-                att,
-                line: Line {
-                    att: att.clone(),
-                    q: Some(q),
-                    k,
-                    deadline: demand.deadline.expect("queued only with a deadline"),
-                    started: Instant::now(),
-                    registered: None,
-                    waited: false,
-                },
-                record,
-            },
+            Ok(Some(w)) => {
+                let super::ticket::Waiting { att, record, q, k } = *w;
+                AcquireState::Waiting {
+                    att,
+                    line: Line {
+                        att: att.clone(),
+                        q: Some(q),
+                        k,
+                        deadline: demand.deadline.expect("queued only with a deadline"),
+                        started: Instant::now(),
+                        registered: None,
+                        waited: false,
+                    },
+                    record,
+                }
+            }
         };
         AcquireFuture { client: self, keyspace, deadline: demand.deadline, state }
     }

@@ -11,6 +11,7 @@
 //! in tenant-cap mode (tenant-cpu-cap.md §3.2).
 
 use super::error::{Refusal, WriteLimitKind};
+use super::spare::{self, Spare, SPARE_MAX_US};
 use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL, LOW_PRIORITY};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
 use governor_common::admission::{
@@ -302,10 +303,20 @@ enum Prep {
     /// µs still to take (`throttled`: from the tenant bucket then the global
     /// one; else from the global one alone).
     Cpu { g: Grant, est: u64, throttled: bool },
+    /// As `Cpu`, but the `est` µs came from the thread's spare tokens.
+    Spared { g: Grant, est: u64 },
 }
 
 #[inline]
-fn prepare(r: &AdmissionRegions, k: &Knobs, cells: &Cells, keyspace: u32, cell: Option<(u32, u64)>, demand: &Demand) -> Result<Prep, Refusal> {
+fn prepare(
+    r: &AdmissionRegions,
+    k: &Knobs,
+    cells: &Cells,
+    keyspace: u32,
+    cell: Option<(u32, u64)>,
+    demand: &Demand,
+    spare: Option<&mut Spare>,
+) -> Result<Prep, Refusal> {
     let mut g = Grant::unchecked(keyspace, cell);
     if !k.has(KNOB_ENABLED) {
         cells.global.count(c::SKIPPED, 1);
@@ -353,6 +364,9 @@ fn prepare(r: &AdmissionRegions, k: &Knobs, cells: &Cells, keyspace: u32, cell: 
         }
         g.low_priority_us = est;
     }
+    if throttled && !low && spare.is_some_and(|s| s.take(r, cell, est)) {
+        return Ok(Prep::Spared { g, est });
+    }
     Ok(Prep::Cpu { g, est, throttled })
 }
 
@@ -376,15 +390,16 @@ fn undo(r: &AdmissionRegions, cells: &Cells, g: &Grant) {
     }
 }
 
-/// Records a grant that got its CPU tokens.
+/// Records a grant that got its CPU tokens (`from_spare`: the thread's
+/// spare tokens, already counted in flight).
 #[inline]
-fn finish(cells: &Cells, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64) -> Grant {
+fn finish(cells: &Cells, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
     g.tenant_us = tenant_us;
     g.burst_us = burst_us;
     g.global_us = est;
     match cells.tenant {
         Some((b, _)) => {
-            if tenant_us > 0 {
+            if tenant_us > 0 && !from_spare {
                 b.add_inflight_us(tenant_us);
             }
             b.count(c::GRANTED, 1);
@@ -419,14 +434,28 @@ pub fn acquire(
     cell: Option<(u32, u64)>,
     demand: &Demand,
 ) -> Result<Grant, Refusal> {
+    acquire_with(r, k, keyspace, cell, demand, None)
+}
+
+/// [`acquire`], first from the calling thread's spare tokens.
+#[inline]
+pub fn acquire_with(
+    r: &AdmissionRegions,
+    k: &Knobs,
+    keyspace: u32,
+    cell: Option<(u32, u64)>,
+    demand: &Demand,
+    spare: Option<&mut Spare>,
+) -> Result<Grant, Refusal> {
     let cells = Cells::of(r, cell);
-    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand)? {
+    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand, spare)? {
         Prep::Done(g) => return Ok(g),
+        Prep::Spared { g, est } => return Ok(finish(&cells, g, est, est, 0, true)),
         Prep::Cpu { g, est, throttled } => (g, est, throttled),
     };
     let result = if throttled { take_cpu(k, &cells, keyspace, est) } else { take_global_only(k, &cells, keyspace, est) };
     match result {
-        Ok((tenant_us, burst_us)) => Ok(finish(&cells, g, est, tenant_us, burst_us)),
+        Ok((tenant_us, burst_us)) => Ok(finish(&cells, g, est, tenant_us, burst_us, false)),
         Err(e) => {
             undo(r, &cells, &g);
             Err(e)
@@ -457,6 +486,8 @@ pub struct Queued {
     stage: Stage,
     /// A running request's top-up, not a new request.
     topup: bool,
+    /// Served from the thread's spare tokens.
+    spared: bool,
 }
 
 /// Where a queued request stands.
@@ -477,9 +508,23 @@ pub fn acquire_queued(
     cell: Option<(u32, u64)>,
     demand: &Demand,
 ) -> Result<Queued, Refusal> {
+    acquire_queued_with(r, k, keyspace, cell, demand, None)
+}
+
+/// [`acquire_queued`], first from the calling thread's spare tokens.
+pub fn acquire_queued_with(
+    r: &AdmissionRegions,
+    k: &Knobs,
+    keyspace: u32,
+    cell: Option<(u32, u64)>,
+    demand: &Demand,
+    spare: Option<&mut Spare>,
+) -> Result<Queued, Refusal> {
     let cells = Cells::of(r, cell);
-    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand)? {
-        Prep::Done(g) => return Ok(Queued { g, est: 0, tenant_us: 0, burst_us: 0, stage: Stage::Done, topup: false }),
+    let done = |g, est, tenant_us, spared| Queued { g, est, tenant_us, burst_us: 0, stage: Stage::Done, topup: false, spared };
+    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand, spare)? {
+        Prep::Done(g) => return Ok(done(g, 0, 0, false)),
+        Prep::Spared { g, est } => return Ok(done(g, est, est, true)),
         Prep::Cpu { g, est, throttled } => (g, est, throttled),
     };
     Ok(Queued::start(&cells, k, g, est, throttled, false))
@@ -493,7 +538,7 @@ pub fn top_up_queued(r: &AdmissionRegions, k: &Knobs, g: &Grant, us: u64) -> Que
     let part = Grant { tenant_us: 0, global_us: 0, burst_us: 0, low_priority_us: 0, write_bytes: 0, counted: false, ..g.clone() };
     let throttled = cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
     if g.skipped {
-        return Queued { g: part, est: 0, tenant_us: 0, burst_us: 0, stage: Stage::Done, topup: true };
+        return Queued { g: part, est: 0, tenant_us: 0, burst_us: 0, stage: Stage::Done, topup: true, spared: false };
     }
     Queued::start(&cells, k, part, us.max(1), throttled, true)
 }
@@ -509,7 +554,7 @@ impl Grant {
 
 impl Queued {
     fn start(cells: &Cells, k: &Knobs, g: Grant, est: u64, throttled: bool, topup: bool) -> Queued {
-        let mut q = Queued { g, est, tenant_us: 0, burst_us: 0, stage: Stage::Global(None), topup };
+        let mut q = Queued { g, est, tenant_us: 0, burst_us: 0, stage: Stage::Global(None), topup, spared: false };
         let Some((tenant, params)) = cells.tenant.filter(|_| throttled) else { return q };
         if tenant.try_take(est) {
             q.tenant_us = est;
@@ -581,7 +626,7 @@ impl Queued {
                         on.count(c::TOPUP_GRANTED, 1);
                         return Progress::Ready(part);
                     }
-                    return Progress::Ready(finish(&cells, g, self.est, self.tenant_us, self.burst_us));
+                    return Progress::Ready(finish(&cells, g, self.est, self.tenant_us, self.burst_us, self.spared));
                 }
             }
         }
@@ -691,13 +736,19 @@ fn settle(b: &BucketView, p: &ParamsView, granted: u64, consumed: u64) -> u64 {
         give_back(b, p, granted - consumed);
         0
     } else {
-        let (charged, forgiven) = b.charge_debt(consumed - granted, p.max_debt_us.load(Ordering::Relaxed));
-        b.count(c::DEBT_US, charged);
-        if forgiven > 0 {
-            b.count(c::DEBT_FORGIVEN_US, forgiven);
-        }
-        charged
+        charge_overrun(b, p, consumed - granted)
     }
+}
+
+/// Charges an overrun of `us` as debt, within the bucket's bound. Returns
+/// the debt charged.
+fn charge_overrun(b: &BucketView, p: &ParamsView, us: u64) -> u64 {
+    let (charged, forgiven) = b.charge_debt(us, p.max_debt_us.load(Ordering::Relaxed));
+    b.count(c::DEBT_US, charged);
+    if forgiven > 0 {
+        b.count(c::DEBT_FORGIVEN_US, forgiven);
+    }
+    charged
 }
 
 /// Closes a grant with the CPU the request measurably consumed: unused
@@ -705,6 +756,19 @@ fn settle(b: &BucketView, p: &ParamsView, granted: u64, consumed: u64) -> u64 {
 /// bytes and the in-flight count are returned.
 #[inline]
 pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
+    release_with(r, g, consumed_us, None)
+}
+
+/// [`release`], keeping the refund as the calling thread's spare tokens
+/// when the grant is a plain one (as many tenant as global tokens, no
+/// burst, no low-priority tokens) and its buckets are quiet.
+#[inline]
+pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Option<&mut Spare>) {
+    if let Some(s) = spare
+        && keep_refund(r, g, consumed_us, s)
+    {
+        return;
+    }
     let cells = Cells::of(r, g.cell);
     let tenant = cells.tenant;
     if g.global_us > 0 {
@@ -741,4 +805,54 @@ pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
     if g.write_bytes > 0 {
         sub_saturating(&cells.global.pending_write_bytes, g.write_bytes);
     }
+}
+
+/// The release of [`release_with`] when the refund stays spare; `false`
+/// (nothing done) when it may not.
+#[inline]
+fn keep_refund(r: &AdmissionRegions, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
+    let granted = g.tenant_us;
+    if granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell) {
+        return false;
+    }
+    let Some((b, p)) = spare::tenant_of(r, g.cell) else { return false };
+    if !spare::may_keep(r, b, p) {
+        return false;
+    }
+    let global = r.bucket(GLOBAL);
+    let Some(gp) = r.params.get(GLOBAL) else { return false };
+    let used = consumed_us.min(granted);
+    // An overrun is paid from the spare first; the rest is debt, as ever.
+    let over = consumed_us - used;
+    let paid = over.min(s.us);
+    let held = s.us - paid + (granted - used);
+    let kept = held.min(granted.min(SPARE_MAX_US));
+    let back = held - kept;
+    if back > 0 {
+        give_back(global, gp, back);
+        give_back(b, p, back);
+    }
+    if over > paid {
+        charge_overrun(global, gp, over - paid);
+        charge_overrun(b, p, over - paid);
+    }
+    // In flight: the grant and the old spare, less the new spare.
+    let done = s.us + granted - kept;
+    if done > 0 {
+        b.sub_inflight_us(done);
+    }
+    s.cell = g.cell;
+    s.us = kept;
+    if g.counted {
+        sub_saturating(&b.inflight_requests, 1);
+    }
+    if g.write_bytes > 0 {
+        sub_saturating(&b.pending_write_bytes, g.write_bytes);
+        sub_saturating(&global.pending_write_bytes, g.write_bytes);
+    }
+    if consumed_us > 0 {
+        b.count(c::CONSUMED_US, consumed_us);
+    }
+    b.count(c::RELEASED, 1);
+    true
 }

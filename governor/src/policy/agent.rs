@@ -228,7 +228,10 @@ impl Policy {
             let last_ms = b.last_used_ms.load(Ordering::Relaxed).min(now_ms);
             let last_us = st.last_used_us.max(last_ms * 1000);
             let idle = now_us.saturating_sub(last_us) >= ttl
-                && b.inflight_us() == 0
+                // No tenant tokens in flight, or only threads' spare ones
+                // (no ticket running): a spare left behind is worth nothing
+                // to the cell's next holder (its generation differs).
+                && (b.inflight_us() == 0 || b.counter(counter::GRANTED) == b.counter(counter::RELEASED))
                 && b.inflight_requests.load(Ordering::Acquire) == 0
                 && b.pending_write_bytes.load(Ordering::Acquire) == 0
                 && b.sleepers.load(Ordering::Acquire) == 0

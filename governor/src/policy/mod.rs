@@ -25,6 +25,7 @@
 mod admit;
 mod bucket;
 mod error;
+mod spare;
 #[cfg(feature = "agent")]
 mod agent;
 #[cfg(feature = "agent")]
@@ -49,9 +50,10 @@ mod snapshot;
 mod window;
 
 pub use admit::{
-    acquire, acquire_queued, release, top_up, top_up_queued, Demand, Grant, Knobs, Progress, Queued,
-    KEYSPACE_PENDING_WRITE_RATIO,
+    acquire, acquire_queued, acquire_queued_with, acquire_with, release, release_with, top_up, top_up_queued, Demand,
+    Grant, Knobs, Progress, Queued, KEYSPACE_PENDING_WRITE_RATIO,
 };
+pub use spare::{return_tokens as return_spare, Spare, SPARE_MAX_US};
 pub use error::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
 #[cfg(feature = "agent")]
 pub use {

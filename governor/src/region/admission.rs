@@ -114,7 +114,8 @@ impl BucketView {
         }
     }
 
-    /// µs granted to tickets not yet released (0 if the shards, which other
+    /// µs taken for tickets not yet released and for threads' spare tokens
+    /// ([`crate::policy::Spare`]) (0 if the shards, which other
     /// processes write, add up to less).
     #[inline]
     pub fn inflight_us(&self) -> u64 {

@@ -160,6 +160,7 @@ fn main() -> Result<()> {
         "policy_allocate_release_ns": round(policy),
         "ticket_acquire_release_ns": round(admission.uncontended_ns),
         "ticket_acquire_release_contended_ns": round(admission.contended_ns),
+        "ticket_acquire_release_alternating_ns": round(admission.alternating_ns),
         "baseline_mutex_bucket_ns": round(admission.mutex_ns),
         "baseline_mutex_bucket_contended_ns": round(admission.mutex_contended_ns),
         "baseline_socket_rpc_ns": round(admission.rpc_ns),

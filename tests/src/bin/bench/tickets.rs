@@ -20,6 +20,8 @@ const ESTIMATE_US: u64 = 10;
 
 pub struct FastPath {
     pub uncontended_ns: f64,
+    /// One thread, two keyspaces in turn: no request finds a spare of its own.
+    pub alternating_ns: f64,
     pub contended_ns: f64,
     pub mutex_ns: f64,
     pub mutex_contended_ns: f64,
@@ -111,12 +113,15 @@ pub fn fast_path() -> Result<FastPath> {
     let agent = Agent::start("ebpf", &essential_config(0.5 / cores()))?;
     let client = Client::connect(&agent.socket)?;
     let demand = Demand::new().estimate_us(ESTIMATE_US);
-    let ticket = || {
-        let t = client.acquire(1, demand).expect("tokens available");
+    let ticket_of = |keyspace: u32| {
+        let t = client.acquire(keyspace, demand).expect("tokens available");
         drop(std::hint::black_box(t));
     };
+    let ticket = || ticket_of(1);
     ticket();
+    ticket_of(2);
     let uncontended_ns = best(5, || per_op(1_000_000, |_| ticket()));
+    let alternating_ns = best(5, || per_op(1_000_000, |i| ticket_of(1 + (i & 1) as u32)));
     let contended_ns = best(5, || concurrent(2, 500_000, ticket));
     let buckets = MutexBuckets { inner: Mutex::new((1_000_000, 1_000_000)) };
     let mutex = || {
@@ -138,7 +143,7 @@ pub fn fast_path() -> Result<FastPath> {
     if let Some(e) = failed {
         return Err(e.context("acquire over the socket"));
     }
-    Ok(FastPath { uncontended_ns, contended_ns, mutex_ns, mutex_contended_ns, rpc_ns })
+    Ok(FastPath { uncontended_ns, alternating_ns, contended_ns, mutex_ns, mutex_contended_ns, rpc_ns })
 }
 
 /// The cap test of `tests/tickets.rs`: one tenant capped at 0.5 core runs 8

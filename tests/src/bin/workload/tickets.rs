@@ -91,6 +91,8 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
 /// `workload hold`: takes commands on stdin, one per line, and answers each
 /// with one JSON line:
 /// - `acquire KS [WRITE_BYTES [ESTIMATE_US]]` → `{"ok":true}` or `{"refused":code,"message":..}`
+/// - `pass KS ESTIMATE_US` → acquires one ticket and drops it at once
+///   (its refund stays with the thread, spare), `{"passed":true}`
 /// - `held` → `{"held":n}`
 /// - `release` → drops every ticket held, `{"released":n}`
 /// - `exit`
@@ -116,6 +118,16 @@ pub fn hold(args: &[String]) -> Result<serde_json::Value> {
                     Ok(t) => {
                         held.push(t);
                         json!({"ok": true})
+                    }
+                    Err(r) => json!({"refused": r.code(), "message": r.to_string()}),
+                }
+            }
+            ["pass", ks, estimate] => {
+                let d = Demand::new().estimate_us(estimate.parse().context("estimate")?);
+                match client.acquire(ks.parse().context("keyspace")?, d) {
+                    Ok(t) => {
+                        drop(t);
+                        json!({"passed": true})
                     }
                     Err(r) => json!({"refused": r.code(), "message": r.to_string()}),
                 }

@@ -1,0 +1,189 @@
+//! A thread's home in the client's ledger.
+//!
+//! The first half of a ledger is cut into blocks of [`BLOCK`] records. A
+//! thread that admits requests takes a block of its own (a bit in this
+//! process's memory, once per thread and agent) and claims its tickets'
+//! records there with a plain load and store: only the owner moves a record
+//! of its block from free to claimed, and whoever holds a record (the
+//! owner, or a thread its ticket moved to) only ever frees it. A thread
+//! holding more tickets than its block has, or a thread without a block,
+//! claims in the second half by compare-and-swap.
+//!
+//! The block's first record mirrors the thread's spare tokens
+//! ([`crate::policy::Spare`]), so that the agent returns them, as it returns
+//! every ticket, when the client dies. When the thread ends, its spare goes
+//! back to the buckets and its block to the process.
+
+use super::conn::Attachment;
+use crate::policy::Spare;
+use crate::region::TicketView;
+use governor_common::admission::{TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_SPARE};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Records in a thread's block: its spare's mirror and seven tickets.
+pub(crate) const BLOCK: u32 = 8;
+
+/// Which blocks of one ledger this process's threads own.
+pub(crate) struct Blocks {
+    words: Box<[AtomicU64]>,
+    count: u32,
+}
+
+impl Blocks {
+    pub(crate) fn new(ledger_len: u32) -> Blocks {
+        let count = ledger_len / 2 / BLOCK;
+        Blocks { words: (0..count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(), count }
+    }
+
+    /// The first record of the ledger's shared half.
+    pub(crate) fn shared_start(&self) -> u32 {
+        self.count * BLOCK
+    }
+
+    fn take(&self) -> Option<u32> {
+        for (i, w) in self.words.iter().enumerate() {
+            let mut cur = w.load(Ordering::Relaxed);
+            loop {
+                let bit = (!cur).trailing_zeros();
+                let block = i as u32 * 64 + bit;
+                if bit == 64 || block >= self.count {
+                    break;
+                }
+                match w.compare_exchange_weak(cur, cur | 1 << bit, Ordering::AcqRel, Ordering::Relaxed) {
+                    Ok(_) => return Some(block),
+                    Err(v) => cur = v,
+                }
+            }
+        }
+        None
+    }
+
+    fn give(&self, block: u32) {
+        if let Some(w) = self.words.get(block as usize / 64) {
+            w.fetch_and(!(1 << (block % 64)), Ordering::AcqRel);
+        }
+    }
+}
+
+/// One thread's block in one attachment's ledger, and its spare tokens.
+pub(crate) struct Home {
+    att: Arc<Attachment>,
+    /// The block's first record (the spare's mirror).
+    first: u32,
+    pub(crate) spare: Spare,
+    /// The spare as the mirror shows it.
+    mirrored: Spare,
+}
+
+thread_local! {
+    static HOME: RefCell<Option<Home>> = const { RefCell::new(None) };
+}
+
+/// Set in a forked child: its threads' homes would be the parent's.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+impl Home {
+    fn new(att: &Arc<Attachment>) -> Option<Home> {
+        let block = att.blocks.take()?;
+        let home = Home { att: att.clone(), first: block * BLOCK, spare: Spare::default(), mirrored: Spare::default() };
+        let r = home.record(home.first);
+        r.cell.store(0, Ordering::Relaxed);
+        r.tenant_us.store(0, Ordering::Relaxed);
+        r.global_us.store(0, Ordering::Relaxed);
+        r.flags.store(T_SPARE, Ordering::Relaxed);
+        r.state.store(TICKET_HELD, Ordering::Release);
+        Some(home)
+    }
+
+    #[inline]
+    fn record(&self, idx: u32) -> &TicketView {
+        self.att.ledger.get(idx).expect("a block lies inside the ledger")
+    }
+
+    /// A free record of the block, claimed (plain store: only this thread
+    /// claims here).
+    #[inline]
+    pub(crate) fn claim(&self) -> Option<u32> {
+        (self.first + 1..self.first + BLOCK).find(|&i| {
+            let r = self.record(i);
+            let free = r.state.load(Ordering::Acquire) == TICKET_FREE;
+            if free {
+                r.state.store(TICKET_CLAIMED, Ordering::Relaxed);
+            }
+            free
+        })
+    }
+
+    /// Brings the mirror up to the spare.
+    #[inline]
+    pub(crate) fn sync(&mut self) {
+        if self.spare == self.mirrored {
+            return;
+        }
+        let r = self.record(self.first);
+        if self.spare.cell != self.mirrored.cell {
+            let (cell, generation) = self.spare.cell.map_or((0, 0), |(c, g)| (c + 1, g));
+            r.cell.store(cell, Ordering::Relaxed);
+            r.generation.store(generation, Ordering::Relaxed);
+        }
+        r.tenant_us.store(self.spare.us, Ordering::Relaxed);
+        r.global_us.store(self.spare.us, Ordering::Relaxed);
+        self.mirrored = self.spare;
+    }
+}
+
+impl Drop for Home {
+    fn drop(&mut self) {
+        if self.att.alive() {
+            self.spare.give_back(&self.att.admission);
+        }
+        let r = self.record(self.first);
+        r.tenant_us.store(0, Ordering::Relaxed);
+        r.global_us.store(0, Ordering::Relaxed);
+        r.state.store(TICKET_FREE, Ordering::Release);
+        self.att.blocks.give(self.first / BLOCK);
+    }
+}
+
+/// Runs `f` with the calling thread's home on `att`: made on first use when
+/// `make`, else only if it exists. `None` when the thread has none (no block
+/// left, thread-locals gone, a forked child).
+#[inline(always)]
+pub(crate) fn with_home<R>(att: &Arc<Attachment>, make: bool, f: impl FnOnce(Option<&mut Home>) -> R) -> R {
+    let mut f = Some(f);
+    let mut run = |home: Option<&mut Home>| (f.take().expect("run once"))(home);
+    if FORKED.load(Ordering::Relaxed) {
+        return run(None);
+    }
+    let out = HOME.try_with(|h| {
+        let Ok(mut slot) = h.try_borrow_mut() else { return None };
+        if !slot.as_ref().is_some_and(|home| Arc::ptr_eq(&home.att, att)) {
+            if !make {
+                return None;
+            }
+            // The thread moved to another agent or client: its old spare goes back.
+            *slot = None;
+            *slot = Home::new(att);
+        }
+        Some(run(slot.as_mut()))
+    });
+    match out {
+        Ok(Some(v)) => v,
+        _ => run(None),
+    }
+}
+
+/// In a forked child: forgets the forking thread's home without giving
+/// anything back (it is the parent's), and makes no more.
+pub(crate) fn forget_after_fork() {
+    FORKED.store(true, Ordering::Relaxed);
+    let _ = HOME.try_with(|h| {
+        if let Ok(mut slot) = h.try_borrow_mut()
+            && let Some(home) = slot.take()
+        {
+            std::mem::forget(home);
+        }
+    });
+}
