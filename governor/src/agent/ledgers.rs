@@ -51,7 +51,9 @@ impl Ledgers {
             let cell = cell.checked_sub(1).map(|c| (c, rec.generation.load(Ordering::Relaxed)));
             if rec.flags.load(Ordering::Relaxed) & T_SPARE != 0 {
                 // A thread's spare tokens: no ticket, only tokens to return.
-                let us = rec.tenant_us.load(Ordering::Relaxed).min(rec.global_us.load(Ordering::Relaxed));
+                // A thread never keeps more than `SPARE_MAX_US`: a record
+                // that says more is garbage, and returns no more than that.
+                let us = rec.tenant_us.load(Ordering::Relaxed).min(rec.global_us.load(Ordering::Relaxed)).min(policy::SPARE_MAX_US);
                 policy::return_spare(r, cell, us);
                 rec.state.store(TICKET_FREE, Ordering::Release);
                 out.spare_us += us;
