@@ -297,7 +297,7 @@ impl Client {
             let spare = home.as_deref_mut().map(|h| &mut h.spare);
             let queued = demand.deadline.is_some_and(|deadline| deadline > Instant::now());
             let out = if queued {
-                policy::acquire_queued_with(&att.admission, &k, keyspace, cell, &d, spare).map(|q| Some(Box::new(Waiting { att, record: idx, q, k })))
+                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare).map(|q| Some(Box::new(Waiting { att, record: idx, q, k })))
             } else {
                 policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(|g| {
                     write_record(att, idx, &g);

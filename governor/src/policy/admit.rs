@@ -150,9 +150,7 @@ impl<'a> Cells<'a> {
         Cells {
             global: r.bucket(GLOBAL),
             global_params: r.params.get(GLOBAL).expect("global parameters"),
-            tenant: cell.and_then(|(c, generation)| {
-                r.keyspace_cell(c).filter(|(_, p)| p.generation.load(Ordering::Acquire) == generation)
-            }),
+            tenant: spare::tenant_of(r, cell),
         }
     }
 }
@@ -500,19 +498,9 @@ pub enum Progress {
 
 /// Like [`acquire`], but instead of refusing for want of CPU tokens, takes a
 /// place in line. Refusals that are not about CPU (concurrency, write bytes,
-/// the low-priority bucket) still come at once.
+/// the low-priority bucket) still come at once. A thread's `spare` tokens
+/// serve it first, as in [`acquire_with`].
 pub fn acquire_queued(
-    r: &AdmissionRegions,
-    k: &Knobs,
-    keyspace: u32,
-    cell: Option<(u32, u64)>,
-    demand: &Demand,
-) -> Result<Queued, Refusal> {
-    acquire_queued_with(r, k, keyspace, cell, demand, None)
-}
-
-/// [`acquire_queued`], first from the calling thread's spare tokens.
-pub fn acquire_queued_with(
     r: &AdmissionRegions,
     k: &Knobs,
     keyspace: u32,
@@ -764,12 +752,12 @@ pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
 /// burst, no low-priority tokens) and its buckets are quiet.
 #[inline]
 pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Option<&mut Spare>) {
+    let cells = Cells::of(r, g.cell);
     if let Some(s) = spare
-        && keep_refund(r, g, consumed_us, s)
+        && keep_refund(r, &cells, g, consumed_us, s)
     {
         return;
     }
-    let cells = Cells::of(r, g.cell);
     let tenant = cells.tenant;
     if g.global_us > 0 {
         settle(cells.global, cells.global_params, g.global_us, consumed_us);
@@ -810,17 +798,16 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
 /// The release of [`release_with`] when the refund stays spare; `false`
 /// (nothing done) when it may not.
 #[inline]
-fn keep_refund(r: &AdmissionRegions, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
+fn keep_refund(r: &AdmissionRegions, cells: &Cells, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
     let granted = g.tenant_us;
     if granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell) {
         return false;
     }
-    let Some((b, p)) = spare::tenant_of(r, g.cell) else { return false };
+    let Some((b, p)) = cells.tenant else { return false };
     if !spare::may_keep(r, b, p) {
         return false;
     }
-    let global = r.bucket(GLOBAL);
-    let Some(gp) = r.params.get(GLOBAL) else { return false };
+    let (global, gp) = (cells.global, cells.global_params);
     let used = consumed_us.min(granted);
     // An overrun is paid from the spare first; the rest is debt, as ever.
     let over = consumed_us - used;

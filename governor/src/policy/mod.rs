@@ -50,7 +50,7 @@ mod snapshot;
 mod window;
 
 pub use admit::{
-    acquire, acquire_queued, acquire_queued_with, acquire_with, release, release_with, top_up, top_up_queued, Demand,
+    acquire, acquire_queued, acquire_with, release, release_with, top_up, top_up_queued, Demand,
     Grant, Knobs, Progress, Queued, KEYSPACE_PENDING_WRITE_RATIO,
 };
 pub use spare::{return_tokens as return_spare, Spare, SPARE_MAX_US};

@@ -60,16 +60,16 @@ impl Spare {
         if self.us == 0 {
             return false;
         }
-        if self.cell == cell && self.us >= us {
-            if let Some((tenant, params)) = tenant_of(r, cell)
-                && may_keep(r, tenant, params)
-            {
-                self.us -= us;
-                return true;
+        if self.cell == cell
+            && let Some((tenant, params)) = tenant_of(r, cell)
+            && may_keep(r, tenant, params)
+        {
+            if self.us < us {
+                // Too little for this request: kept for a smaller one.
+                return false;
             }
-        } else if self.cell == cell {
-            // Too little for this request: kept for a smaller one.
-            return false;
+            self.us -= us;
+            return true;
         }
         self.give_back(r);
         false
