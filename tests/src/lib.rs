@@ -257,15 +257,39 @@ impl Agent {
     /// Samples a keyspace's charged CPU about every second for `n` windows:
     /// the CPU per wall second (cores) of each window.
     pub fn sample_rates(&self, keyspace: u32, n: usize) -> Result<Vec<f64>> {
-        let mut rates = Vec::new();
-        let mut last = (Instant::now(), self.keyspace_seconds(keyspace)?);
+        Ok(self.sample_windows(keyspace, n, None)?.into_iter().map(|w| w.cores).collect())
+    }
+
+    /// Samples a keyspace about every second for `n` windows: its charged
+    /// CPU, its admissions and how many of them waited in line, and (given
+    /// a process) the process's own CPU by schedstat over the same window.
+    pub fn sample_windows(&self, keyspace: u32, n: usize, process: Option<u32>) -> Result<Vec<Window>> {
+        let sample = || -> Result<Sample> {
+            let s = self.status()?;
+            let k = s.keyspaces.iter().find(|k| k.keyspace_id == keyspace);
+            Ok(Sample {
+                at: s.counters_read_at_ns as f64 / 1e9,
+                charged: k.map_or(0.0, |k| k.cpu_seconds),
+                granted: k.map_or(0, |k| k.granted),
+                waited: k.map_or(0, |k| k.waited),
+                process: process.map_or(0.0, |p| process_schedstat_ns(p) as f64 / 1e9),
+            })
+        };
+        let mut windows = Vec::new();
+        let mut last = sample()?;
         for _ in 0..n {
             std::thread::sleep(Duration::from_secs(1));
-            let now = (Instant::now(), self.keyspace_seconds(keyspace)?);
-            rates.push((now.1 - last.1) / (now.0 - last.0).as_secs_f64());
+            let now = sample()?;
+            let secs = now.at - last.at;
+            windows.push(Window {
+                cores: (now.charged - last.charged) / secs,
+                granted: now.granted - last.granted,
+                waited: now.waited - last.waited,
+                process_cores: (now.process - last.process) / secs,
+            });
             last = now;
         }
-        Ok(rates)
+        Ok(windows)
     }
 
     pub fn log_text(&self) -> String {
@@ -425,32 +449,186 @@ pub fn schedstat_ns(pid: u32, tid: u32) -> Result<u64> {
     text.split_whitespace().next().context("empty schedstat")?.parse().context("schedstat value")
 }
 
+/// Waits until `ok` holds, polling every 10 ms, for at most 10 s (then
+/// panics naming `what`): for what the agent does in its own time (moving
+/// a process, reading an event), instead of a sleep that guesses how long
+/// that takes on a busy machine.
+pub fn eventually(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "not within 10 s: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// This thread's on-CPU and run-queue-wait ns so far (its schedstat).
+pub fn thread_schedstat() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    let mut f = text.split_whitespace().map(|v| v.parse().unwrap_or(0));
+    (f.next().unwrap_or(0), f.next().unwrap_or(0))
+}
+
+/// A stretch of one thread's time, split the scheduler's way: on a CPU,
+/// runnable but waiting for one, and asleep (the rest).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Stretch {
+    pub wall: Duration,
+    pub oncpu_ns: u64,
+    pub runqueue_ns: u64,
+    start: Option<(Instant, u64, u64)>,
+}
+
+impl Stretch {
+    pub fn start() -> Stretch {
+        let (cpu, wait) = thread_schedstat();
+        Stretch { start: Some((Instant::now(), cpu, wait)), ..Stretch::default() }
+    }
+
+    pub fn end(self) -> Stretch {
+        let (t0, cpu0, wait0) = self.start.expect("started");
+        let wall = t0.elapsed();
+        let (cpu, wait) = thread_schedstat();
+        Stretch { wall, oncpu_ns: cpu - cpu0, runqueue_ns: wait - wait0, start: None }
+    }
+
+    /// Time the thread spent in our hands: on a CPU or asleep, not the
+    /// time it was runnable but the machine had no CPU for it (another
+    /// process spins on one of two cores, say).
+    pub fn held(&self) -> Duration {
+        self.wall.saturating_sub(Duration::from_nanos(self.runqueue_ns))
+    }
+
+    pub fn max(self, other: Stretch) -> Stretch {
+        if other.held() > self.held() { other } else { self }
+    }
+}
+
+impl std::fmt::Display for Stretch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let asleep = (self.wall.as_nanos() as u64).saturating_sub(self.oncpu_ns + self.runqueue_ns);
+        write!(
+            f,
+            "{:?} ({} µs on a CPU, {} µs runnable waiting for one, {} µs asleep)",
+            self.wall,
+            self.oncpu_ns / 1000,
+            self.runqueue_ns / 1000,
+            asleep / 1000
+        )
+    }
+}
+
+/// One window of [`Agent::sample_windows`].
+#[derive(Clone, Copy, Debug)]
+pub struct Window {
+    /// The keyspace's charged CPU, cores.
+    pub cores: f64,
+    /// Its admissions, and those that waited in line for tokens.
+    pub granted: u64,
+    pub waited: u64,
+    /// The given process's CPU by schedstat, cores (0 without one).
+    pub process_cores: f64,
+}
+
+struct Sample {
+    /// When the agent read its counters, CLOCK_MONOTONIC s.
+    at: f64,
+    charged: f64,
+    granted: u64,
+    waited: u64,
+    process: f64,
+}
+
+/// Σ schedstat of every thread of `pid` (0 once it is gone).
+pub fn process_schedstat_ns(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok()?.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Whether thread `tid` of this process sleeps in a futex wait now (a
+/// ticket waiter in line, a thread at a barrier), by its
+/// `/proc/self/task/<tid>/syscall`.
+pub fn blocked_in_futex(tid: u32) -> bool {
+    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall")).unwrap_or_default();
+    text.split_whitespace().next().and_then(|n| n.parse::<i64>().ok()) == Some(libc::SYS_futex)
+}
+
+/// Stops every process in `pids` (SIGSTOP) and waits until each of their
+/// threads has stopped: switched out, so the kernel's count of it, and
+/// every charge the agent makes for it, hold still until [`resume`].
+/// A test reads both sides at such a moment instead of sleeping and
+/// hoping the moment has come.
+pub fn stop(pids: &std::collections::BTreeSet<u32>) -> Result<()> {
+    signal(pids, libc::SIGSTOP);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let running: Vec<String> = pids
+            .iter()
+            .flat_map(|pid| {
+                let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten();
+                tasks.filter_map(move |t| {
+                    let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+                    let state = stat.rsplit_once(')')?.1.split_whitespace().next()?.to_string();
+                    // Stopped, or gone (zombie, dead): either way off the CPU for good.
+                    (!matches!(state.as_str(), "T" | "t" | "Z" | "X")).then(|| format!("{pid}/{}: {state}", t.file_name().to_string_lossy()))
+                })
+            })
+            .collect();
+        if running.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("threads still not stopped 10 s after SIGSTOP: {running:?}");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Lets processes [`stop`]ped go on (SIGCONT).
+pub fn resume(pids: &std::collections::BTreeSet<u32>) {
+    signal(pids, libc::SIGCONT);
+}
+
+fn signal(pids: &std::collections::BTreeSet<u32>, sig: i32) {
+    for &p in pids {
+        #[allow(unsafe_code)]
+        // SAFETY: kill(2) on pids of processes the test started.
+        unsafe {
+            libc::kill(p as i32, sig)
+        };
+    }
+}
+
 /// One thread of a `workload threads` run, with the kernel's figures for
-/// its tagged work.
+/// its tagged span.
 #[derive(Clone, Debug)]
 pub struct ThreadReport {
     pub tid: u32,
     pub keyspace: u32,
     pub kind: String,
-    /// `CLOCK_THREAD_CPUTIME_ID` over the tagged period (inside the thread).
+    /// Its work by `CLOCK_THREAD_CPUTIME_ID` and by the client's thread
+    /// clock, read inside the thread around the work.
     pub thread_cpu_ns: u64,
-    /// The client's thread clock over the same period.
     pub thread_clock_ns: u64,
-    /// schedstat from outside, read while the thread waited before and after.
+    /// The kernel's count (schedstat) between the two stops of
+    /// [`run_threads`]: all of its tagged span, the work and the moments
+    /// around it.
     pub schedstat_ns: u64,
 }
 
-/// A running `workload threads` process, driven through its protocol.
-pub struct ThreadsWorkload {
+/// A `workload threads` process (see its protocol in `workload/kinds.rs`).
+struct ThreadsWorkload {
     child: Child,
     out: BufReader<std::process::ChildStdout>,
     ready: Vec<(u32, u32, String)>,
-    schedstat_before: Vec<u64>,
 }
 
 impl ThreadsWorkload {
-    /// Starts it and waits until every thread is registered.
-    pub fn spawn(socket: &Path, args: &[&str]) -> Result<ThreadsWorkload> {
+    /// Starts it and waits until every thread is registered and tagged.
+    fn spawn(socket: &Path, args: &[&str]) -> Result<ThreadsWorkload> {
         let mut child = Command::new(workload_bin())
             .arg("threads")
             .args(args)
@@ -473,45 +651,12 @@ impl ThreadsWorkload {
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ThreadsWorkload { child, out, ready, schedstat_before: Vec::new() })
+        Ok(ThreadsWorkload { child, out, ready })
     }
 
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Reads every thread's schedstat, then lets them work.
-    pub fn go(&mut self) -> Result<()> {
-        let pid = self.pid();
-        self.schedstat_before = self.ready.iter().map(|(tid, ..)| schedstat_ns(pid, *tid)).collect::<Result<_>>()?;
-        self.send_line()
-    }
-
-    /// Waits for the work to end; reads schedstat again while the threads
-    /// wait, then lets the process exit.
-    pub fn finish(mut self) -> Result<Vec<ThreadReport>> {
-        let v = read_json(&mut self.out)?;
-        let worked = v["worked"].as_array().with_context(|| format!("expected worked, got {v}"))?.clone();
-        let pid = self.pid();
-        let mut reports = Vec::new();
-        for (i, (tid, keyspace, kind)) in self.ready.iter().enumerate() {
-            let w = worked.iter().find(|w| w["tid"].as_u64() == Some(*tid as u64)).context("thread result")?;
-            let after = schedstat_ns(pid, *tid)?;
-            reports.push(ThreadReport {
-                tid: *tid,
-                keyspace: *keyspace,
-                kind: kind.clone(),
-                thread_cpu_ns: w["thread_cpu_ns"].as_u64().context("thread_cpu_ns")?,
-                thread_clock_ns: w["thread_clock_ns"].as_u64().context("thread_clock_ns")?,
-                schedstat_ns: after - self.schedstat_before[i],
-            });
-        }
-        self.send_line()?;
-        let status = self.child.wait()?;
-        if !status.success() {
-            bail!("workload threads exited with {status}");
-        }
-        Ok(reports)
+    fn schedstat(&self) -> Result<Vec<u64>> {
+        let pid = self.child.id();
+        self.ready.iter().map(|(tid, ..)| schedstat_ns(pid, *tid)).collect()
     }
 
     fn send_line(&mut self) -> Result<()> {
@@ -521,6 +666,81 @@ impl ThreadsWorkload {
         stdin.flush()?;
         Ok(())
     }
+}
+
+/// Every keyspace's charge (ns) read while the processes measured are
+/// stopped: once the agent's counts hold still (at once on the eBPF
+/// backend, which charged each thread as it stopped; after a sampling
+/// pass or two on the fallback, which reads their schedstat).
+fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, f64>> {
+    let read = || -> Result<std::collections::BTreeMap<u32, f64>> {
+        Ok(agent.status()?.keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds * 1e9)).collect())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = read()?;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = read()?;
+        if now == last {
+            return Ok(now);
+        }
+        if Instant::now() > deadline {
+            bail!("the agent's charges still moved 10 s after the processes stopped");
+        }
+        last = now;
+    }
+}
+
+/// Runs `workload threads` processes (one per argument list) side by
+/// side. Each process is stopped after its threads are tagged and before
+/// they work, and again after they worked, still tagged: every thread's
+/// schedstat and every keyspace's charge are read at both stops, so both
+/// sides count the very same span. Returns every thread's report and the
+/// charge of each keyspace between the stops (ns).
+pub fn run_threads(agent: &Agent, workloads: &[&[&str]]) -> Result<(Vec<ThreadReport>, std::collections::BTreeMap<u32, f64>)> {
+    let mut procs: Vec<ThreadsWorkload> = workloads.iter().map(|args| ThreadsWorkload::spawn(&agent.socket, args)).collect::<Result<_>>()?;
+    let pids: std::collections::BTreeSet<u32> = procs.iter().map(|p| p.child.id()).collect();
+    stop(&pids)?;
+    let charged_before = settled_charges(agent)?;
+    let before: Vec<Vec<u64>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
+    resume(&pids);
+    for p in &mut procs {
+        p.send_line()?;
+    }
+    let worked: Vec<serde_json::Value> = procs
+        .iter_mut()
+        .map(|p| {
+            let v = read_json(&mut p.out)?;
+            v["worked"].as_array().cloned().map(serde_json::Value::Array).with_context(|| format!("expected worked, got {v}"))
+        })
+        .collect::<Result<_>>()?;
+    stop(&pids)?;
+    let charged_after = settled_charges(agent)?;
+    let after: Vec<Vec<u64>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
+    resume(&pids);
+    let mut reports = Vec::new();
+    for (p, ((w, b), a)) in procs.iter().zip(worked.iter().zip(&before).zip(&after)) {
+        for (i, (tid, keyspace, kind)) in p.ready.iter().enumerate() {
+            let w = w.as_array().into_iter().flatten().find(|w| w["tid"].as_u64() == Some(*tid as u64)).context("thread result")?;
+            reports.push(ThreadReport {
+                tid: *tid,
+                keyspace: *keyspace,
+                kind: kind.clone(),
+                thread_cpu_ns: w["thread_cpu_ns"].as_u64().context("thread_cpu_ns")?,
+                thread_clock_ns: w["thread_clock_ns"].as_u64().context("thread_clock_ns")?,
+                schedstat_ns: a[i] - b[i],
+            });
+        }
+    }
+    for p in &mut procs {
+        p.send_line()?;
+        let status = p.child.wait()?;
+        if !status.success() {
+            bail!("workload threads exited with {status}");
+        }
+    }
+    let charged = charged_after.iter().map(|(k, v)| (*k, v - charged_before.get(k).copied().unwrap_or(0.0))).collect();
+    Ok((reports, charged))
 }
 
 fn read_json(out: &mut BufReader<std::process::ChildStdout>) -> Result<serde_json::Value> {

@@ -13,7 +13,7 @@
 
 use governor::client::{self, Client, Demand};
 use governor::proto::{Reply, Request, StatusReport};
-use governor_tests::{essential_config, governor_bin, schedstat_ns, steal_tick_ns, workload_bin, Agent};
+use governor_tests::{essential_config, governor_bin, schedstat_ns, steal_tick_ns, workload_bin, Agent, Stretch};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::ExitStatusExt;
@@ -192,62 +192,6 @@ fn burn(d: Duration) {
     let end = governor::sys::thread_cputime_ns() + d.as_nanos() as u64;
     while governor::sys::thread_cputime_ns() < end {
         std::hint::spin_loop();
-    }
-}
-
-/// This thread's on-CPU and run-queue-wait ns so far (its schedstat).
-fn thread_schedstat() -> (u64, u64) {
-    let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
-    let mut f = text.split_whitespace().map(|v| v.parse().unwrap_or(0));
-    (f.next().unwrap_or(0), f.next().unwrap_or(0))
-}
-
-/// A stretch of one thread's time, split the scheduler's way: on a CPU,
-/// runnable but waiting for one, and asleep (the rest).
-#[derive(Clone, Copy, Debug, Default)]
-struct Stretch {
-    wall: Duration,
-    oncpu_ns: u64,
-    runqueue_ns: u64,
-    start: Option<(Instant, u64, u64)>,
-}
-
-impl Stretch {
-    fn start() -> Stretch {
-        let (cpu, wait) = thread_schedstat();
-        Stretch { start: Some((Instant::now(), cpu, wait)), ..Stretch::default() }
-    }
-
-    fn end(self) -> Stretch {
-        let (t0, cpu0, wait0) = self.start.expect("started");
-        let wall = t0.elapsed();
-        let (cpu, wait) = thread_schedstat();
-        Stretch { wall, oncpu_ns: cpu - cpu0, runqueue_ns: wait - wait0, start: None }
-    }
-
-    /// Time the thread spent in our hands: on a CPU or asleep, not the
-    /// time it was runnable but the machine had no CPU for it (the vandal
-    /// spins on one of two cores).
-    fn held(&self) -> Duration {
-        self.wall.saturating_sub(Duration::from_nanos(self.runqueue_ns))
-    }
-
-    fn max(self, other: Stretch) -> Stretch {
-        if other.held() > self.held() { other } else { self }
-    }
-}
-
-impl std::fmt::Display for Stretch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let asleep = (self.wall.as_nanos() as u64).saturating_sub(self.oncpu_ns + self.runqueue_ns);
-        write!(
-            f,
-            "{:?} ({} µs on a CPU, {} µs runnable waiting for one, {} µs asleep)",
-            self.wall,
-            self.oncpu_ns / 1000,
-            self.runqueue_ns / 1000,
-            asleep / 1000
-        )
     }
 }
 

@@ -169,9 +169,13 @@ fn quotas_follow_pd_and_faults_never_drop_them_before_the_ttl() {
     // Archived in PD: its PD quota goes at once.
     pd.reply("tenant two", Reply::Limit(100.0));
     wait(&agent, Duration::from_secs(3), "keyspace 2 back", |s| bucket(s, 2) == Some(("pd".into(), global / 4)));
+    let rounds = pd_of(&agent.status().unwrap()).rounds;
     pd.keyspace(1, "tenant-one", "ARCHIVED");
-    let (s, took) = wait(&agent, Duration::from_secs(2), "archived", |s| bucket(s, 1).is_some_and(|b| b.0 == "config"));
-    assert!(took < Duration::from_millis(700), "archived keyspace dropped after {took:?}");
+    let (s, _) = wait(&agent, Duration::from_secs(5), "archived", |s| bucket(s, 1).is_some_and(|b| b.0 == "config"));
+    // At the first fetch round that saw it (or the one after, if a round
+    // was under way when it changed).
+    let took = pd_of(&s).rounds - rounds;
+    assert!(took <= 2, "archived keyspace dropped after {took} fetch rounds");
     assert_eq!((row(&s, 1).state.as_deref(), row(&s, 1).last_result.as_str()), (Some("ARCHIVED"), "archived"));
     assert_eq!(bucket(&s, 2), Some(("pd".into(), global)));
 

@@ -4,7 +4,7 @@
 //! serving the others).
 
 use governor::client::{self, Client, Demand};
-use governor_tests::{Agent, Holder};
+use governor_tests::{Agent, Holder, Stretch};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -179,18 +179,18 @@ fn a_client_scribbling_on_the_regions_does_not_stop_the_agent_or_the_others() {
     let c2 = c.clone();
     let legit = std::thread::spawn(move || {
         c2.register_current_thread().unwrap();
-        let mut slowest = Duration::ZERO;
+        let mut slowest = Stretch::default();
         let end = Instant::now() + Duration::from_secs(10);
         let mut ops = 0u64;
         while Instant::now() < end {
-            let t0 = Instant::now();
+            let t0 = Stretch::start();
             {
                 let _g = client::tag(77).unwrap();
                 let _ = client::thread_cpu_ns();
             }
             let r = c2.acquire(78, Demand::new().estimate_us(10).timeout(Duration::from_millis(5)));
             drop(r);
-            slowest = slowest.max(t0.elapsed());
+            slowest = slowest.max(t0.end());
             ops += 1;
         }
         (slowest, ops)
@@ -210,13 +210,15 @@ fn a_client_scribbling_on_the_regions_does_not_stop_the_agent_or_the_others() {
     let (slowest, ops) = legit.join().unwrap();
     let out = vandal.wait_with_output().unwrap();
     eprintln!(
-        "vandal: {}; legitimate client: {ops} tag+acquire rounds, slowest {slowest:?}; slowest status {worst_status:?}",
+        "vandal: {}; legitimate client: {ops} tag+acquire rounds, slowest {slowest}; slowest status {worst_status:?}",
         String::from_utf8_lossy(&out.stdout).trim()
     );
     assert!(out.status.success());
     assert!(worst_status < Duration::from_secs(1), "status took {worst_status:?}");
-    // Its deadline is 5 ms; nothing it does may hang on what the vandal wrote.
-    assert!(slowest < Duration::from_millis(50), "a legitimate operation took {slowest:?}");
+    // Its deadline is 5 ms; nothing it does may hang on what the vandal
+    // wrote. (Counted in the thread's own time: not the time it was
+    // runnable with no CPU free, which a busy machine decides.)
+    assert!(slowest.held() < Duration::from_millis(50), "a legitimate operation took {slowest}");
     assert!(agent.status().is_ok(), "the agent died: {}", agent.log_text());
     assert!(!agent.log_text().contains("panicked"), "{}", agent.log_text());
 }

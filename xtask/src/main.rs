@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | test | demo [--json] [--short] | bench [--json] | dist [--arch A]
+//! Project tasks: `cargo xtask setup | test [--repeat N [--busy-cores K]] | demo [--json] [--short] | bench [--json] | dist [--arch A]
 //! | vm-test [--arch A] [--kernel V]`.
 //!
 //! # Layout
@@ -7,7 +7,9 @@
 //! - `test`: setup, then every test: the amd64 package (a test installs
 //!   it), host tests (real eBPF included), the light client on stable (its
 //!   tests, and no agent crate in its tree), the aarch64 cross build with
-//!   its pure unit tests under qemu-user, and the arm64 package.
+//!   its pure unit tests under qemu-user, and the arm64 package;
+//!   `--repeat N` runs the host suites N times and lists every test that
+//!   failed at least once (`repeat.rs`).
 //! - `demo`: a noisy neighbour on the reader server, measured, then
 //!   governed: CPU per tenant, the light tenants' latency, an SVG.
 //! - `bench`: the benchmark harness; `--json` prints one JSON object.
@@ -15,6 +17,7 @@
 //! - `vm-test`: the eBPF tests inside a VM booting a Debian kernel (`vm.rs`).
 
 mod dist;
+mod repeat;
 mod setup;
 mod vm;
 
@@ -39,6 +42,14 @@ enum Task {
         /// Skip the aarch64 cross build and qemu-user tests.
         #[arg(long)]
         host_only: bool,
+        /// Run the host suites this many times instead, and report each
+        /// test that failed at least once (`target/test-repeat/`).
+        #[arg(long, value_name = "N")]
+        repeat: Option<u32>,
+        /// With --repeat: keep this many cores busy (`stress-ng --cpu K`)
+        /// all the while.
+        #[arg(long, value_name = "K", default_value_t = 0, requires = "repeat")]
+        busy_cores: u32,
     },
     /// Setup, then run the demo: a noisy neighbour on a multi-tenant reader
     /// server, with the agent measuring, then enforcing a tenant cap.
@@ -102,11 +113,14 @@ fn build_release() -> Result<()> {
     run(cargo().args(["build", "--release", "--bins"]))
 }
 
-fn test(host_only: bool) -> Result<()> {
-    setup::setup(!host_only)?;
+fn test(host_only: bool, repeat: Option<u32>, busy_cores: u32) -> Result<()> {
+    setup::setup(!host_only && repeat.is_none())?;
     build_release()?;
     // The host's package first: a test installs it with dpkg.
     dist::package(dist::Arch::X86_64)?;
+    if let Some(rounds) = repeat {
+        return repeat::repeat(rounds, busy_cores);
+    }
     // Host: unit, config, policy and end-to-end tests (real eBPF).
     run(cargo().args(["test", "--release"]))?;
     light_client()?;
@@ -275,7 +289,7 @@ fn tests_bin(name: &str) -> PathBuf {
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::setup(true),
-        Task::Test { host_only } => test(host_only),
+        Task::Test { host_only, repeat, busy_cores } => test(host_only, repeat, busy_cores),
         Task::Dist { arch } => dist(arch),
         Task::VmTest { arch, kernel, only } => vm::vm_test(arch, &kernel, only.as_deref()),
         Task::Demo { json, short } => {

@@ -16,10 +16,10 @@
 //!   virtualisation, TCG otherwise; the serial console streams here. The
 //!   guest prints `VM-TEST-EXIT=<code>` and powers off; that code is this
 //!   task's.
-//! - The accounting tests (`measurement`, `kernel_exact`, `client_api`)
-//!   run once more when they fail (`VM-TEST-RETRY` in the log): an emulated
-//!   vCPU now and then loses milliseconds at a bad moment, and their bounds
-//!   are tenths of a percent. A fault in the code fails both runs.
+//! - Every step runs once: the accounting tests' bounds compare what the
+//!   guest kernel counted with what the agent charged over the same span
+//!   (read with the processes stopped, or bracketing the tagged span from
+//!   both sides), so an emulated vCPU's lost milliseconds fall inside both.
 
 use crate::dist::Arch;
 use crate::{cargo, cross_env, root, run};

@@ -207,12 +207,21 @@ pub struct KeyspaceStats {
     pub waited: u64,
     /// Time spent waiting for admission, admitted or not.
     pub wait_us: u64,
-    /// The request work's CPU by the thread's own clock
-    /// (CLOCK_THREAD_CPUTIME_ID around each stretch of work): the
-    /// cross-check of what the agent charged the keyspace.
+    /// The CPU of the keyspace's admitted work by the kernel's count of
+    /// the worker thread: CLOCK_THREAD_CPUTIME_ID around each poll of the
+    /// work inside its ticket's tag. What the agent charged the keyspace is
+    /// at least this...
     pub thread_cpu_ns: u64,
+    /// ...and at most this: the same around each poll of the ticket's
+    /// future (the tag's set and restore and the ticket's bookkeeping too).
+    #[serde(default)]
+    pub ticket_poll_cpu_ns: u64,
     /// Admitted without a check because no agent answered.
     pub fail_open: u64,
+    /// Time during which at least one of the keyspace's requests waited for
+    /// admission (its tokens held it back), µs.
+    #[serde(default)]
+    pub waiting_us: u64,
 }
 
 /// What a `stats` request answers.

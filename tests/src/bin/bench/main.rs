@@ -14,6 +14,9 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+/// Short demos behind each demo figure (their median).
+const DEMO_RUNS: usize = 3;
+
 fn per_op(n: u64, f: impl FnMut(u64)) -> f64 {
     let mut f = f;
     let t = Instant::now();
@@ -62,16 +65,14 @@ fn attribution(agent: &Agent) -> Result<(f64, f64, f64)> {
 }
 
 /// A registered thread that works 150 µs and sleeps 200 µs: its charge
-/// against its `CLOCK_THREAD_CPUTIME_ID`, signed, in %.
+/// against the kernel's count of it (schedstat, read with its process
+/// stopped at both ends of its tagged span), signed, in %.
 fn sleepy_thread_error_pct(agent: &Agent) -> Result<f64> {
-    let mut w = governor_tests::ThreadsWorkload::spawn(
-        &agent.socket,
-        &["--kinds", "sleepy", "--keyspace-base", "6000", "--seconds", "1.4"],
-    )?;
-    w.go()?;
-    let r = w.finish()?.pop().context("one thread")?;
-    let charged = agent.status()?.keyspaces.iter().find(|k| k.keyspace_id == 6000).map_or(0.0, |k| k.cpu_seconds * 1e9);
-    Ok((charged - r.thread_cpu_ns as f64) / r.thread_cpu_ns as f64 * 100.0)
+    let (mut reports, charged) =
+        governor_tests::run_threads(agent, &[&["--kinds", "sleepy", "--keyspace-base", "6000", "--seconds", "1.4"]])?;
+    let r = reports.pop().context("one thread")?;
+    let charged = charged.get(&6000).copied().unwrap_or(0.0);
+    Ok((charged - r.schedstat_ns as f64) / r.schedstat_ns as f64 * 100.0)
 }
 
 fn policy_allocate_release_ns() -> f64 {
@@ -126,8 +127,21 @@ fn main() -> Result<()> {
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
     let load = operator::agent_at_1000_keyspaces()?;
+    // The light tenants' p99 governed against alone is a timing ratio that
+    // moves from run to run: the median of three short demos.
     let demo_dir = governor_tests::Scratch::new("bench-demo");
-    let demo = governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg"))?;
+    let demos = (0..DEMO_RUNS)
+        .map(|_| governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg")))
+        .collect::<Result<Vec<_>>>()?;
+    let demo_figure = |f: &dyn Fn(&serde_json::Value) -> Option<f64>| -> Result<(f64, Vec<f64>)> {
+        let mut runs = demos.iter().map(|d| f(d).context("a demo figure")).collect::<Result<Vec<f64>>>()?;
+        let runs_in_order = runs.clone();
+        runs.sort_by(f64::total_cmp);
+        Ok((runs[runs.len() / 2], runs_in_order))
+    };
+    let (victim_ratio, victim_ratios) = demo_figure(&|d| d["light_p99_ratio"]["enforcing"].as_f64())?;
+    let (unthrottled_ratio, _) = demo_figure(&|d| d["light_p99_ratio"]["monitor"].as_f64())?;
+    let (demo_cap_error, _) = demo_figure(&|d| d["noisy_cap_error_pct"].as_f64())?;
     let (unmatched_none, unmatched_1000) = rules::unmatched_switch_ns(5)?;
     let rule_attribution = rules::attribution_error_pct()?;
     let rule_cap = rules::cap_error_pct()?;
@@ -170,8 +184,10 @@ fn main() -> Result<()> {
         "cap_error_pct": round2(cap_error),
         "cap_window_cores": cap_rates.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
         "fail_open_ms": round2(fail_open),
-        "demo_victim_p99_ratio": round3(demo["light_p99_ratio"]["enforcing"].as_f64().context("demo p99 ratio")?),
-        "demo_noisy_cap_error_pct": round2(demo["noisy_cap_error_pct"].as_f64().context("demo cap error")?),
+        "demo_victim_p99_ratio": round3(victim_ratio),
+        "demo_victim_p99_ratio_runs": victim_ratios.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
+        "demo_unthrottled_p99_ratio": round3(unthrottled_ratio),
+        "demo_noisy_cap_error_pct": round2(demo_cap_error),
         "logical_cores": sys::logical_cores(),
         "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
     });

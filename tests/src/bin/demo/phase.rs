@@ -65,6 +65,15 @@ impl Sample {
     fn thread_s(&self, ks: u32) -> f64 {
         self.server.keyspaces.get(&ks).map_or(0.0, |k| k.thread_cpu_ns as f64 / 1e9)
     }
+
+    fn ticket_poll_s(&self, ks: u32) -> f64 {
+        self.server.keyspaces.get(&ks).map_or(0.0, |k| k.ticket_poll_cpu_ns as f64 / 1e9)
+    }
+
+    /// Time during which one of the keyspace's requests waited for admission.
+    fn waiting_s(&self, ks: u32) -> f64 {
+        self.server.keyspaces.get(&ks).map_or(0.0, |k| k.waiting_us as f64 / 1e6)
+    }
 }
 
 /// The Instant of a CLOCK_MONOTONIC reading taken between `before` and
@@ -108,10 +117,22 @@ pub struct TenantResult {
     pub cpu_share_pct: f64,
     /// The server's own count of the same work (thread CPU clock), cores.
     pub thread_clock_cores: f64,
-    /// (agent − thread clock) / thread clock, over the phase and its tail.
+    /// (agent − thread clock) / thread clock, over the phase and its tail:
+    /// against the work inside the tickets' tags (the agent charged at
+    /// least that), and against the whole polls of the tickets' futures
+    /// (at most that).
     pub cross_check_error_pct: f64,
+    pub cross_check_polls_error_pct: f64,
     /// Agent CPU of each 1 s window, cores.
     pub windows_cores: Vec<f64>,
+    /// The kernel's count of the same windows by the server: of the work
+    /// inside the tickets' tags (at most what the tenant used), and of the
+    /// tickets' whole polls (at least that), cores.
+    pub windows_thread_clock_cores: Vec<f64>,
+    pub windows_ticket_poll_cores: Vec<f64>,
+    /// Share of each window during which at least one of its requests
+    /// waited for admission (its tokens held it back), %.
+    pub windows_waiting_pct: Vec<f64>,
     pub latency: Latency,
     /// p99 of the requests sent in each second, µs (0: none answered).
     pub p99_per_second_us: Vec<u64>,
@@ -141,6 +162,9 @@ pub struct PhaseResult {
     pub name: &'static str,
     pub mode: String,
     pub seconds: f64,
+    /// Time the hypervisor ran something else while this machine's vCPUs
+    /// wanted to run, as a share of all its CPU over the phase, %.
+    pub steal_pct: f64,
     pub tenants: BTreeMap<String, TenantResult>,
     /// Every light tenant's requests together.
     pub light: Latency,
@@ -162,6 +186,7 @@ pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut
     let start = Instant::now() + Duration::from_millis(50);
     let run = load::start(server.addr, spec.lights, spec.noisy, start, spec.seconds as f64)?;
     std::thread::sleep(start.saturating_duration_since(Instant::now()));
+    let steal0 = governor_tests::steal_ns();
     let mut samples = vec![Sample::take(agent, server)?];
     let light_names: Vec<String> = spec.lights.iter().map(|l| l.name.clone()).collect();
     for s in 1..=spec.seconds {
@@ -178,22 +203,28 @@ pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut
     }
     let logs = run.finish()?;
     // After the stragglers: the cross-check covers every request's work.
+    let steal = (governor_tests::steal_ns() - steal0) as f64 / 1e9;
     let tail = Sample::take(agent, server)?;
-    Ok(summarize(spec, &samples, &tail, &logs))
+    let mut result = summarize(spec, &samples, &tail, &logs);
+    result.steal_pct = steal / (result.seconds * spec.cores) * 100.0;
+    Ok(result)
 }
 
 fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<String, Log>) -> PhaseResult {
     let (first, last) = (&samples[0], &samples[samples.len() - 1]);
     let span = (last.at - first.at).as_secs_f64();
-    let windows = |ks: u32| -> Vec<f64> {
-        samples.windows(2).map(|w| (w[1].cpu_s(ks) - w[0].cpu_s(ks)) / (w[1].at - w[0].at).as_secs_f64()).collect()
+    let per_window = |f: &dyn Fn(&Sample) -> f64| -> Vec<f64> {
+        samples.windows(2).map(|w| (f(&w[1]) - f(&w[0])) / (w[1].at - w[0].at).as_secs_f64()).collect()
     };
+    let windows = |ks: u32| per_window(&|s: &Sample| s.cpu_s(ks));
     let mut tenants = BTreeMap::new();
     let roles = spec.lights.iter().map(|l| (&l.name, l.keyspace, "light")).chain(spec.noisy.map(|n| (&n.name, n.keyspace, "noisy")));
     for (name, ks, role) in roles {
         let log = &logs[name];
         let cpu_cores = (last.cpu_s(ks) - first.cpu_s(ks)) / span;
         let (agent_total, thread_total) = (tail.cpu_s(ks) - first.cpu_s(ks), tail.thread_s(ks) - first.thread_s(ks));
+        let polls_total = tail.ticket_poll_s(ks) - first.ticket_poll_s(ks);
+        let rel = |truth: f64| if truth > 0.0 { (agent_total - truth) / truth * 100.0 } else { 0.0 };
         let (w0, r0) = first.agent_counts(ks);
         let (w1, r1) = tail.agent_counts(ks);
         let (s0, s1) = (first.server.keyspaces.get(&ks).cloned().unwrap_or_default(), tail.server.keyspaces.get(&ks).cloned().unwrap_or_default());
@@ -207,8 +238,12 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
                 cpu_cores,
                 cpu_share_pct: cpu_cores / spec.cores * 100.0,
                 thread_clock_cores: (last.thread_s(ks) - first.thread_s(ks)) / span,
-                cross_check_error_pct: if thread_total > 0.0 { (agent_total - thread_total) / thread_total * 100.0 } else { 0.0 },
+                cross_check_error_pct: rel(thread_total),
+                cross_check_polls_error_pct: rel(polls_total),
                 windows_cores: windows(ks),
+                windows_thread_clock_cores: per_window(&|s: &Sample| s.thread_s(ks)),
+                windows_ticket_poll_cores: per_window(&|s: &Sample| s.ticket_poll_s(ks)),
+                windows_waiting_pct: per_window(&|s: &Sample| s.waiting_s(ks) * 100.0),
                 latency: Latency::of(&log.latency),
                 p99_per_second_us: log.per_second.iter().map(|h| if h.is_empty() { 0 } else { h.value_at_quantile(0.99) }).collect(),
                 busy: log.busy.clone(),
@@ -238,6 +273,7 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
         name: spec.name,
         mode: spec.mode.clone(),
         seconds: span,
+        steal_pct: 0.0,
         light: Latency::of(&merged(light_logs.iter().map(|l| &l.latency))),
         light_p99_per_second_us,
         tenants,

@@ -3,16 +3,23 @@
 //! preempted by wakeups, spin), each under its keyspace, so the test can
 //! set the agent's charges against the kernel's own per-thread counters.
 //!
-//! Protocol on stdin/stdout, so the test can read each thread's schedstat
-//! from outside at the edges of the tagged work:
+//! Protocol on stdin/stdout, so the test can stop the process and read each
+//! thread's schedstat and the agent's charges at both edges of the tagged
+//! span:
 //! 1. prints `{"ready": [{"tid", "keyspace", "kind"}, ...]}` once every
-//!    thread is registered and waiting;
-//! 2. waits for a line on stdin, then every thread tags itself, works for
-//!    `--seconds`, clears its tag and waits;
-//! 3. prints `{"done": [{"tid", "keyspace", "kind", "thread_cpu_ns",
-//!    "thread_clock_ns"}, ...]}` (CPU time of the tagged period by
+//!    thread is registered, tagged with its keyspace and on its way to
+//!    wait;
+//! 2. waits for a line on stdin, then every thread works for `--seconds`
+//!    and waits, still tagged;
+//! 3. prints `{"worked": [{"tid", "keyspace", "kind", "thread_cpu_ns",
+//!    "thread_clock_ns"}, ...]}` (CPU time of the work by
 //!    `CLOCK_THREAD_CPUTIME_ID` and by the client's thread clock);
-//! 4. waits for another line, then unregisters and exits.
+//! 4. waits for another line, then every thread clears its tag and
+//!    unregisters, and the process exits.
+//!
+//! Between the two prints every thread is tagged the whole time, so all
+//! the CPU its schedstat shows between a stop after the first and a stop
+//! after the second is its keyspace's.
 
 use super::{arg, burn, socket};
 use anyhow::{bail, Context, Result};
@@ -157,10 +164,10 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
                 if let Err(e) = client.register_current_thread() {
                     return report(Err(e.into()));
                 }
-                // The keyspace's cell is looked up now (an agent round trip
-                // the first time, charged to the tag before, as set_tag
-                // says): the tagged period below starts with a plain switch.
-                if let Err(e) = client::tag(keyspace) {
+                // Tagged from here to the end (the keyspace's cell looked up
+                // now: an agent round trip the first time, charged to the
+                // tag before, as set_tag says).
+                if let Err(e) = client::set_tag(keyspace) {
                     return report(Err(e.into()));
                 }
                 report(Ok(json!({"tid": tid, "keyspace": keyspace, "kind": kind.name()})))?;
@@ -169,9 +176,7 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
                     let until = *until.get().context("start time")?;
                     let clock0 = client::thread_cpu_ns().context("registered")?;
                     let cpu0 = sys::thread_cputime_ns();
-                    client::set_tag(keyspace)?;
                     let r = kind.run(until, &scratch);
-                    client::clear_tag();
                     let cpu1 = sys::thread_cputime_ns();
                     let clock1 = client::thread_cpu_ns().context("registered")?;
                     r?;
@@ -182,6 +187,7 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
                 })();
                 report(result)?;
                 exit.wait();
+                client::clear_tag();
                 Ok(())
             })
         })
@@ -195,7 +201,6 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
     until.set(Instant::now() + Duration::from_secs_f64(seconds)).map_err(|_| anyhow::anyhow!("start set twice"))?;
     go.wait();
     let worked = collect()?;
-    // Every thread is now parked on the exit barrier: its counters hold still.
     println!("{}", json!({ "worked": worked }));
     std::io::stdout().flush()?;
     line.clear();

@@ -22,7 +22,8 @@ fn work_us(us: u64) {
 /// `workload tickets --keyspace K --threads N --seconds S --work-us W
 /// [--timeout-ms T]`: N registered threads run requests of keyspace K as
 /// fast as they are admitted, each W µs of CPU under its ticket. Prints
-/// `started` once every thread is registered, then one JSON line.
+/// `started` once every thread is registered, then one JSON line (with
+/// `loop_seconds`, the wall time from `started` to the last worker's end).
 pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
     let keyspace: u32 = arg(args, "--keyspace", 1);
     let threads: usize = arg(args, "--threads", 8);
@@ -72,6 +73,7 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
         })
         .collect();
     ready.wait();
+    let started = Instant::now();
     println!("started");
     std::io::stdout().flush()?;
     let mut cpu = 0;
@@ -79,6 +81,7 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
         cpu += h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
     }
     Ok(json!({
+        "loop_seconds": started.elapsed().as_secs_f64(),
         "granted": granted.load(Ordering::Relaxed),
         "refused": refused.load(Ordering::Relaxed),
         "fail_open": fail_open.load(Ordering::Relaxed),

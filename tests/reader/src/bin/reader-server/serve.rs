@@ -20,7 +20,7 @@ use governor_reader::proto::{Op, Reply, Request, MAX_FRAME};
 use governor_reader::store::{CostModel, KeyspaceData, Scan, StoreError};
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -189,13 +189,17 @@ impl Server {
             .estimate_us((expected_us * self.estimate_margin).ceil().max(1.0) as u64)
             .timeout(Duration::from_millis(u64::from(req.deadline_ms)));
         let mut acquire = std::pin::pin!(self.client.acquire_async(req.keyspace, demand));
-        let mut pending = false;
+        let mut in_line = None;
         let admitted = std::future::poll_fn(|cx| {
             let p = acquire.as_mut().poll(cx);
-            pending |= p.is_pending();
+            if p.is_pending() && in_line.is_none() {
+                in_line = Some(InLine::new(c));
+            }
             p
         })
         .await;
+        let pending = in_line.is_some();
+        drop(in_line);
         let waited = started.elapsed();
         Counters::add(&c.wait_us, waited.as_micros() as u64);
         let ticket = match admitted {
@@ -214,11 +218,12 @@ impl Server {
         let done = match req.op {
             Op::Get => {
                 Counters::add(&c.gets, 1);
-                ticket.run(get(ks, c, req.key)).await
+                cpu_counted(&c.ticket_poll_cpu_ns, ticket.run(cpu_counted(&c.thread_cpu_ns, get(ks, c, req.key)))).await
             }
             _ => {
                 Counters::add(&c.scans, 1);
-                ticket.run(scan(ks, c, req.key, req.count, self.chunk_blocks, lower.then_some(&self.levels))).await
+                let work = scan(ks, c, req.key, req.count, self.chunk_blocks, lower.then_some(&self.levels));
+                cpu_counted(&c.ticket_poll_cpu_ns, ticket.run(cpu_counted(&c.thread_cpu_ns, work))).await
             }
         };
         drop(upper);
@@ -231,17 +236,40 @@ impl Server {
     }
 }
 
-/// Runs one stretch of work, adding its CPU by the thread's own clock to
-/// the keyspace's cross-check counter.
-fn timed<T>(c: &Counters, f: impl FnOnce() -> T) -> T {
-    let t0 = thread_cputime_ns();
-    let out = f();
-    Counters::add(&c.thread_cpu_ns, thread_cputime_ns().saturating_sub(t0));
-    out
+/// A request of the keyspace waiting in line for admission, until dropped.
+struct InLine<'a>(&'a Counters);
+
+impl<'a> InLine<'a> {
+    fn new(c: &'a Counters) -> InLine<'a> {
+        c.wait_begins();
+        InLine(c)
+    }
+}
+
+impl Drop for InLine<'_> {
+    fn drop(&mut self) {
+        self.0.wait_ends();
+    }
+}
+
+/// Polls `work`, adding the CPU of each poll by the kernel's count of the
+/// thread (CLOCK_THREAD_CPUTIME_ID) to `counter`. Inside a ticket's `run`
+/// it counts the work under the ticket's tag; around it, the tag's set and
+/// restore and the ticket's own bookkeeping too: what the agent charges
+/// the keyspace lies between the two.
+async fn cpu_counted<F: Future>(counter: &AtomicU64, work: F) -> F::Output {
+    let mut work = std::pin::pin!(work);
+    std::future::poll_fn(|cx| {
+        let t0 = thread_cputime_ns();
+        let p = work.as_mut().poll(cx);
+        Counters::add(counter, thread_cputime_ns().saturating_sub(t0));
+        p
+    })
+    .await
 }
 
 async fn get(ks: &KeyspaceData, c: &Counters, row: u64) -> Result<Reply, StoreError> {
-    let value = timed(c, || ks.get(row))?;
+    let value = ks.get(row)?;
     Counters::add(&c.rows_read, 1);
     Ok(Reply::Row(value))
 }
@@ -252,7 +280,7 @@ async fn scan(ks: &KeyspaceData, c: &Counters, start: u64, count: u32, chunk_blo
         if let Some(levels) = lower {
             levels.lower_turn().await;
         }
-        if timed(c, || s.step(ks, chunk_blocks))? {
+        if s.step(ks, chunk_blocks)? {
             break;
         }
         // Let the worker serve others (and the ticket top up) between steps.

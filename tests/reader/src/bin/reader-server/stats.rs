@@ -5,6 +5,7 @@ use governor_reader::proto::{KeyspaceStats, ServerStats};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Instant;
 
 /// One keyspace's counters (see [`KeyspaceStats`] for what each means).
 #[derive(Default)]
@@ -15,9 +16,26 @@ pub struct Counters {
     pub waited: AtomicU64,
     pub wait_us: AtomicU64,
     pub thread_cpu_ns: AtomicU64,
+    pub ticket_poll_cpu_ns: AtomicU64,
     pub fail_open: AtomicU64,
     /// Busy replies by code; refusals are the slow path, a lock is fine.
     busy: Mutex<BTreeMap<&'static str, u64>>,
+    /// Requests waiting for admission now, since when one has, and the
+    /// time with at least one before that (waits are the slow path too).
+    waiting: Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    now: u32,
+    since: Option<Instant>,
+    total_us: u64,
+}
+
+impl Waiting {
+    fn total_us(&self, at: Instant) -> u64 {
+        self.total_us + self.since.map_or(0, |s| (at - s).as_micros() as u64)
+    }
 }
 
 impl Counters {
@@ -27,6 +45,26 @@ impl Counters {
 
     pub fn busy(&self, code: &'static str) {
         *self.busy.lock().unwrap_or_else(|p| p.into_inner()).entry(code).or_default() += 1;
+    }
+
+    /// A request of the keyspace starts waiting for admission.
+    pub fn wait_begins(&self) {
+        let mut w = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        w.now += 1;
+        if w.now == 1 {
+            w.since = Some(Instant::now());
+        }
+    }
+
+    /// A request that waited is admitted or refused.
+    pub fn wait_ends(&self) {
+        let mut w = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        w.now -= 1;
+        if w.now == 0 {
+            let at = Instant::now();
+            w.total_us = w.total_us(at);
+            w.since = None;
+        }
     }
 
     fn snapshot(&self) -> KeyspaceStats {
@@ -39,7 +77,9 @@ impl Counters {
             waited: get(&self.waited),
             wait_us: get(&self.wait_us),
             thread_cpu_ns: get(&self.thread_cpu_ns),
+            ticket_poll_cpu_ns: get(&self.ticket_poll_cpu_ns),
             fail_open: get(&self.fail_open),
+            waiting_us: self.waiting.lock().unwrap_or_else(|p| p.into_inner()).total_us(Instant::now()),
         }
     }
 }
