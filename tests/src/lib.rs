@@ -273,8 +273,10 @@ impl Agent {
                 granted: k.map_or(0, |k| k.granted),
                 waited: k.map_or(0, |k| k.waited),
                 process: process.map_or(0.0, |p| process_schedstat_ns(p) as f64 / 1e9),
+                steal: steal_ns() as f64 / 1e9,
             })
         };
+        let s_cores = f64::from(self.status()?.logical_cores);
         let mut windows = Vec::new();
         let mut last = sample()?;
         for _ in 0..n {
@@ -286,6 +288,7 @@ impl Agent {
                 granted: now.granted - last.granted,
                 waited: now.waited - last.waited,
                 process_cores: (now.process - last.process) / secs,
+                steal_pct: (now.steal - last.steal) / (secs * s_cores) * 100.0,
             });
             last = now;
         }
@@ -441,6 +444,28 @@ pub fn steal_ns() -> u64 {
     ticks * steal_tick_ns()
 }
 
+/// The machine's steal since it started: what the hypervisor ran instead
+/// of this machine while it wanted to run. The kernel's count leaves it
+/// out; the thread clock counts it within a slice (docs/testing.md), so a
+/// split between tags, or a ticket's consumption, may be off by it.
+pub struct Steal {
+    ns: u64,
+    at: Instant,
+}
+
+impl Steal {
+    pub fn start() -> Steal {
+        Steal { ns: steal_ns(), at: Instant::now() }
+    }
+
+    /// Steal since the start as a share of all the machine's CPU since, as
+    /// a fraction (0.01: 1 %), at /proc/stat's resolution of a tick.
+    pub fn share(&self) -> f64 {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        (steal_ns() - self.ns) as f64 / (self.at.elapsed().as_secs_f64() * 1e9 * cores)
+    }
+}
+
 /// The kernel's count of a thread's on-CPU ns (`/proc/<pid>/task/<tid>/schedstat`,
 /// first field), read from outside the thread.
 pub fn schedstat_ns(pid: u32, tid: u32) -> Result<u64> {
@@ -527,6 +552,11 @@ pub struct Window {
     pub waited: u64,
     /// The given process's CPU by schedstat, cores (0 without one).
     pub process_cores: f64,
+    /// The machine's steal time, as a share of all its CPU, %: tickets pay
+    /// by the thread clock, which counts what the hypervisor stole within a
+    /// slice, so a capped tenant gets about that much less of the kernel's
+    /// CPU for its tokens.
+    pub steal_pct: f64,
 }
 
 struct Sample {
@@ -536,6 +566,7 @@ struct Sample {
     granted: u64,
     waited: u64,
     process: f64,
+    steal: f64,
 }
 
 /// Σ schedstat of every thread of `pid` (0 once it is gone).

@@ -593,8 +593,11 @@ fn random_writes_into_every_writable_region_bound_the_damage() {
     );
     assert!(status.success(), "the vandal failed: {err}");
     assert!(worst_status < SECOND, "status took {worst_status:?}");
-    assert!(tag_worst.held() < Duration::from_millis(10), "a tag switch took {tag_worst}");
-    assert!(ticket_worst.held() < Duration::from_millis(10), "a ticket with a 5 ms deadline took {ticket_worst}");
+    // A stall on a word the vandal wrote would last a waiter's liveness
+    // check (100 ms) or a socket timeout (5 s); a wakeup the host delays by
+    // stealing the vCPU (it shows as time asleep) takes milliseconds.
+    assert!(tag_worst.held() < Duration::from_millis(50), "a tag switch took {tag_worst}");
+    assert!(ticket_worst.held() < Duration::from_millis(50), "a ticket with a 5 ms deadline took {ticket_worst}");
     assert_survived(&agent, "10 s of random writes into every writable region");
 }
 

@@ -88,6 +88,7 @@ fn thread_clock_fallback_charges_exactly_once() {
 fn long_slice_is_charged_while_it_runs() {
     let _s = serial();
     let agent = Agent::start("ebpf", CONFIG).unwrap();
+    let steal = governor_tests::Steal::start();
     let (mut child, mut out) =
         spawn_workload_started(&agent.socket, &["busy", "--keyspace", "77", "--seconds", "2"]).unwrap();
     // The busy thread is the process's main thread, tagged from a little
@@ -110,11 +111,14 @@ fn long_slice_is_charged_while_it_runs() {
         before as f64 / 1e9,
         after as f64 / 1e9
     );
-    // And the whole slice once it ends: what the thread's CPU clock says it ran.
+    // And the whole slice once it ends: what the thread's CPU clock says it
+    // ran. (Its tag ends on the thread clock, which over one long slice
+    // counts what the hypervisor stole in it: the bound widens by that.)
     let ran = serde_json::from_str::<serde_json::Value>(&last).unwrap()["thread_cpu_ns"].as_u64().unwrap() as f64 / 1e9;
     let total = agent.keyspace_seconds(77).unwrap();
-    eprintln!("charged {total:.4} s in all for {ran:.4} s of thread CPU: {:+.3} %", (total / ran - 1.0) * 100.0);
-    assert!((total - ran).abs() <= ran * 0.003, "{total:.4} s charged for {ran:.4} s of work");
+    let steal = steal.share();
+    eprintln!("charged {total:.4} s in all for {ran:.4} s of thread CPU: {:+.3} % (steal {:.2} %)", (total / ran - 1.0) * 100.0, steal * 100.0);
+    assert!(total >= ran * 0.997 && total <= ran * (1.003 + steal), "{total:.4} s charged for {ran:.4} s of work, steal {steal:.4}");
 }
 
 #[test]

@@ -24,6 +24,7 @@ fn a_greedy_tenant_is_held_to_its_cap_in_every_second() {
     // 0.5 core on this 2-core machine (0.25 × cores elsewhere).
     let ratio = 0.5 / cores();
     let agent = Agent::start("ebpf", &essential_config(ratio)).unwrap();
+    let steal = governor_tests::Steal::start();
     let (mut child, mut out) = spawn_workload_started(
         &agent.socket,
         &["tickets", "--keyspace", "1", "--threads", "8", "--seconds", "12", "--work-us", "1000"],
@@ -40,22 +41,26 @@ fn a_greedy_tenant_is_held_to_its_cap_in_every_second() {
     let rates: Vec<f64> = windows.iter().map(|w| w.cores).collect();
     eprintln!("cap {cap:.3} cores; per-second CPU {rates:.3?}; waited {:?}; workload {report}", windows.iter().map(|w| w.waited).collect::<Vec<_>>());
     // Never over the cap; and not under it in a window where its requests
-    // waited in line (the cap held it back, not a machine busy elsewhere).
+    // waited in line (the cap held it back, not a machine busy elsewhere),
+    // less what the hypervisor stole then (`Window::steal_pct`).
     for w in &windows {
         let err = (w.cores - cap) / cap * 100.0;
-        assert!(err <= 5.0 && (w.waited == 0 || err >= -5.0), "a 1 s window off the cap by {err:+.2} %: {windows:.3?}");
+        assert!(err <= 5.0 && (w.waited == 0 || err >= -5.0 - w.steal_pct), "a 1 s window off the cap by {err:+.2} %: {windows:.3?}");
     }
     assert!(windows.iter().any(|w| w.waited > 0), "nothing waited: the cap never held: {windows:?}");
     // The workers' own CPU clocks, read around the work inside each ticket,
     // agree with what the agent charged the keyspace and with what the
     // tickets were charged. (The tickets' tag switches sit just outside the
-    // clock reads: a few µs each.)
+    // clock reads: a few µs each. Tickets pay by the thread clock, which
+    // counts what the hypervisor stole within a slice; the keyspace is
+    // charged the kernel's count, which does not.)
+    let steal = steal.share();
     let charged = agent.keyspace_seconds(1).unwrap();
     let tickets = report["ticket_consumed_ns"].as_f64().unwrap() / 1e9;
     let ran = report["work_cpu_ns"].as_f64().unwrap() / 1e9;
-    eprintln!("keyspace charged {charged:.4} s, tickets consumed {tickets:.4} s, work by the thread clocks {ran:.4} s");
-    assert!((charged - ran).abs() <= ran * 0.01, "charged {charged:.4} s, workers ran {ran:.4} s");
-    assert!((tickets - charged).abs() <= charged * 0.005, "tickets {tickets:.4} s, keyspace {charged:.4} s");
+    eprintln!("keyspace charged {charged:.4} s, tickets consumed {tickets:.4} s, work by the thread clocks {ran:.4} s; steal {:.2} %", steal * 100.0);
+    assert!(charged >= ran * 0.99 && charged <= ran * (1.01 + steal), "charged {charged:.4} s, workers ran {ran:.4} s, steal {steal:.4}");
+    assert!(tickets >= charged * 0.995 && tickets <= charged * (1.005 + steal), "tickets {tickets:.4} s, keyspace {charged:.4} s, steal {steal:.4}");
     assert!(report["granted"].as_u64().unwrap() > 1000, "{report}");
     assert_eq!(report["fail_open"], 0);
 }
@@ -81,7 +86,7 @@ fn quotas_split_a_saturated_node_in_proportion() {
     let read = || {
         let s = agent.status().unwrap();
         let k = |ks: u32| s.keyspaces.iter().find(|k| k.keyspace_id == ks).map_or((0.0, 0), |k| (k.cpu_seconds, k.waited));
-        (s.counters_read_at_ns as f64 / 1e9, [k(1), k(2), k(3)])
+        (s.counters_read_at_ns as f64 / 1e9, [k(1), k(2), k(3)], governor_tests::steal_ns() as f64 / 1e9)
     };
     let before = read();
     std::thread::sleep(Duration::from_secs(5));
@@ -90,15 +95,20 @@ fn quotas_split_a_saturated_node_in_proportion() {
         assert!(c.wait().unwrap().success());
     }
     let secs = after.0 - before.0;
+    let steal_pct = (after.2 - before.2) / (secs * cores()) * 100.0;
     let rates: Vec<f64> = before.1.iter().zip(&after.1).map(|(b, a)| (a.0 - b.0) / secs).collect();
     let waited: Vec<u64> = before.1.iter().zip(&after.1).map(|(b, a)| a.1 - b.1).collect();
-    eprintln!("CPU per second of keyspaces 1..3 (quotas 0.2, 0.4, 0.6 cores): {rates:.3?}, waited {waited:?}");
+    eprintln!("CPU per second of keyspaces 1..3 (quotas 0.2, 0.4, 0.6 cores): {rates:.3?}, waited {waited:?}, steal {steal_pct:.1} %");
     // Each at its quota: never over it, and not under it while its
     // requests waited in line for tokens (every keyspace wants more than
-    // its quota, so they do unless the machine is busy elsewhere).
+    // its quota, so they do unless the machine is busy elsewhere), less
+    // what the hypervisor stole meanwhile.
     for ((rate, quota), waited) in rates.iter().zip([0.2, 0.4, 0.6]).zip(&waited) {
         let err = (rate - quota) / quota * 100.0;
-        assert!(err <= 5.0 && (*waited == 0 || err >= -5.0), "a keyspace off its quota by {err:+.2} %: {rates:.3?}, waited {waited}");
+        assert!(
+            err <= 5.0 && (*waited == 0 || err >= -5.0 - steal_pct),
+            "a keyspace off its quota by {err:+.2} %: {rates:.3?}, waited {waited}, steal {steal_pct:.1} %"
+        );
     }
     assert!(waited.iter().all(|w| *w > 0), "a keyspace never waited: its quota was never tested: {waited:?}");
 }

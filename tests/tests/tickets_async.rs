@@ -38,6 +38,7 @@ fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_pol
     let done = Rc::new(Cell::new(false));
     let ticks = Rc::new(Cell::new(0u32));
     let started = Instant::now();
+    let steal = governor_tests::Steal::start();
     local.block_on(&rt, async {
         // Ticks every millisecond while the others wait: the thread is free.
         let ticker = {
@@ -98,5 +99,11 @@ fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_pol
     let charged = k.cpu_seconds * 1e9;
     let burned = burned.get() as f64;
     eprintln!("waited {elapsed:?}, {} ticks, burned {:.3} ms, charged {:.3} ms", ticks.get(), burned / 1e6, charged / 1e6);
-    assert!((charged - burned).abs() <= burned * 0.02 + 300_000.0, "charged {charged} ns for {burned} ns of polls");
+    // (The split of a slice between tags is on the thread clock, which
+    // counts what the hypervisor stole within it.)
+    let steal = steal.share();
+    assert!(
+        charged >= burned * 0.98 - 300_000.0 && charged <= burned * (1.02 + steal) + 300_000.0,
+        "charged {charged} ns for {burned} ns of polls, steal {steal:.4}"
+    );
 }

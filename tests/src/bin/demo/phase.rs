@@ -32,6 +32,8 @@ struct Sample {
     at: Instant,
     agent: BTreeMap<u32, governor::proto::KeyspaceStatus>,
     server: ServerStats,
+    /// The machine's steal time so far, s.
+    steal_s: f64,
 }
 
 impl Sample {
@@ -51,7 +53,8 @@ impl Sample {
             let n = status.keyspaces.iter().find(|k| k.keyspace_id == 900);
             eprintln!("status took {:?}; noisy {:?}", after - before, n.map(|k| (k.cpu_seconds, &k.bucket, k.inflight_requests, k.estimate_us)));
         }
-        Ok(Sample { at, agent: status.keyspaces.into_iter().map(|k| (k.keyspace_id, k)).collect(), server })
+        let steal_s = governor_tests::steal_ns() as f64 / 1e9;
+        Ok(Sample { at, agent: status.keyspaces.into_iter().map(|k| (k.keyspace_id, k)).collect(), server, steal_s })
     }
 
     fn cpu_s(&self, ks: u32) -> f64 {
@@ -170,6 +173,11 @@ pub struct PhaseResult {
     pub light: Latency,
     /// The light tenants' p99 per second together, µs.
     pub light_p99_per_second_us: Vec<u64>,
+    /// The machine's steal time in each 1 s window, as a share of all its
+    /// CPU then, %: the hypervisor ran something else while it wanted to
+    /// run (the thread clock counts that time within a slice; the kernel,
+    /// and so the charges, do not).
+    pub windows_steal_pct: Vec<f64>,
     pub noisy: Option<CapCheck>,
 }
 
@@ -186,7 +194,6 @@ pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut
     let start = Instant::now() + Duration::from_millis(50);
     let run = load::start(server.addr, spec.lights, spec.noisy, start, spec.seconds as f64)?;
     std::thread::sleep(start.saturating_duration_since(Instant::now()));
-    let steal0 = governor_tests::steal_ns();
     let mut samples = vec![Sample::take(agent, server)?];
     let light_names: Vec<String> = spec.lights.iter().map(|l| l.name.clone()).collect();
     for s in 1..=spec.seconds {
@@ -203,11 +210,8 @@ pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut
     }
     let logs = run.finish()?;
     // After the stragglers: the cross-check covers every request's work.
-    let steal = (governor_tests::steal_ns() - steal0) as f64 / 1e9;
     let tail = Sample::take(agent, server)?;
-    let mut result = summarize(spec, &samples, &tail, &logs);
-    result.steal_pct = steal / (result.seconds * spec.cores) * 100.0;
-    Ok(result)
+    Ok(summarize(spec, &samples, &tail, &logs))
 }
 
 fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<String, Log>) -> PhaseResult {
@@ -269,11 +273,16 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
         let worst = t.windows_cores.iter().skip(1).map(|w| (w - spec.cap_cores).abs() / spec.cap_cores * 100.0).fold(0.0, f64::max);
         CapCheck { cap_cores: spec.cap_cores, cpu_cores: t.cpu_cores, windows_cores: t.windows_cores.clone(), worst_window_error_pct: worst }
     });
+    let windows_steal_pct = samples
+        .windows(2)
+        .map(|w| (w[1].steal_s - w[0].steal_s) / ((w[1].at - w[0].at).as_secs_f64() * spec.cores) * 100.0)
+        .collect();
     PhaseResult {
+        windows_steal_pct,
         name: spec.name,
         mode: spec.mode.clone(),
         seconds: span,
-        steal_pct: 0.0,
+        steal_pct: (last.steal_s - first.steal_s) / (span * spec.cores) * 100.0,
         light: Latency::of(&merged(light_logs.iter().map(|l| &l.latency))),
         light_p99_per_second_us,
         tenants,

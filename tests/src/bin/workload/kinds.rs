@@ -10,7 +10,8 @@
 //!    thread is registered, tagged with its keyspace and on its way to
 //!    wait;
 //! 2. waits for a line on stdin, then every thread works for `--seconds`
-//!    and waits, still tagged;
+//!    (and on until it used `--min-cpu-ms`, default 100) and waits, still
+//!    tagged;
 //! 3. prints `{"worked": [{"tid", "keyspace", "kind", "thread_cpu_ns",
 //!    "thread_clock_ns"}, ...]}` (CPU time of the work by
 //!    `CLOCK_THREAD_CPUTIME_ID` and by the client's thread clock);
@@ -83,10 +84,18 @@ impl Kind {
         }
     }
 
-    fn run(self, until: Instant, scratch: &std::path::Path) -> Result<()> {
+    /// Works until `until`, and on (30 s at most) until the thread has used
+    /// `min_cpu_ns` of CPU: a machine busy elsewhere stretches the wall
+    /// time, not the work the test measures.
+    fn run(self, until: Instant, min_cpu_ns: u64, scratch: &std::path::Path) -> Result<()> {
+        let cpu0 = sys::thread_cputime_ns();
+        let more = || {
+            let now = Instant::now();
+            now < until || (now < until + Duration::from_secs(30) && sys::thread_cputime_ns() - cpu0 < min_cpu_ns)
+        };
         match self {
             Kind::Sleepy => {
-                while Instant::now() < until {
+                while more() {
                     work_us(150);
                     std::thread::sleep(Duration::from_micros(200));
                 }
@@ -106,7 +115,7 @@ impl Kind {
                 let mut file = std::fs::File::create(scratch.join(format!("fsync-{}", sys::gettid())))?;
                 let mut round = 0u64;
                 let mut b = [0u8; 1];
-                while Instant::now() < until {
+                while more() {
                     work_us(40);
                     rx.read_exact(&mut b)?;
                     round += 1;
@@ -123,13 +132,13 @@ impl Kind {
             }
             Kind::Spinner => {
                 pin(0);
-                while Instant::now() < until {
+                while more() {
                     burn(50);
                 }
             }
             Kind::Waker => {
                 pin(0);
-                while Instant::now() < until {
+                while more() {
                     std::thread::sleep(Duration::from_micros(50));
                     work_us(10);
                 }
@@ -144,6 +153,7 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
     let base: u32 = arg(args, "--keyspace-base", 100);
     let keyspaces: u32 = arg(args, "--keyspaces", kinds.len() as u32).max(1);
     let seconds: f64 = arg(args, "--seconds", 1.0);
+    let min_cpu_ns: u64 = arg::<u64>(args, "--min-cpu-ms", 100) * 1_000_000;
     let scratch = std::env::temp_dir();
     let client = Client::connect(socket(args))?;
     let n = kinds.len();
@@ -176,7 +186,7 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
                     let until = *until.get().context("start time")?;
                     let clock0 = client::thread_cpu_ns().context("registered")?;
                     let cpu0 = sys::thread_cputime_ns();
-                    let r = kind.run(until, &scratch);
+                    let r = kind.run(until, min_cpu_ns, &scratch);
                     let cpu1 = sys::thread_cputime_ns();
                     let clock1 = client::thread_cpu_ns().context("registered")?;
                     r?;
