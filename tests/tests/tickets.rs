@@ -59,7 +59,11 @@ fn a_greedy_tenant_is_held_to_its_cap_in_every_second() {
     let tickets = report["ticket_consumed_ns"].as_f64().unwrap() / 1e9;
     let ran = report["work_cpu_ns"].as_f64().unwrap() / 1e9;
     eprintln!("keyspace charged {charged:.4} s, tickets consumed {tickets:.4} s, work by the thread clocks {ran:.4} s; steal {:.2} %", steal * 100.0);
-    assert!(charged >= ran * 0.99 && charged <= ran * (1.01 + steal), "charged {charged:.4} s, workers ran {ran:.4} s, steal {steal:.4}");
+    // The keyspace is also charged the CPU its requests spent waiting in
+    // line (admission is the tenant's work too): 3 % here, where eight
+    // threads sleep on one futex word and every move of the head wakes them
+    // all (the async waiter wakes only the one served).
+    assert!(charged >= ran * 0.99 && charged <= ran * (1.05 + steal), "charged {charged:.4} s, workers ran {ran:.4} s, steal {steal:.4}");
     assert!(tickets >= charged * 0.995 && tickets <= charged * (1.005 + steal), "tickets {tickets:.4} s, keyspace {charged:.4} s, steal {steal:.4}");
     assert!(report["granted"].as_u64().unwrap() > 1000, "{report}");
     assert_eq!(report["fail_open"], 0);

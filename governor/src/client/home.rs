@@ -25,6 +25,9 @@ use std::sync::Arc;
 /// Records in a thread's block: its spare's mirror and seven tickets.
 pub(crate) const BLOCK: u32 = 8;
 
+/// References to its attachment a thread keeps for its tickets.
+const REFS: usize = 16;
+
 /// Which blocks of one ledger this process's threads own.
 pub(crate) struct Blocks {
     words: Box<[AtomicU64]>,
@@ -69,12 +72,16 @@ impl Blocks {
 
 /// One thread's block in one attachment's ledger, and its spare tokens.
 pub(crate) struct Home {
-    att: Arc<Attachment>,
+    pub(crate) att: Arc<Attachment>,
     /// The block's first record (the spare's mirror).
     first: u32,
     pub(crate) spare: Spare,
     /// The spare as the mirror shows it.
     mirrored: Spare,
+    /// References to `att` for this thread's tickets: a ticket takes one
+    /// and, dropped on this thread, puts it back, so an owned ticket costs
+    /// no write to the attachment's shared reference count.
+    refs: Vec<Arc<Attachment>>,
 }
 
 thread_local! {
@@ -87,7 +94,13 @@ static FORKED: AtomicBool = AtomicBool::new(false);
 impl Home {
     fn new(att: &Arc<Attachment>) -> Option<Home> {
         let block = att.blocks.take()?;
-        let home = Home { att: att.clone(), first: block * BLOCK, spare: Spare::default(), mirrored: Spare::default() };
+        let home = Home {
+            att: att.clone(),
+            first: block * BLOCK,
+            spare: Spare::default(),
+            mirrored: Spare::default(),
+            refs: Vec::with_capacity(REFS),
+        };
         let r = home.record(home.first);
         r.cell.store(0, Ordering::Relaxed);
         r.tenant_us.store(0, Ordering::Relaxed);
@@ -114,6 +127,12 @@ impl Home {
             }
             free
         })
+    }
+
+    /// A reference to the attachment for a ticket.
+    #[inline]
+    pub(crate) fn take_ref(&mut self) -> Arc<Attachment> {
+        self.refs.pop().unwrap_or_else(|| self.att.clone())
     }
 
     /// Brings the mirror up to the spare.
@@ -172,6 +191,32 @@ pub(crate) fn with_home<R>(att: &Arc<Attachment>, make: bool, f: impl FnOnce(Opt
     match out {
         Ok(Some(v)) => v,
         _ => run(None),
+    }
+}
+
+/// Releases a ticket of `att` in one visit to the calling thread's home:
+/// `at_home` when the thread has a home there (then the home takes the
+/// ticket's reference back, if it has room), else `elsewhere`.
+#[inline(always)]
+pub(crate) fn release_owned(att: Arc<Attachment>, at_home: impl FnOnce(&mut Home), elsewhere: impl FnOnce(&Attachment)) {
+    let mut att = Some(att);
+    let mut at_home = Some(at_home);
+    if !FORKED.load(Ordering::Relaxed) {
+        let _ = HOME.try_with(|h| {
+            if let Ok(mut slot) = h.try_borrow_mut()
+                && let Some(home) = slot.as_mut()
+                && att.as_ref().is_some_and(|a| Arc::ptr_eq(&home.att, a))
+            {
+                (at_home.take().expect("once"))(home);
+                let a = att.take().expect("once");
+                if home.refs.len() < REFS {
+                    home.refs.push(a);
+                }
+            }
+        });
+    }
+    if let Some(a) = att {
+        elsewhere(&a);
     }
 }
 

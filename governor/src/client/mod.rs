@@ -36,7 +36,7 @@ mod wait;
 pub use conn::{handshake, request, Client, ClientError, CALL_TIMEOUT};
 pub use future::{Tagged, TaggedExt};
 pub use ticket::{Demand, Refused, Ticket, TicketGuard};
-pub use wait::{AcquireFuture, TicketFuture};
+pub use wait::{AcquireFuture, Checkpoint, DeadlineFuture, TicketFuture};
 
 use governor_common::{tag_for_cell, TAG_NONE};
 use std::cell::RefCell;

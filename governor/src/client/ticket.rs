@@ -9,7 +9,8 @@
 //! if the process dies. Work runs inside [`Ticket::enter`] (or
 //! [`Ticket::run`] for a future): the thread is tagged with the keyspace and
 //! the ticket is charged exactly the CPU the measurement protocol charged
-//! meanwhile. Dropping the ticket gives back what it did not use and turns
+//! meanwhile. Admitted work runs to completion: past its tokens it waits
+//! for top-ups at its checkpoints (paced), it is not dropped. Dropping the ticket gives back what it did not use and turns
 //! an overrun into (bounded) debt.
 //!
 //! When no agent answers — it died, or stalls — every acquire admits at once
@@ -41,7 +42,9 @@ pub struct Demand {
     pub estimate_us: Option<u64>,
     /// Write bytes it holds pending until the ticket drops.
     pub write_bytes: u64,
-    /// Wait for CPU tokens until then; `None`: do not wait.
+    /// Wait in line for admission until then; `None`: do not wait. It
+    /// bounds admission only: admitted work is paced, not cut off (unless
+    /// run with [`Ticket::run_until_deadline`]).
     pub deadline: Option<Instant>,
     /// A low-priority DAG request.
     pub low_priority: bool,
@@ -96,11 +99,19 @@ impl Refused {
 
 /// One admitted request. Tag its work with [`Ticket::enter`] or
 /// [`Ticket::run`]; drop it when the request is done.
+///
+/// A ticket is owned (`'static + Send`): it can move into a spawned task
+/// or to another thread, like tokio's `OwnedSemaphorePermit`. Work that
+/// was admitted runs to completion: when it needs more CPU tokens than the
+/// ticket holds, [`Ticket::run`] and [`Ticket::checkpoint`] wait for them
+/// (the request is paced, never dropped); the deadline of its [`Demand`]
+/// bounds only the wait for admission. Aborting running work when tokens
+/// run out is an explicit choice: [`Ticket::run_until_deadline`],
+/// [`Ticket::checkpoint_until_deadline`].
 #[must_use = "a ticket admits work: drop it when the work is done"]
-pub struct Ticket<'c> {
+pub struct Ticket {
     /// `None`: admitted without a check (no agent answered); holds nothing.
-    /// Borrowed from the client, which keeps every attachment it made.
-    pub(crate) att: Option<&'c Arc<Attachment>>,
+    pub(crate) att: Option<Arc<Attachment>>,
     record: u32,
     pub(crate) grant: Grant,
     pub(crate) consumed_ns: u64,
@@ -109,14 +120,19 @@ pub struct Ticket<'c> {
     /// A top-up was refused at a tag switch: the next checkpoint waits for it.
     pub(crate) topup_due: bool,
     pub(crate) deadline: Option<Instant>,
+    /// Time in line before admission.
+    pub(crate) waited: Duration,
+    /// Time spent waiting for top-ups at checkpoints.
+    pub(crate) paced: Duration,
 }
 
-impl std::fmt::Debug for Ticket<'_> {
+impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ticket")
             .field("keyspace", &self.grant.keyspace())
             .field("granted_us", &self.grant.granted_us())
             .field("consumed_ns", &self.consumed_ns)
+            .field("waited", &self.waited)
             .field("fail_open", &self.att.is_none())
             .finish()
     }
@@ -193,35 +209,68 @@ pub(crate) enum Waited {
     FailOpen,
 }
 
-/// Waits on the buckets' futex words until `q` is served, `deadline`
-/// passes, or the agent is found gone.
-pub(crate) fn wait_in_line(att: &Attachment, k: &Knobs, mut q: Queued, deadline: Instant) -> Waited {
+/// Waits on the buckets' futex words until `q` is served, `deadline` (if
+/// any) passes, or the agent is found gone. Also returns how long it waited.
+pub(crate) fn wait_in_line(att: &Attachment, k: &Knobs, mut q: Queued, deadline: Option<Instant>) -> (Waited, Duration) {
     let r = &att.admission;
     let start = Instant::now();
     let mut waited_at_all = false;
     loop {
         match q.poll(r, k) {
             Progress::Ready(g) => {
+                let waited = if waited_at_all { start.elapsed() } else { Duration::ZERO };
                 if waited_at_all {
-                    count_wait(att, &g, start.elapsed());
+                    count_wait(att, &g, waited);
                 }
-                return Waited::Granted(g);
+                return (Waited::Granted(g), waited);
             }
             Progress::Waiting { bucket, pos } => {
                 let now = Instant::now();
-                if now >= deadline {
+                if deadline.is_some_and(|d| now >= d) {
                     let reason = q.cancel(r);
-                    return Waited::Refused(Refused { reason, waited: now - start });
+                    return (Waited::Refused(Refused { reason, waited: now - start }), now - start);
                 }
                 if !agent_alive(att) {
                     let _ = q.cancel(r);
-                    return Waited::FailOpen;
+                    return (Waited::FailOpen, now - start);
                 }
                 waited_at_all = true;
-                r.bucket(bucket).wait_for(pos, (deadline - now).min(LIVENESS_CHECK));
+                let sleep = deadline.map_or(LIVENESS_CHECK, |d| (d - now).min(LIVENESS_CHECK));
+                r.bucket(bucket).wait_for(pos, sleep);
             }
         }
     }
+}
+
+/// Runs `f` with the calling thread tagged with keyspace cell `cell`, on
+/// its registration with `att`'s agent: the CPU of admission work (a
+/// place in line polled, a top-up waited for) goes to the keyspace it
+/// admits, as the work itself does. Returns that CPU by the thread clock
+/// (0, and no tag, on a thread without such a registration).
+pub(crate) fn charged<R>(att: &Attachment, cell: Option<u32>, f: impl FnOnce() -> R) -> (R, u64) {
+    let started = cell.and_then(|c| {
+        super::with_ctx(|ctx| {
+            (ctx.att.epoch == att.epoch).then(|| {
+                let th = ctx.thread();
+                let (old, t) = th.switch_tag(tag_for_cell(c));
+                (old, if t == 0 { th.clock() } else { t })
+            })
+        })
+        .ok()
+        .flatten()
+        .flatten()
+    });
+    let out = f();
+    let Some((prev, t0)) = started else { return (out, 0) };
+    let t1 = super::with_ctx(|ctx| {
+        let th = ctx.thread();
+        let (_, t) = th.switch_tag(prev);
+        if t == 0 { th.clock() } else { t }
+    })
+    .ok()
+    .flatten()
+    .unwrap_or(t0);
+    (out, t1.saturating_sub(t0))
 }
 
 fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
@@ -251,20 +300,27 @@ impl Client {
 
     /// Admits one request of `keyspace`, or refuses it (after waiting in line
     /// for CPU tokens until the demand's deadline, if it has one).
-    pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket<'_>, Refused> {
+    pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket, Refused> {
         let mut t = Ticket::blank(keyspace);
         let Some(w) = self.begin(keyspace, &demand, &mut t)? else { return Ok(t) };
         let Waiting { att, record: idx, q, k } = *w;
         let deadline = demand.deadline.expect("queued only with a deadline");
-        match wait_in_line(att, &k, q, deadline) {
-            Waited::Granted(g) => Ok(self.granted(att, idx, g, demand.deadline)),
-            Waited::Refused(r) => {
-                record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+        let cell = q.cell();
+        let (res, cpu) = charged(&att, cell, || wait_in_line(&att, &k, q, Some(deadline)));
+        match res {
+            (Waited::Granted(g), waited) => {
+                let mut t = granted(att, idx, g, demand.deadline);
+                t.waited = waited;
+                t.add_consumed(cpu);
+                Ok(t)
+            }
+            (Waited::Refused(r), _) => {
+                record(&att, idx).state.store(TICKET_FREE, Ordering::Release);
                 Err(r)
             }
-            Waited::FailOpen => {
-                record(att, idx).state.store(TICKET_FREE, Ordering::Release);
-                Ok(self.fail_open(keyspace, Some(att)))
+            (Waited::FailOpen, _) => {
+                record(&att, idx).state.store(TICKET_FREE, Ordering::Release);
+                Ok(self.fail_open(keyspace, Some(&att)))
             }
         }
     }
@@ -273,7 +329,7 @@ impl Client {
     /// is too big to move cheaply through every layer), or the request gets
     /// a place in line.
     #[inline]
-    pub(crate) fn begin<'c>(&'c self, keyspace: u32, demand: &Demand, t: &mut Ticket<'c>) -> Result<Option<Box<Waiting<'c>>>, Refused> {
+    pub(crate) fn begin(&self, keyspace: u32, demand: &Demand, t: &mut Ticket) -> Result<Option<Box<Waiting>>, Refused> {
         let att = self.attachment();
         if !att.alive() {
             *t = self.fail_open(keyspace, None);
@@ -297,11 +353,14 @@ impl Client {
             let spare = home.as_deref_mut().map(|h| &mut h.spare);
             let queued = demand.deadline.is_some_and(|deadline| deadline > Instant::now());
             let out = if queued {
-                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare).map(|q| Some(Box::new(Waiting { att, record: idx, q, k })))
+                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare)
+                    .map(|q| Some(Box::new(Waiting { att: att.clone(), record: idx, q, k })))
             } else {
                 policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(|g| {
                     write_record(att, idx, &g);
-                    t.att = Some(att);
+                    // A reference the thread keeps for its tickets: no
+                    // shared count touched when it has one.
+                    t.att = Some(home.as_deref_mut().map_or_else(|| att.clone(), |h| h.take_ref()));
                     t.record = idx;
                     t.grant = g;
                     t.deadline = demand.deadline;
@@ -323,12 +382,7 @@ impl Client {
         })
     }
 
-    pub(crate) fn granted<'c>(&'c self, att: &'c Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket<'c> {
-        write_record(att, idx, &g);
-        Ticket { att: Some(att), record: idx, grant: g, consumed_ns: 0, checked_ns: 0, topup_due: false, deadline }
-    }
-
-    pub(crate) fn fail_open(&self, keyspace: u32, att: Option<&Attachment>) -> Ticket<'_> {
+    pub(crate) fn fail_open(&self, keyspace: u32, att: Option<&Attachment>) -> Ticket {
         self.inner.fail_open.fetch_add(1, Ordering::Relaxed);
         if let Some(att) = att {
             att.admission.bucket(crate::region::GLOBAL).count(counter::FAIL_OPEN, 1);
@@ -337,18 +391,34 @@ impl Client {
     }
 }
 
+/// A ticket for a grant that waited in line, in ledger record `idx`.
+pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket {
+    write_record(&att, idx, &g);
+    Ticket {
+        att: Some(att),
+        record: idx,
+        grant: g,
+        consumed_ns: 0,
+        checked_ns: 0,
+        topup_due: false,
+        deadline,
+        waited: Duration::ZERO,
+        paced: Duration::ZERO,
+    }
+}
+
 /// A request that waits in line for CPU tokens, with its ledger record.
-pub(crate) struct Waiting<'c> {
-    pub(crate) att: &'c Arc<Attachment>,
+pub(crate) struct Waiting {
+    pub(crate) att: Arc<Attachment>,
     pub(crate) record: u32,
     pub(crate) q: Queued,
     pub(crate) k: Knobs,
 }
 
-impl<'c> Ticket<'c> {
+impl Ticket {
     /// A ticket that holds nothing (what a fail-open admission hands out).
     #[inline]
-    pub(crate) fn blank(keyspace: u32) -> Ticket<'c> {
+    pub(crate) fn blank(keyspace: u32) -> Ticket {
         Ticket {
             att: None,
             record: 0,
@@ -357,7 +427,28 @@ impl<'c> Ticket<'c> {
             checked_ns: 0,
             topup_due: false,
             deadline: None,
+            waited: Duration::ZERO,
+            paced: Duration::ZERO,
         }
+    }
+
+    /// How long the request waited in line before it was admitted (zero
+    /// when tokens were there at once): a server that runs priority levels
+    /// puts requests that waited (their tenant is held at its cap) below the
+    /// rest.
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// Whether the request waited in line before it was admitted.
+    pub fn did_wait(&self) -> bool {
+        !self.waited.is_zero()
+    }
+
+    /// How long the running work waited for top-ups at its checkpoints so
+    /// far (the pacing that holds its keyspace to its share).
+    pub fn paced(&self) -> Duration {
+        self.paced
     }
 
     pub fn keyspace(&self) -> u32 {
@@ -387,7 +478,7 @@ impl<'c> Ticket<'c> {
 
     /// Runs the ticket's work on this thread until the guard drops: the
     /// thread's CPU is charged to the keyspace (and to this ticket).
-    pub fn enter(&mut self) -> TicketGuard<'_, 'c> {
+    pub fn enter(&mut self) -> TicketGuard<'_> {
         let tag = self.grant.cell().map(tag_for_cell);
         let epoch = self.att.as_ref().map(|a| a.epoch);
         // On this client's current registration, tag and read the thread
@@ -418,7 +509,7 @@ impl<'c> Ticket<'c> {
     /// next [`Ticket::checkpoint`]).
     pub(crate) fn add_consumed(&mut self, ns: u64) {
         self.consumed_ns = self.consumed_ns.saturating_add(ns);
-        let Some(att) = self.att else { return };
+        let Some(att) = &self.att else { return };
         record(att, self.record).consumed_ns.store(self.consumed_ns, Ordering::Relaxed);
         let k = att.admission.header().knobs.snapshot();
         if !k.has(KNOB_RUNTIME_TOPUP) {
@@ -447,11 +538,24 @@ impl<'c> Ticket<'c> {
     }
 
     /// Between two stretches of a long request's work: if it ran past its
-    /// share, tops up, waiting in line until the ticket's deadline (a ticket
-    /// without one is refused at once). A refusal says the request should
-    /// stop; the ticket still holds what it had.
-    pub fn checkpoint(&mut self) -> Result<(), Refused> {
-        let Some(att) = self.att else { return Ok(()) };
+    /// share, waits in line for a top-up (blocking this thread; in async
+    /// code use [`Ticket::checkpoint_async`]). The work is paced to its
+    /// keyspace's share, never refused: admitted work finishes.
+    pub fn checkpoint(&mut self) {
+        let _ = self.top_up_waiting(None);
+    }
+
+    /// [`Ticket::checkpoint`] for a request that gives up when tokens run
+    /// out: waits for a top-up only until the deadline of its [`Demand`] (a
+    /// ticket without one is refused at once). A refusal says the request
+    /// should stop; the ticket still holds what it had.
+    pub fn checkpoint_until_deadline(&mut self) -> Result<(), Refused> {
+        let deadline = self.deadline.unwrap_or_else(Instant::now);
+        self.top_up_waiting(Some(deadline))
+    }
+
+    fn top_up_waiting(&mut self, deadline: Option<Instant>) -> Result<(), Refused> {
+        let Some(att) = self.att.clone() else { return Ok(()) };
         let k = att.admission.header().knobs.snapshot();
         for _ in 0..1024 {
             if !self.needs_top_up(&k) {
@@ -459,11 +563,13 @@ impl<'c> Ticket<'c> {
                 return Ok(());
             }
             let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us);
-            let deadline = self.deadline.unwrap_or_else(Instant::now);
-            match wait_in_line(att, &k, q, deadline) {
+            let ((res, waited), cpu) = charged(&att, self.grant.cell(), || wait_in_line(&att, &k, q, deadline));
+            self.paced += waited;
+            self.consumed_ns = self.consumed_ns.saturating_add(cpu);
+            match res {
                 Waited::Granted(part) => {
                     self.grant.absorb(part);
-                    write_record(att, self.record, &self.grant);
+                    write_record(&att, self.record, &self.grant);
                     self.topup_due = false;
                 }
                 Waited::Refused(r) => return Err(r),
@@ -476,9 +582,9 @@ impl<'c> Ticket<'c> {
         Ok(())
     }
 
-    /// The ticket's record and the top-up knobs, for the async waiter.
-    pub(crate) fn parts(&self) -> Option<(Arc<Attachment>, u32)> {
-        self.att.map(|a| (a.clone(), self.record))
+    /// The ticket's attachment, for the async waiter.
+    pub(crate) fn attachment(&self) -> Option<Arc<Attachment>> {
+        self.att.clone()
     }
 
     pub(crate) fn store_grant(&mut self) {
@@ -488,33 +594,37 @@ impl<'c> Ticket<'c> {
     }
 }
 
-impl Drop for Ticket<'_> {
+impl Drop for Ticket {
     fn drop(&mut self) {
         let Some(att) = self.att.take() else { return };
-        let consumed_us = self.consumed_ns / 1000;
-        home::with_home(att, false, |home| match home {
-            Some(h) => {
-                policy::release_with(&att.admission, &self.grant, consumed_us, Some(&mut h.spare));
+        let (consumed_us, grant, idx) = (self.consumed_ns / 1000, &self.grant, self.record);
+        home::release_owned(
+            att,
+            |h| {
+                policy::release_with(&h.att.admission, grant, consumed_us, Some(&mut h.spare));
                 h.sync();
-            }
-            None => policy::release(&att.admission, &self.grant, consumed_us),
-        });
-        record(att, self.record).state.store(TICKET_FREE, Ordering::Release);
+                record(&h.att, idx).state.store(TICKET_FREE, Ordering::Release);
+            },
+            |att| {
+                policy::release(&att.admission, grant, consumed_us);
+                record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+            },
+        );
     }
 }
 
 /// Work of a ticket running on this thread. Not `Send`: it tags the thread
 /// that entered it.
 #[must_use = "the ticket's work runs until the guard drops"]
-pub struct TicketGuard<'a, 'c> {
-    ticket: &'a mut Ticket<'c>,
+pub struct TicketGuard<'a> {
+    ticket: &'a mut Ticket,
     /// The tag to restore, when the thread was tagged.
     prev_tag: Option<u64>,
     t0: u64,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
-impl TicketGuard<'_, '_> {
+impl TicketGuard<'_> {
     /// CPU this stretch of work consumed so far, ns.
     pub fn consumed_ns(&self) -> u64 {
         let now = match self.prev_tag {
@@ -525,7 +635,7 @@ impl TicketGuard<'_, '_> {
     }
 }
 
-impl Drop for TicketGuard<'_, '_> {
+impl Drop for TicketGuard<'_> {
     fn drop(&mut self) {
         let t1 = match self.prev_tag {
             Some(prev) => super::with_ctx(|ctx| {

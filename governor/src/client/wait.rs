@@ -1,17 +1,20 @@
-//! Waiting without blocking an executor thread: [`Client::acquire_async`]
-//! and [`Ticket::run`].
+//! Waiting without blocking an executor thread: [`Client::acquire_async`],
+//! [`Ticket::run`] and [`Ticket::checkpoint_async`].
 //!
 //! A future that must wait for CPU tokens registers with one waiter thread
 //! per process, which sleeps in `futex_waitv` on the wake words of every
 //! bucket some future waits on (and on a word of its own, poked when a new
 //! future registers) until the nearest deadline. A refill or a refund that
-//! moves a bucket's head wakes it; it wakes the futures of that bucket (and
-//! those past their deadline), which poll their place in line again. Nothing
-//! polls on a timer: the only timeout is the liveness check that turns a
-//! dead agent into fail-open admission.
+//! moves a bucket's head wakes it; it wakes only the futures whose place in
+//! line that head reached (and those past their deadline), which poll
+//! again: a refill wakes the one waiter it serves, not the whole line.
+//! Nothing polls on a timer: the only timeout is the liveness check that
+//! turns a dead agent into fail-open admission. The CPU a future spends
+//! polling its place in line is charged to its keyspace (and, once
+//! admitted, to its ticket), like the work itself.
 
 use super::conn::{Attachment, Client};
-use super::ticket::{agent_alive, Demand, Refused, Ticket, LIVENESS_CHECK};
+use super::ticket::{agent_alive, charged, granted, Demand, Refused, Ticket, LIVENESS_CHECK};
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::BucketView;
 use crate::sys;
@@ -21,13 +24,15 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-/// One future's wait: which bucket, since which wake, until when.
+/// One future's wait: which bucket, for which place in line, since which
+/// wake, until when.
 struct Entry {
     id: u64,
     att: Arc<Attachment>,
     bucket: u32,
+    pos: u64,
     seen: u32,
     deadline_ns: u64,
     waker: Waker,
@@ -88,17 +93,20 @@ fn waiter_loop(w: &'static Waiter) {
         }
         drop(refs);
         drop(targets);
-        // Wake every future whose bucket moved, whose deadline passed, or
-        // whose agent is gone: they poll again.
+        // Wake every future whose place in line was reached, whose deadline
+        // passed, or whose agent is gone: they poll again. The rest wait on
+        // for the bucket's next move.
         let now = sys::monotonic_ns();
         let mut entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
-        entries.retain(|e| {
-            let moved = bucket(&e.att, e.bucket).wake_seq.load(Ordering::SeqCst) != e.seen;
-            if moved || now >= e.deadline_ns || !agent_alive(&e.att) {
-                bucket(&e.att, e.bucket).sleepers.fetch_sub(1, Ordering::SeqCst);
+        entries.retain_mut(|e| {
+            let b = bucket(&e.att, e.bucket);
+            let seq = b.wake_seq.load(Ordering::SeqCst);
+            if b.reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att) {
+                b.sleepers.fetch_sub(1, Ordering::SeqCst);
                 e.waker.wake_by_ref();
                 false
             } else {
+                e.seen = seq;
                 true
             }
         });
@@ -109,7 +117,7 @@ static NEXT_ENTRY: AtomicU64 = AtomicU64::new(1);
 
 /// Registers a wait for `bucket` of `att` reaching `pos`; `false` if it
 /// already did (poll again at once).
-fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Instant, waker: &Waker) -> Option<u64> {
+fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Option<Instant>, waker: &Waker) -> Option<u64> {
     let b = bucket(att, bucket_i);
     let seen = b.wake_seq.load(Ordering::SeqCst);
     b.sleepers.fetch_add(1, Ordering::SeqCst);
@@ -117,14 +125,17 @@ fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Instant, w
         b.sleepers.fetch_sub(1, Ordering::SeqCst);
         return None;
     }
-    let now = Instant::now();
-    let deadline_ns = sys::monotonic_ns() + deadline.saturating_duration_since(now).as_nanos() as u64;
+    let deadline_ns = match deadline {
+        Some(d) => sys::monotonic_ns() + d.saturating_duration_since(Instant::now()).as_nanos() as u64,
+        None => u64::MAX,
+    };
     let w = waiter();
     let id = NEXT_ENTRY.fetch_add(1, Ordering::Relaxed);
     w.entries.lock().unwrap_or_else(|p| p.into_inner()).push(Entry {
         id,
         att: att.clone(),
         bucket: bucket_i,
+        pos,
         seen,
         deadline_ns,
         waker: waker.clone(),
@@ -149,10 +160,14 @@ struct Line {
     att: Arc<Attachment>,
     q: Option<Queued>,
     k: Knobs,
-    deadline: Instant,
+    /// `None`: waits until served (a paced top-up).
+    deadline: Option<Instant>,
     started: Instant,
     registered: Option<u64>,
     waited: bool,
+    /// The keyspace cell it admits, and the CPU its polls took there.
+    cell: Option<u32>,
+    cpu_ns: u64,
 }
 
 enum LineResult {
@@ -162,7 +177,15 @@ enum LineResult {
 }
 
 impl Line {
+    /// Polls its place in line, tagged with its keyspace.
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<LineResult> {
+        let att = self.att.clone();
+        let (out, cpu) = charged(&att, self.cell, || self.poll_untagged(cx));
+        self.cpu_ns += cpu;
+        out
+    }
+
+    fn poll_untagged(&mut self, cx: &mut Context<'_>) -> Poll<LineResult> {
         if let Some(id) = self.registered.take() {
             unregister(id);
         }
@@ -181,7 +204,7 @@ impl Line {
                 }
                 Progress::Waiting { bucket, pos } => {
                     let now = Instant::now();
-                    if now >= self.deadline {
+                    if self.deadline.is_some_and(|d| now >= d) {
                         let reason = self.q.take().expect("queued").cancel(r);
                         return Poll::Ready(LineResult::Refused(Refused { reason, waited: now - self.started }));
                     }
@@ -203,6 +226,18 @@ impl Line {
     }
 }
 
+impl Line {
+    fn new(att: Arc<Attachment>, q: Queued, k: Knobs, deadline: Option<Instant>) -> Line {
+        let cell = q.cell();
+        Line { att, q: Some(q), k, deadline, started: Instant::now(), registered: None, waited: false, cell, cpu_ns: 0 }
+    }
+
+    /// How long it has waited (zero if it was served on its first poll).
+    fn waited(&self) -> Duration {
+        if self.waited { self.started.elapsed() } else { Duration::ZERO }
+    }
+}
+
 impl Drop for Line {
     fn drop(&mut self) {
         if let Some(id) = self.registered.take() {
@@ -214,68 +249,67 @@ impl Drop for Line {
     }
 }
 
-/// [`Client::acquire_async`]'s future.
-pub struct AcquireFuture<'c> {
-    client: &'c Client,
-    keyspace: u32,
-    deadline: Option<Instant>,
-    state: AcquireState<'c>,
+/// [`Client::acquire_async`]'s future. Owned: it can move into a spawned
+/// task.
+pub struct AcquireFuture {
+    state: AcquireState,
 }
 
-enum AcquireState<'c> {
-    Ready(Option<Result<Ticket<'c>, Refused>>),
-    Waiting { att: &'c Arc<Attachment>, line: Line, record: u32 },
+enum AcquireState {
+    Ready(Option<Result<Ticket, Refused>>),
+    Waiting { client: Client, keyspace: u32, deadline: Option<Instant>, line: Line, record: u32 },
 }
 
 impl Client {
     /// Like [`Client::acquire`], but waits for CPU tokens without blocking
     /// the executor's thread.
-    pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture<'_> {
+    pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture {
         let mut t = Ticket::blank(keyspace);
         let state = match self.begin(keyspace, &demand, &mut t) {
             Ok(None) => AcquireState::Ready(Some(Ok(t))),
             Err(r) => AcquireState::Ready(Some(Err(r))),
             Ok(Some(w)) => {
                 let super::ticket::Waiting { att, record, q, k } = *w;
+                let deadline = demand.deadline.expect("queued only with a deadline");
                 AcquireState::Waiting {
-                    att,
-                    line: Line {
-                        att: att.clone(),
-                        q: Some(q),
-                        k,
-                        deadline: demand.deadline.expect("queued only with a deadline"),
-                        started: Instant::now(),
-                        registered: None,
-                        waited: false,
-                    },
+                    client: self.clone(),
+                    keyspace,
+                    deadline: demand.deadline,
+                    line: Line::new(att, q, k, Some(deadline)),
                     record,
                 }
             }
         };
-        AcquireFuture { client: self, keyspace, deadline: demand.deadline, state }
+        AcquireFuture { state }
     }
 }
 
-impl<'c> Future for AcquireFuture<'c> {
-    type Output = Result<Ticket<'c>, Refused>;
+impl Future for AcquireFuture {
+    type Output = Result<Ticket, Refused>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         match &mut this.state {
             AcquireState::Ready(r) => Poll::Ready(r.take().expect("polled after completion")),
-            AcquireState::Waiting { att, line, record } => {
-                let (att, idx) = (*att, *record);
+            AcquireState::Waiting { client, keyspace, deadline, line, record } => {
                 let res = std::task::ready!(line.poll(cx));
+                let (att, idx) = (line.att.clone(), *record);
                 let free = || att.ledger.get(idx).map(|r| r.state.store(governor_common::admission::TICKET_FREE, Ordering::Release));
                 let out = match res {
-                    LineResult::Granted(g) => Ok(this.client.granted(att, idx, g, this.deadline)),
+                    LineResult::Granted(g) => {
+                        let waited = line.waited();
+                        let mut t = granted(att.clone(), idx, g, *deadline);
+                        t.waited = waited;
+                        t.add_consumed(line.cpu_ns);
+                        Ok(t)
+                    }
                     LineResult::Refused(r) => {
                         free();
                         Err(r)
                     }
                     LineResult::FailOpen => {
                         free();
-                        Ok(this.client.fail_open(this.keyspace, Some(att)))
+                        Ok(client.fail_open(*keyspace, Some(&att)))
                     }
                 };
                 this.state = AcquireState::Ready(None);
@@ -285,45 +319,39 @@ impl<'c> Future for AcquireFuture<'c> {
     }
 }
 
-impl Drop for AcquireFuture<'_> {
+impl Drop for AcquireFuture {
     fn drop(&mut self) {
         // A future dropped while in line frees its ledger record (the line
         // itself gives its place back when it drops).
-        if let AcquireState::Waiting { att, record, .. } = &self.state
-            && let Some(r) = att.ledger.get(*record) {
+        if let AcquireState::Waiting { line, record, .. } = &self.state
+            && let Some(r) = line.att.ledger.get(*record) {
                 r.state.store(governor_common::admission::TICKET_FREE, Ordering::Release);
             }
     }
 }
 
-/// [`Ticket::run`]'s future: every poll of the inner future runs inside the
-/// ticket (tagged, charged to it); between polls, a ticket that ran past its
-/// share tops up, waiting in line without blocking. Resolves to the inner
-/// output, or to the refusal of a top-up the deadline cut short.
-pub struct TicketFuture<'c, F> {
-    ticket: Option<Ticket<'c>>,
+/// The work of a ticket, polled under it: every poll of the inner future
+/// runs inside the ticket (tagged, charged to it); between polls, a ticket
+/// that ran past its share tops up, waiting in line without blocking —
+/// until served, or, when `deadline` is set, until then.
+struct Run<F> {
+    ticket: Option<Ticket>,
     inner: Pin<Box<F>>,
     topup: Option<Line>,
+    /// Give up (and drop the work) when a top-up is still refused then.
+    abort_at: Option<Instant>,
 }
 
-impl<'c> Ticket<'c> {
-    /// Runs `fut` under this ticket; the ticket is released when it ends.
-    pub fn run<F: Future>(self, fut: F) -> TicketFuture<'c, F> {
-        TicketFuture { ticket: Some(self), inner: Box::pin(fut), topup: None }
-    }
-}
-
-impl<F: Future> Future for TicketFuture<'_, F> {
-    type Output = Result<F::Output, Refused>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        // All fields are Unpin (the inner future is boxed).
-        let this = self.get_mut();
+impl<F: Future> Run<F> {
+    fn poll_run(&mut self, cx: &mut Context<'_>) -> Poll<Result<F::Output, Refused>> {
         loop {
-            if let Some(line) = this.topup.as_mut() {
+            if let Some(line) = self.topup.as_mut() {
                 let res = std::task::ready!(line.poll(cx));
-                this.topup = None;
-                let t = this.ticket.as_mut().expect("ticket until ready");
+                let (waited, cpu) = (line.waited(), line.cpu_ns);
+                self.topup = None;
+                let t = self.ticket.as_mut().expect("ticket until ready");
+                t.paced += waited;
+                t.consumed_ns = t.consumed_ns.saturating_add(cpu);
                 match res {
                     LineResult::Granted(part) => {
                         t.grant.absorb(part);
@@ -331,32 +359,27 @@ impl<F: Future> Future for TicketFuture<'_, F> {
                         t.store_grant();
                     }
                     LineResult::Refused(r) => {
-                        this.ticket = None;
+                        self.ticket = None;
                         return Poll::Ready(Err(r));
                     }
                     LineResult::FailOpen => t.topup_due = false,
                 }
             }
-            let t = this.ticket.as_mut().expect("ticket until ready");
-            if let Some((att, _)) = t.parts() {
-                let k = att.admission.header().knobs.snapshot();
-                if t.needs_top_up(&k) {
-                    let q = policy::top_up_queued(&att.admission, &k, &t.grant, k.per_allocation_us);
-                    let deadline = t.deadline.unwrap_or_else(Instant::now);
-                    this.topup = Some(Line { att, q: Some(q), k, deadline, started: Instant::now(), registered: None, waited: false });
-                    continue;
-                }
+            let t = self.ticket.as_mut().expect("ticket until ready");
+            if let Some(line) = top_up_line(t, self.abort_at) {
+                self.topup = Some(line);
+                continue;
             }
             break;
         }
-        let t = this.ticket.as_mut().expect("ticket until ready");
+        let t = self.ticket.as_mut().expect("ticket until ready");
         let out = {
             let _g = t.enter();
-            this.inner.as_mut().poll(cx)
+            self.inner.as_mut().poll(cx)
         };
         match out {
             Poll::Ready(v) => {
-                this.ticket = None;
+                self.ticket = None;
                 Poll::Ready(Ok(v))
             }
             Poll::Pending => Poll::Pending,
@@ -364,4 +387,115 @@ impl<F: Future> Future for TicketFuture<'_, F> {
     }
 }
 
-impl<F> Unpin for TicketFuture<'_, F> {}
+/// The line a ticket that ran past its share waits in for its top-up;
+/// `None` when it needs none.
+fn top_up_line(t: &Ticket, deadline: Option<Instant>) -> Option<Line> {
+    let att = t.attachment()?;
+    let k = att.admission.header().knobs.snapshot();
+    if !t.needs_top_up(&k) {
+        return None;
+    }
+    let q = policy::top_up_queued(&att.admission, &k, &t.grant, k.per_allocation_us);
+    Some(Line::new(att, q, k, deadline))
+}
+
+/// [`Ticket::run`]'s future: resolves to the inner future's output. The
+/// work runs to completion, paced to its keyspace's share.
+pub struct TicketFuture<F> {
+    run: Run<F>,
+}
+
+/// [`Ticket::run_until_deadline`]'s future: resolves to the inner output,
+/// or to the refusal of a top-up that the deadline cut short (the rest of
+/// the work is dropped).
+pub struct DeadlineFuture<F> {
+    run: Run<F>,
+}
+
+impl Ticket {
+    /// Runs `fut` under this ticket to completion; the ticket is released
+    /// when it ends. When the work needs more CPU tokens than the ticket
+    /// holds, the next poll waits for a top-up (without blocking the
+    /// executor): the work is paced to its keyspace's share, never dropped.
+    pub fn run<F: Future>(self, fut: F) -> TicketFuture<F> {
+        TicketFuture { run: Run { ticket: Some(self), inner: Box::pin(fut), topup: None, abort_at: None } }
+    }
+
+    /// Runs `fut` under this ticket, giving up when a top-up is still
+    /// refused at the deadline of the ticket's [`Demand`] (at once if it had
+    /// none): for work that is worthless late. The rest of the work is
+    /// dropped, and what it consumed is charged.
+    pub fn run_until_deadline<F: Future>(self, fut: F) -> DeadlineFuture<F> {
+        let abort_at = Some(self.deadline.unwrap_or_else(Instant::now));
+        DeadlineFuture { run: Run { ticket: Some(self), inner: Box::pin(fut), topup: None, abort_at } }
+    }
+
+    /// [`Ticket::checkpoint`] without blocking the executor: for async code
+    /// that runs a ticket's work in [`Ticket::enter`] stretches between
+    /// `.await`s. Waits for a top-up when the ticket ran past its share.
+    pub fn checkpoint_async(&mut self) -> Checkpoint<'_> {
+        Checkpoint { ticket: self, line: None, started: false }
+    }
+}
+
+impl<F: Future> Future for TicketFuture<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        // All fields are Unpin (the inner future is boxed).
+        match std::task::ready!(self.get_mut().run.poll_run(cx)) {
+            Ok(v) => Poll::Ready(v),
+            Err(r) => unreachable!("a paced top-up has no deadline: {r}"),
+        }
+    }
+}
+
+impl<F: Future> Future for DeadlineFuture<F> {
+    type Output = Result<F::Output, Refused>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().run.poll_run(cx)
+    }
+}
+
+impl<F> Unpin for TicketFuture<F> {}
+impl<F> Unpin for DeadlineFuture<F> {}
+
+/// [`Ticket::checkpoint_async`]'s future.
+pub struct Checkpoint<'a> {
+    ticket: &'a mut Ticket,
+    line: Option<Line>,
+    started: bool,
+}
+
+impl Future for Checkpoint<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        loop {
+            if !this.started {
+                this.started = true;
+                this.line = top_up_line(this.ticket, None);
+            }
+            let Some(line) = this.line.as_mut() else { return Poll::Ready(()) };
+            let res = std::task::ready!(line.poll(cx));
+            this.ticket.paced += line.waited();
+            this.ticket.consumed_ns = this.ticket.consumed_ns.saturating_add(line.cpu_ns);
+            this.line = None;
+            match res {
+                LineResult::Granted(part) => {
+                    this.ticket.grant.absorb(part);
+                    this.ticket.topup_due = false;
+                    this.ticket.store_grant();
+                    // Still past its share (a large overrun): another top-up.
+                    this.started = false;
+                }
+                LineResult::Refused(_) | LineResult::FailOpen => {
+                    this.ticket.topup_due = false;
+                    return Poll::Ready(());
+                }
+            }
+        }
+    }
+}

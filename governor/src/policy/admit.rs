@@ -667,6 +667,11 @@ impl Queued {
     pub fn keyspace(&self) -> u32 {
         self.g.keyspace
     }
+
+    /// The keyspace cell the request is for, if it has one.
+    pub fn cell(&self) -> Option<u32> {
+        self.g.cell()
+    }
 }
 
 /// Runtime top-up: `us` more for a running request, from the same tenant

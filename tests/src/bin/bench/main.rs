@@ -95,6 +95,23 @@ fn policy_allocate_release_ns() -> f64 {
 
 fn main() -> Result<()> {
     let json_out = std::env::args().any(|a| a == "--json");
+    // `--tickets`: the ticket fast path and its baselines alone (a quick
+    // before/after of a change on that path).
+    if std::env::args().any(|a| a == "--tickets") {
+        let f = tickets::fast_path()?;
+        println!(
+            "{}",
+            json!({
+                "ticket_acquire_release_ns": round2(f.uncontended_ns),
+                "ticket_acquire_release_alternating_ns": round2(f.alternating_ns),
+                "ticket_acquire_release_contended_ns": round2(f.contended_ns),
+                "baseline_mutex_bucket_ns": round2(f.mutex_ns),
+                "baseline_mutex_bucket_contended_ns": round2(f.mutex_contended_ns),
+                "ticket_vs_mutex": round3(f.uncontended_ns / f.mutex_ns),
+            })
+        );
+        return Ok(());
+    }
     let agent = Agent::start_default("ebpf")?;
     // Measure the steady state: the agent publishes the TSC clock after its
     // second calibration anchor (where the kernel keeps time on the TSC).

@@ -3,6 +3,7 @@
 //! numbers can be set against what the agent charged. Prints one JSON line.
 mod attack;
 mod kinds;
+mod server;
 mod tickets;
 
 use anyhow::{bail, Context, Result};
@@ -233,7 +234,7 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|hold|corrupt [--socket PATH] ...") };
+    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|async-server|hold|corrupt [--socket PATH] ...") };
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),
@@ -242,6 +243,7 @@ fn main() -> Result<()> {
         "churn" => churn(&args),
         "threads" => kinds::threads(&args),
         "tickets" => tickets::tickets(&args),
+        "async-server" => server::async_server(&args),
         "hold" => tickets::hold(&args),
         "corrupt" => tickets::corrupt(&args),
         "attack" => attack::attack(&args),
