@@ -144,9 +144,19 @@ impl Agent {
         Self::spawn(measure, None)
     }
 
+    /// Starts the agent with `config` on `socket`, a path the caller chose
+    /// (a server may be waiting on it already).
+    pub fn start_on(measure: &str, config: &str, socket: &Path) -> Result<Agent> {
+        Self::spawn_on(measure, Some(config), Some(socket))
+    }
+
     fn spawn(measure: &str, config: Option<&str>) -> Result<Agent> {
+        Self::spawn_on(measure, config, None)
+    }
+
+    fn spawn_on(measure: &str, config: Option<&str>, socket: Option<&Path>) -> Result<Agent> {
         let dir = Scratch::new("agent");
-        let socket = dir.0.join("governor.sock");
+        let socket = socket.map_or_else(|| dir.0.join("governor.sock"), Path::to_path_buf);
         let log = dir.0.join("agent.log");
         let config = match config {
             Some(text) => {

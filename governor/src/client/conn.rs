@@ -10,6 +10,7 @@ use governor_common::{cpu_owner, TAG_NONE};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -23,7 +24,9 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_ATTACHMENTS: usize = 1024;
 
 /// Longest pause between two attempts to attach to a new agent.
-const REATTACH_MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// (A connect to an absent socket costs a few µs: short enough that a
+/// server started before its agent is governed within this of its start.)
+const REATTACH_MAX_BACKOFF: Duration = Duration::from_millis(250);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -194,15 +197,22 @@ pub(crate) struct Inner {
     /// The process that connected: a forked child shares the sockets and
     /// must not talk on them.
     pid: u32,
-    /// Every attachment so far, in order; entry `epoch − 1` is in force.
-    /// They live as long as the client, so a ticket borrows its attachment
-    /// instead of counting a reference on the fast path.
+    /// Every attachment so far, in order; entry `epoch − 1` is in force
+    /// (none while `epoch` is 0: no agent answered yet).
     attachments: Box<[OnceLock<Arc<Attachment>>]>,
     /// How many attachments are set; published after the entry is.
     pub(crate) epoch: AtomicU64,
     /// Tickets admitted without a check because no agent answered.
     pub(crate) fail_open: AtomicU64,
     watch: Mutex<Option<UnixStream>>,
+    /// Threads registered through this client, by tid: an agent that
+    /// appears (or comes back) has them all registered before they need it.
+    threads: Mutex<BTreeSet<u32>>,
+    /// Registrations made for threads on a new attachment, waiting for
+    /// their thread to pick them up: tid → (epoch, slot, generation).
+    prereg: Mutex<HashMap<u32, (u64, u32, u64)>>,
+    /// The background thread's jobs (cells, registrations).
+    pub(crate) helper: super::helper::Helper,
 }
 
 /// A connection to the agent, with the shared regions mapped. Cheap to
@@ -215,22 +225,60 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects to the agent's control socket and maps its regions.
+    /// Connects to the agent's control socket and maps its regions; fails
+    /// when no agent answers. A server that may start before the agent uses
+    /// [`Client::new`].
     pub fn connect(path: impl AsRef<Path>) -> Result<Client, ClientError> {
         let path = path.as_ref().to_path_buf();
-        let attachment = Arc::new(Attachment::open(&path, 1)?);
+        let attachment = Attachment::open(&path, 1)?;
         let watch = watch_connection(&path, attachment.instance)?;
+        Client::start(path, Some((attachment, watch)))
+    }
+
+    /// A client for the agent at `path`, whether or not one runs now: it
+    /// attaches at once if an agent answers, else it admits every ticket
+    /// without a check (counted, [`Client::fail_open_count`]; logged once)
+    /// and attaches by itself when an agent appears, registering the threads
+    /// registered meanwhile. Errors that are the operator's — the socket's
+    /// permissions, an agent that refuses this process — are reported at
+    /// once.
+    pub fn new(path: impl AsRef<Path>) -> Result<Client, ClientError> {
+        let path = path.as_ref().to_path_buf();
+        match Attachment::open(&path, 1).and_then(|a| Ok((watch_connection(&path, a.instance)?, a))) {
+            Ok((watch, attachment)) => Client::start(path, Some((attachment, watch))),
+            Err(ClientError::Connect { source, .. }) if no_agent(&source) => {
+                log::warn!(
+                    "no governor agent at {} ({source}); admitting without checks until one answers",
+                    path.display()
+                );
+                Client::start(path, None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn start(path: PathBuf, first: Option<(Attachment, UnixStream)>) -> Result<Client, ClientError> {
         super::install_fork_handler();
         let attachments: Box<[OnceLock<Arc<Attachment>>]> = (0..MAX_ATTACHMENTS).map(|_| OnceLock::new()).collect();
-        let _ = attachments[0].set(attachment);
+        let (epoch, watch) = match first {
+            Some((a, w)) => {
+                let _ = attachments[0].set(Arc::new(a));
+                (1, Some(w))
+            }
+            None => (0, None),
+        };
         let inner = Arc::new(Inner {
             path,
             pid: std::process::id(),
             attachments,
-            epoch: AtomicU64::new(1),
+            epoch: AtomicU64::new(epoch),
             fail_open: AtomicU64::new(0),
-            watch: Mutex::new(Some(watch.try_clone()?)),
+            watch: Mutex::new(watch.as_ref().map(UnixStream::try_clone).transpose()?),
+            threads: Mutex::new(BTreeSet::new()),
+            prereg: Mutex::new(HashMap::new()),
+            helper: super::helper::Helper::default(),
         });
+        super::helper::spawn(&inner)?;
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
             .name("governor-watch".into())
@@ -239,26 +287,27 @@ impl Client {
         Ok(Client { inner })
     }
 
-    /// The attachment now in force: two loads, no lock, no reference count.
+    /// The attachment now in force (`None` before the first agent answered):
+    /// two loads, no lock, no reference count.
     #[inline]
-    pub(crate) fn attachment(&self) -> &Arc<Attachment> {
+    pub(crate) fn attachment(&self) -> Option<&Arc<Attachment>> {
         self.inner.current()
     }
 
-    /// Which backend measures this client.
-    pub fn backend(&self) -> BackendKind {
-        self.attachment().backend
+    /// Which backend measures this client (`None` before an agent answered).
+    pub fn backend(&self) -> Option<BackendKind> {
+        self.attachment().map(|a| a.backend)
     }
 
-    /// Sizes of the shared regions.
-    pub fn sizes(&self) -> RegionSizes {
-        self.attachment().sizes
+    /// Sizes of the shared regions (`None` before an agent answered).
+    pub fn sizes(&self) -> Option<RegionSizes> {
+        self.attachment().map(|a| a.sizes)
     }
 
-    /// Whether an agent answers now (false between an agent's death and the
-    /// next one's arrival).
+    /// Whether an agent answers now (false before the first one, and between
+    /// an agent's death and the next one's arrival).
     pub fn attached(&self) -> bool {
-        self.attachment().alive()
+        self.attachment().is_some_and(|a| a.alive())
     }
 
     /// How many agents this client has attached to (1 until the first
@@ -274,27 +323,32 @@ impl Client {
 
     /// Registers the calling thread; until it exits (or
     /// [`super::unregister_current_thread`]) its CPU time is measured and
-    /// charged to its tag.
+    /// charged to its tag. One round trip to the agent (call it where a
+    /// thread starts, e.g. in tokio's `on_thread_start`); while no agent
+    /// answers it succeeds at once, and the thread is registered in the
+    /// background when one appears (untagged until then).
     pub fn register_current_thread(&self) -> Result<(), ClientError> {
         if super::is_registered() {
             return Err(ClientError::AlreadyRegistered);
         }
-        let ctx = self.register_on(self.attachment().clone())?;
-        super::CURRENT.with(|c| *c.borrow_mut() = Some(ctx));
-        Ok(())
-    }
-
-    pub(crate) fn register_on(&self, att: Arc<Attachment>) -> Result<ThreadCtx, ClientError> {
         self.check_fork()?;
         let tid = sys::gettid();
-        let (slot, generation) = match att.call(&Request::RegisterThread { tid })? {
-            Reply::Registered { slot, generation } => (slot, generation),
-            other => return Err(ClientError::Protocol { detail: format!("expected registered, got {other:?}") }),
+        self.inner.threads.lock().unwrap_or_else(|p| p.into_inner()).insert(tid);
+        let ctx = match self.attachment().filter(|a| a.alive()) {
+            Some(att) => match register(att, tid) {
+                Ok((slot, generation)) => Some(ThreadCtx { att: att.clone(), slot, generation }),
+                // The agent went meanwhile: registered when the next comes.
+                Err(ClientError::Io(_)) => None,
+                Err(e) => {
+                    self.inner.threads.lock().unwrap_or_else(|p| p.into_inner()).remove(&tid);
+                    return Err(e);
+                }
+            },
+            None => None,
         };
-        if att.measure.slots.get(slot).is_none() {
-            return Err(ClientError::Protocol { detail: format!("slot {slot} out of range") });
-        }
-        Ok(ThreadCtx { client: self.clone(), att, slot, generation })
+        let state = ThreadState { client: self.clone(), tid, ctx };
+        super::CURRENT.with(|c| *c.borrow_mut() = Some(state));
+        Ok(())
     }
 
     fn check_fork(&self) -> Result<(), ClientError> {
@@ -307,27 +361,78 @@ impl Client {
     /// Sends one request on the current attachment and waits for its reply.
     pub fn call(&self, req: &Request) -> Result<Reply, ClientError> {
         self.check_fork()?;
-        self.attachment().call(req)
+        self.attachment().ok_or(ClientError::AgentGone)?.call(req)
     }
 
     /// Charged on-CPU ns of `keyspace_id` so far, as the shared table says.
     pub fn keyspace_cpu_ns(&self, keyspace_id: u32) -> Option<u64> {
-        let att = self.attachment();
+        let att = self.attachment()?;
         let (cell, _) = att.admission.directory().find(keyspace_id)?;
         Some(att.measure.keyspaces.get(cell)?.cpu_ns.load(Ordering::Relaxed))
     }
 }
 
+/// Registers thread `tid` of this process on `att`: its slot and generation.
+fn register(att: &Attachment, tid: u32) -> Result<(u32, u64), ClientError> {
+    let (slot, generation) = match att.call(&Request::RegisterThread { tid })? {
+        Reply::Registered { slot, generation } => (slot, generation),
+        other => return Err(ClientError::Protocol { detail: format!("expected registered, got {other:?}") }),
+    };
+    if att.measure.slots.get(slot).is_none() {
+        return Err(ClientError::Protocol { detail: format!("slot {slot} out of range") });
+    }
+    Ok((slot, generation))
+}
+
+/// Whether connecting failed because no agent listens (rather than for a
+/// reason the operator must fix).
+fn no_agent(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), NotFound | ConnectionRefused | ConnectionReset)
+}
+
 impl Inner {
     #[inline]
-    fn current(&self) -> &Arc<Attachment> {
+    pub(crate) fn current(&self) -> Option<&Arc<Attachment>> {
         let epoch = self.epoch.load(Ordering::Acquire) as usize;
-        self.attachments[epoch - 1].get().expect("an attachment is set before its epoch is published")
+        epoch.checked_sub(1).and_then(|i| self.attachments[i].get())
+    }
+
+    pub(crate) fn attachment_of(&self, epoch: u64) -> Option<Arc<Attachment>> {
+        self.attachments.get(usize::try_from(epoch).ok()?.checked_sub(1)?)?.get().cloned()
+    }
+
+    /// Registers thread `tid` on `att` for it, to pick up at its next tag
+    /// switch; nothing if the thread has gone meanwhile.
+    pub(crate) fn preregister(&self, att: &Attachment, tid: u32) {
+        if !self.threads.lock().unwrap_or_else(|p| p.into_inner()).contains(&tid) {
+            return;
+        }
+        match register(att, tid) {
+            Ok((slot, generation)) => {
+                self.prereg.lock().unwrap_or_else(|p| p.into_inner()).insert(tid, (att.epoch, slot, generation));
+            }
+            Err(e) => log::debug!("registering thread {tid} on the new agent: {e}"),
+        }
+    }
+
+    /// The registration made for `tid` on the attachment of `epoch`, if any.
+    fn take_registration(&self, tid: u32, epoch: u64) -> Option<(u32, u64)> {
+        let mut p = self.prereg.lock().unwrap_or_else(|p| p.into_inner());
+        match p.remove(&tid) {
+            Some((e, slot, generation)) if e == epoch => Some((slot, generation)),
+            Some(stale) if stale.0 > epoch => {
+                p.insert(tid, stale);
+                None
+            }
+            _ => None,
+        }
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        self.helper.stop();
         // Ends the watch thread's blocking read.
         if let Some(w) = self.watch.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = w.shutdown(std::net::Shutdown::Both);
@@ -346,25 +451,28 @@ fn watch_connection(path: &Path, instance: u64) -> Result<UnixStream, ClientErro
 }
 
 /// Waits for the agent to go, marks its attachment detached, then attaches
-/// to the next agent (retrying with backoff) and watches that one. Ends
-/// when the client is dropped.
-fn watch_loop(client: Weak<Inner>, mut watch: UnixStream) {
+/// to the next agent (retrying with backoff), registers the client's
+/// threads there, and watches that one. Starts by attaching when the
+/// client started without an agent. Ends when the client is dropped.
+fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
     loop {
-        let mut b = [0u8; 64];
-        // Returns on the agent's exit (EOF or reset), or when the client
-        // shuts the socket down on drop.
-        while matches!(watch.read(&mut b), Ok(n) if n > 0) {}
-        let Some(inner) = client.upgrade() else { return };
-        if std::process::id() != inner.pid {
-            return;
+        if let Some(w) = watch.as_mut() {
+            let mut b = [0u8; 64];
+            // Returns on the agent's exit (EOF or reset), or when the client
+            // shuts the socket down on drop.
+            while matches!(w.read(&mut b), Ok(n) if n > 0) {}
+            let Some(inner) = client.upgrade() else { return };
+            if std::process::id() != inner.pid {
+                return;
+            }
+            if let Some(att) = inner.current() {
+                att.detach();
+            }
+            log::warn!("governor agent at {} went away; admitting without checks until one is back", inner.path.display());
         }
-        inner.current().detach();
-        log::warn!("governor agent at {} went away; admitting without checks until one is back", inner.path.display());
-        let path = inner.path.clone();
-        drop(inner);
+        let Some(path) = client.upgrade().map(|i| i.path.clone()) else { return };
         let mut backoff = Duration::from_millis(50);
         loop {
-            std::thread::sleep(backoff);
             let Some(inner) = client.upgrade() else { return };
             let epoch = inner.epoch.load(Ordering::Acquire) + 1;
             let Some(entry) = inner.attachments.get(epoch as usize - 1) else {
@@ -377,24 +485,79 @@ fn watch_loop(client: Weak<Inner>, mut watch: UnixStream) {
             };
             match Attachment::open(&path, epoch).and_then(|a| Ok((watch_connection(&path, a.instance)?, a))) {
                 Ok((w, a)) => {
+                    // Every registered thread gets its registration before
+                    // the new agent is in force, so none waits for one.
+                    let tids: Vec<u32> = inner.threads.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+                    for tid in tids {
+                        inner.preregister(&a, tid);
+                    }
                     let _ = entry.set(Arc::new(a));
                     inner.epoch.store(epoch, Ordering::Release);
                     if let Ok(clone) = w.try_clone() {
                         *inner.watch.lock().unwrap_or_else(|p| p.into_inner()) = Some(clone);
                     }
-                    watch = w;
-                    log::info!("attached to the governor agent at {} again", path.display());
+                    watch = Some(w);
+                    log::info!("attached to the governor agent at {}", path.display());
                     break;
                 }
-                Err(_) => backoff = (backoff * 2).min(REATTACH_MAX_BACKOFF),
+                Err(_) => {
+                    drop(inner);
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(REATTACH_MAX_BACKOFF);
+                }
             }
         }
     }
 }
 
-/// A registered thread's context, kept in a thread-local.
-pub(crate) struct ThreadCtx {
+/// A registered thread, kept in a thread-local: its client, and its
+/// registration with the agent in force (`None` while no agent answers, or
+/// until its registration with a new one is in).
+pub(crate) struct ThreadState {
     pub(crate) client: Client,
+    tid: u32,
+    pub(crate) ctx: Option<ThreadCtx>,
+}
+
+impl ThreadState {
+    /// Whether its registration belongs to the client's current agent.
+    #[inline]
+    pub(crate) fn fresh(&self) -> bool {
+        self.ctx.as_ref().is_some_and(|c| c.att.epoch == self.client.inner.epoch.load(Ordering::Relaxed))
+    }
+
+    /// Moves to the agent in force: picks up the registration made for this
+    /// thread there, or asks for one in the background. Never a round trip.
+    pub(crate) fn refresh(&mut self) {
+        let inner = &self.client.inner;
+        let Some(att) = inner.current() else { return };
+        if self.fresh() {
+            return;
+        }
+        match inner.take_registration(self.tid, att.epoch) {
+            Some((slot, generation)) => self.ctx = Some(ThreadCtx { att: att.clone(), slot, generation }),
+            None => {
+                // The old registration is dead: the thread runs untagged
+                // until the new one is in.
+                self.ctx = None;
+                if att.alive() {
+                    inner.helper.register(att.epoch, self.tid);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ThreadState {
+    fn drop(&mut self) {
+        let inner = &self.client.inner;
+        inner.threads.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.tid);
+        inner.prereg.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.tid);
+    }
+}
+
+/// A thread's registration with one agent.
+pub(crate) struct ThreadCtx {
     pub(crate) att: Arc<Attachment>,
     slot: u32,
     generation: u64,
@@ -411,12 +574,6 @@ impl ThreadCtx {
             slot: a.measure.slots.get(self.slot).expect("slot checked at registration"),
             owner: cpu_owner(self.slot, self.generation),
         }
-    }
-
-    /// Whether this registration belongs to the client's current agent.
-    #[inline]
-    pub(crate) fn current(&self) -> bool {
-        self.att.epoch == self.client.inner.epoch.load(Ordering::Relaxed)
     }
 
     #[inline]

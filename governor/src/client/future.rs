@@ -34,9 +34,18 @@ impl<F: Future> Future for Tagged<F> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
         // Looked up at every poll (a shared-memory probe; the agent may give
-        // an idle keyspace's cell to another between polls). A poll on an
-        // unregistered worker, or while no agent answers, runs untagged.
-        let cell = super::with_ctx(|ctx| ctx.att.cell_of(*this.keyspace_id).ok()).ok().flatten().flatten();
+        // an idle keyspace's cell to another between polls). A keyspace the
+        // agent has no cell for yet is asked for in the background: this
+        // poll waits for it (woken when it is in) rather than block the
+        // worker on a round trip or run uncharged. A poll on an
+        // unregistered worker, while no agent answers, or for a keyspace the
+        // agent gave no cell, runs untagged.
+        let looked_up = super::with_thread(|client, ctx| client.inner.helper.cell(&ctx.att, *this.keyspace_id, Some(cx.waker())));
+        let cell = match looked_up {
+            Ok(Some(super::helper::Cell::Found(c, g))) => Some((c, g)),
+            Ok(Some(super::helper::Cell::Pending)) => return Poll::Pending,
+            _ => None,
+        };
         // The guard restores the worker's tag even if the poll panics.
         let _restore = super::TagGuard::new(cell.and_then(|(c, _)| set_raw_tag(tag_for_cell(c))));
         this.inner.poll(cx)

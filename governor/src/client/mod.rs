@@ -29,6 +29,7 @@
 mod clock;
 mod conn;
 mod future;
+mod helper;
 mod home;
 mod ticket;
 mod wait;
@@ -42,7 +43,7 @@ use governor_common::{tag_for_cell, TAG_NONE};
 use std::cell::RefCell;
 
 thread_local! {
-    static CURRENT: RefCell<Option<conn::ThreadCtx>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Option<conn::ThreadState>> = const { RefCell::new(None) };
 }
 
 /// Restores the previous tag when dropped. Not `Send`: a tag belongs to the
@@ -69,32 +70,38 @@ impl Drop for TagGuard {
 }
 
 /// Runs `f` on the calling thread's registration, moving it to the
-/// client's current agent first if the client attached to a new one since.
-/// `None` on an unregistered thread; `Err(AgentGone)` while no agent answers.
+/// client's current agent first if the client attached to a new one since
+/// (the registration made there for it; never a round trip). `None` on an
+/// unregistered thread; `Err(AgentGone)` while no agent answers, or until
+/// the thread's registration with a new agent is in.
+#[inline]
 pub(crate) fn with_ctx<R>(f: impl FnOnce(&conn::ThreadCtx) -> R) -> Result<Option<R>, ClientError> {
+    with_thread(|_, ctx| f(ctx))
+}
+
+/// [`with_ctx`], with the thread's client too.
+pub(crate) fn with_thread<R>(f: impl FnOnce(&Client, &conn::ThreadCtx) -> R) -> Result<Option<R>, ClientError> {
     CURRENT
         .try_with(|c| {
-            let stale = match c.try_borrow() {
+            let fresh = match c.try_borrow() {
                 Ok(b) => match b.as_ref() {
                     None => return Ok(None),
-                    Some(ctx) => (!ctx.current()).then(|| ctx.client.clone()),
+                    Some(st) => st.fresh(),
                 },
                 // Re-entered from inside a tag switch: leave it alone.
                 Err(_) => return Ok(None),
             };
-            if let Some(client) = stale {
-                // One round trip, once per thread per new agent.
-                if let Ok(fresh) = client.register_on(client.attachment().clone())
-                    && let Ok(mut b) = c.try_borrow_mut() {
-                        *b = Some(fresh);
-                    }
+            if !fresh
+                && let Ok(mut b) = c.try_borrow_mut()
+                && let Some(st) = b.as_mut()
+            {
+                st.refresh();
             }
             let b = c.borrow();
-            let ctx = b.as_ref().expect("registered");
-            if !ctx.att.alive() {
-                return Err(ClientError::AgentGone);
+            match b.as_ref().and_then(|st| Some((&st.client, st.ctx.as_ref()?))) {
+                Some((client, ctx)) if ctx.att.alive() => Ok(Some(f(client, ctx))),
+                _ => Err(ClientError::AgentGone),
             }
-            Ok(Some(f(ctx)))
         })
         .unwrap_or(Ok(None))
 }
@@ -152,8 +159,8 @@ extern "C" fn forget_thread_context_after_fork() {
     home::forget_after_fork();
     let _ = CURRENT.try_with(|c| {
         if let Ok(mut slot) = c.try_borrow_mut()
-            && let Some(ctx) = slot.take() {
-                std::mem::forget(ctx);
+            && let Some(st) = slot.take() {
+                std::mem::forget(st);
             }
     });
 }
@@ -165,8 +172,8 @@ pub(crate) fn install_fork_handler() {
 
 /// Charges the thread's time so far and gives its slot back.
 pub fn unregister_current_thread() {
-    if let Some(ctx) = CURRENT.with(|c| c.borrow_mut().take()) {
-        drop(ctx);
+    if let Some(st) = CURRENT.with(|c| c.borrow_mut().take()) {
+        drop(st);
     }
 }
 

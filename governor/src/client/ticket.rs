@@ -285,16 +285,19 @@ impl Client {
     /// since an overflowing pool says the node needs capacity, where an
     /// admission refusal says a tenant is being held back. Call it on the
     /// rejecting thread, while the request's keyspace is known. A store in
-    /// shared memory; nothing happens when the agent is away.
+    /// shared memory (for a keyspace new to the agent, counted once its
+    /// cell is in, without waiting); nothing happens when the agent is away.
     pub fn report_pool_rejection(&self, keyspace: u32) {
-        let att = self.attachment();
-        if !att.alive() {
-            return;
-        }
-        if let Ok((c, _)) = att.cell_of(keyspace)
-            && let Some((b, _)) = att.admission.keyspace_cell(c)
-        {
-            b.count(counter::POOL_REJECTED, 1);
+        let Some(att) = self.attachment().filter(|a| a.alive()) else { return };
+        match self.inner.helper.cell(att, keyspace, None) {
+            super::helper::Cell::Found(c, _) => {
+                if let Some((b, _)) = att.admission.keyspace_cell(c) {
+                    b.count(counter::POOL_REJECTED, 1);
+                }
+            }
+            // Counted by the background thread once the cell is in.
+            super::helper::Cell::Pending => self.inner.helper.pool_rejection(att.epoch, keyspace),
+            super::helper::Cell::Refused => {}
         }
     }
 
@@ -302,7 +305,7 @@ impl Client {
     /// for CPU tokens until the demand's deadline, if it has one).
     pub fn acquire(&self, keyspace: u32, demand: Demand) -> Result<Ticket, Refused> {
         let mut t = Ticket::blank(keyspace);
-        let Some(w) = self.begin(keyspace, &demand, &mut t)? else { return Ok(t) };
+        let Some(w) = self.begin(keyspace, &demand, &mut t, None)? else { return Ok(t) };
         let Waiting { att, record: idx, q, k } = *w;
         let deadline = demand.deadline.expect("queued only with a deadline");
         let cell = q.cell();
@@ -327,22 +330,32 @@ impl Client {
 
     /// Everything up to the wait: the fast path fills `t` in place (a ticket
     /// is too big to move cheaply through every layer), or the request gets
-    /// a place in line.
+    /// a place in line. `known`: the keyspace's cell as the caller found it
+    /// (`Some(None)`: the agent gave it none); `None`: look it up here, with
+    /// a round trip the first time the agent sees the keyspace.
     #[inline]
-    pub(crate) fn begin(&self, keyspace: u32, demand: &Demand, t: &mut Ticket) -> Result<Option<Box<Waiting>>, Refused> {
-        let att = self.attachment();
-        if !att.alive() {
+    pub(crate) fn begin(
+        &self,
+        keyspace: u32,
+        demand: &Demand,
+        t: &mut Ticket,
+        known: Option<Option<(u32, u64)>>,
+    ) -> Result<Option<Box<Waiting>>, Refused> {
+        let Some(att) = self.attachment().filter(|a| a.alive()) else {
             *t = self.fail_open(keyspace, None);
             return Ok(None);
-        }
-        let cell = match att.cell_of(keyspace) {
-            Ok(c) => Some(c),
-            // No cell (the table is full): the request passes unthrottled.
-            Err(ClientError::Refused { .. }) => None,
-            Err(_) => {
-                *t = self.fail_open(keyspace, None);
-                return Ok(None);
-            }
+        };
+        let cell = match known {
+            Some(c) => c,
+            None => match att.cell_of(keyspace) {
+                Ok(c) => Some(c),
+                // No cell (the table is full): the request passes unthrottled.
+                Err(ClientError::Refused { .. }) => None,
+                Err(_) => {
+                    *t = self.fail_open(keyspace, None);
+                    return Ok(None);
+                }
+            },
         };
         let k = att.admission.header().knobs.snapshot();
         let d = demand.policy();

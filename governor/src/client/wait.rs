@@ -256,16 +256,29 @@ pub struct AcquireFuture {
 }
 
 enum AcquireState {
+    /// The agent has no cell for the keyspace yet: asked for in the
+    /// background, this future is woken when it is in.
+    Cell { client: Client, keyspace: u32, demand: Demand },
     Ready(Option<Result<Ticket, Refused>>),
     Waiting { client: Client, keyspace: u32, deadline: Option<Instant>, line: Line, record: u32 },
 }
 
 impl Client {
     /// Like [`Client::acquire`], but waits for CPU tokens without blocking
-    /// the executor's thread.
+    /// the executor's thread; the first request of a keyspace the agent has
+    /// no cell for waits for it without blocking too.
     pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture {
+        if let Some(att) = self.attachment().filter(|a| a.alive())
+            && att.admission.directory().find(keyspace).is_none()
+        {
+            return AcquireFuture { state: AcquireState::Cell { client: self.clone(), keyspace, demand } };
+        }
+        AcquireFuture { state: self.acquire_state(keyspace, demand, None) }
+    }
+
+    fn acquire_state(&self, keyspace: u32, demand: Demand, known: Option<Option<(u32, u64)>>) -> AcquireState {
         let mut t = Ticket::blank(keyspace);
-        let state = match self.begin(keyspace, &demand, &mut t) {
+        match self.begin(keyspace, &demand, &mut t, known) {
             Ok(None) => AcquireState::Ready(Some(Ok(t))),
             Err(r) => AcquireState::Ready(Some(Err(r))),
             Ok(Some(w)) => {
@@ -279,8 +292,7 @@ impl Client {
                     record,
                 }
             }
-        };
-        AcquireFuture { state }
+        }
     }
 }
 
@@ -289,7 +301,23 @@ impl Future for AcquireFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        if let AcquireState::Cell { client, keyspace, .. } = &this.state {
+            let known = match client.attachment().filter(|a| a.alive()) {
+                Some(att) => match client.inner.helper.cell(att, *keyspace, Some(cx.waker())) {
+                    super::helper::Cell::Found(c, g) => Some(Some((c, g))),
+                    super::helper::Cell::Pending => return Poll::Pending,
+                    super::helper::Cell::Refused => Some(None),
+                },
+                // The agent went: `begin` admits without a check.
+                None => Some(None),
+            };
+            let AcquireState::Cell { client, keyspace, demand } = std::mem::replace(&mut this.state, AcquireState::Ready(None)) else {
+                unreachable!("matched above")
+            };
+            this.state = client.acquire_state(keyspace, demand, known);
+        }
         match &mut this.state {
+            AcquireState::Cell { .. } => unreachable!("resolved above"),
             AcquireState::Ready(r) => Poll::Ready(r.take().expect("polled after completion")),
             AcquireState::Waiting { client, keyspace, deadline, line, record } => {
                 let res = std::task::ready!(line.poll(cx));

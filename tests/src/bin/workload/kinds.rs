@@ -219,7 +219,7 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
     for h in handles {
         h.join().map_err(|_| anyhow::anyhow!("thread panicked"))??;
     }
-    Ok(json!({ "done": n, "backend": client.backend().as_str() }))
+    Ok(json!({ "done": n, "backend": client.backend().map_or("none", |b| b.as_str()) }))
 }
 
 /// `workload pingpong --rounds N --cpu C [--register]`: a same-CPU pipe

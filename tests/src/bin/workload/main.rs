@@ -109,7 +109,7 @@ fn exactly_once(args: &[String]) -> Result<serde_json::Value> {
         "switches": total_switches,
         "thread_cpu_ns": total,
         "self_measured_ns": own.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
-        "backend": client.backend().as_str(),
+        "backend": client.backend().map_or("none", |b| b.as_str()),
     }))
 }
 
@@ -234,7 +234,7 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|async-server|hold|corrupt [--socket PATH] ...") };
+    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|async-server|late|hold|corrupt [--socket PATH] ...") };
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),
@@ -244,6 +244,7 @@ fn main() -> Result<()> {
         "threads" => kinds::threads(&args),
         "tickets" => tickets::tickets(&args),
         "async-server" => server::async_server(&args),
+        "late" => tickets::late(&args),
         "hold" => tickets::hold(&args),
         "corrupt" => tickets::corrupt(&args),
         "attack" => attack::attack(&args),

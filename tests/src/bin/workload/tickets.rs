@@ -202,3 +202,65 @@ pub fn corrupt(args: &[String]) -> Result<serde_json::Value> {
     let _ = client::thread_cpu_ns();
     Ok(json!({"regions_writable": maps.len(), "regions_refused": refused, "writes": writes}))
 }
+
+/// `workload late --keyspace K --threads N --seconds S [--work-us W]`: a
+/// server that starts before any agent (`Client::new` on a socket nobody
+/// listens on): N registered threads run requests of keyspace K, W µs of
+/// CPU each under its ticket, for S seconds. Prints `started`, then one
+/// JSON line: when (CLOCK_MONOTONIC ns) the client found itself attached
+/// and when a thread first got a ticket that was checked, and the
+/// fail-open admissions before and after.
+pub fn late(args: &[String]) -> Result<serde_json::Value> {
+    let keyspace: u32 = arg(args, "--keyspace", 1);
+    let threads: usize = arg(args, "--threads", 4);
+    let seconds: f64 = arg(args, "--seconds", 6.0);
+    let work: u64 = arg(args, "--work-us", 1000);
+    let client = Client::new(socket(args))?;
+    let attached_at_start = client.attached();
+    let first_checked = Arc::new(AtomicU64::new(u64::MAX));
+    let (granted, checked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (client, first_checked, granted, checked) = (client.clone(), first_checked.clone(), granted.clone(), checked.clone());
+            std::thread::spawn(move || -> Result<()> {
+                client.register_current_thread()?;
+                while Instant::now() < end {
+                    if let Ok(mut t) = client.acquire(keyspace, Demand::new().timeout(Duration::from_millis(100))) {
+                        granted.fetch_add(1, Ordering::Relaxed);
+                        if !t.is_fail_open() {
+                            checked.fetch_add(1, Ordering::Relaxed);
+                            first_checked.fetch_min(sys::monotonic_ns(), Ordering::Relaxed);
+                        }
+                        let _g = t.enter();
+                        work_us(work);
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    println!("started");
+    std::io::stdout().flush()?;
+    let (mut attached_ns, mut fail_open_before) = (0, 0);
+    while Instant::now() < end {
+        if client.attached() {
+            attached_ns = sys::monotonic_ns();
+            fail_open_before = client.fail_open_count();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for h in handles {
+        h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
+    }
+    Ok(json!({
+        "attached_at_start": attached_at_start,
+        "attached_ns": attached_ns,
+        "first_checked_ns": first_checked.load(Ordering::Relaxed),
+        "fail_open_before_attach": fail_open_before,
+        "fail_open": client.fail_open_count(),
+        "granted": granted.load(Ordering::Relaxed),
+        "checked": checked.load(Ordering::Relaxed),
+    }))
+}

@@ -1,0 +1,172 @@
+//! The client's background thread: the round trips to the agent that no
+//! server thread should wait for.
+//!
+//! - A keyspace the agent has no cell for yet: an async caller (a
+//!   [`super::Tagged`] poll, [`super::Client::acquire_async`]) asks here and
+//!   returns `Pending`; this thread asks the agent for the cell and wakes it.
+//! - A registered thread that finds a new agent in force (the first one, or
+//!   one that came back) and no registration made for it there: this thread
+//!   registers it by its tid; the thread picks the registration up at its
+//!   next tag switch and runs untagged until then.
+
+use super::conn::{Attachment, Inner};
+use crate::proto::{Reply, Request};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+/// How long a refused cell (the table full, the uid at its quota) is taken
+/// as refused before the agent is asked again.
+const REFUSED_FOR: Duration = Duration::from_secs(1);
+
+#[derive(Default)]
+struct Jobs {
+    /// Keyspaces to ask a cell for, by attachment epoch.
+    cells: BTreeSet<(u64, u32)>,
+    /// Who waits for which of them.
+    waiters: Vec<(u64, u32, Waker)>,
+    /// Cells the agent refused, and when.
+    refused: HashMap<(u64, u32), Instant>,
+    /// Threads to register by tid, by attachment epoch.
+    threads: BTreeSet<(u64, u32)>,
+    /// Pool rejections reported for keyspaces whose cell was being asked
+    /// for: counted once it is in.
+    pool_rejections: HashMap<(u64, u32), u64>,
+    stop: bool,
+}
+
+/// What a look-up without a round trip found.
+pub(crate) enum Cell {
+    Found(u32, u64),
+    /// Asked for; the waker (if any) is woken when the answer is in.
+    Pending,
+    /// The agent gave this keyspace no cell (recently).
+    Refused,
+}
+
+#[derive(Default)]
+pub(crate) struct Helper {
+    jobs: Mutex<Jobs>,
+    wake: Condvar,
+}
+
+impl Helper {
+    fn jobs(&self) -> std::sync::MutexGuard<'_, Jobs> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cell of `keyspace` in `att`, without a round trip: from the shared
+    /// directory, or asked for in the background.
+    pub(crate) fn cell(&self, att: &Attachment, keyspace: u32, waker: Option<&Waker>) -> Cell {
+        if let Some((c, g)) = att.admission.directory().find(keyspace) {
+            return Cell::Found(c, g);
+        }
+        let key = (att.epoch, keyspace);
+        let mut j = self.jobs();
+        if let Some(at) = j.refused.get(&key) {
+            if at.elapsed() < REFUSED_FOR {
+                return Cell::Refused;
+            }
+            j.refused.remove(&key);
+        }
+        // Asked meanwhile and answered: the directory has it now.
+        if let Some((c, g)) = att.admission.directory().find(keyspace) {
+            return Cell::Found(c, g);
+        }
+        j.cells.insert(key);
+        if let Some(w) = waker {
+            j.waiters.push((att.epoch, keyspace, w.clone()));
+        }
+        drop(j);
+        self.wake.notify_one();
+        Cell::Pending
+    }
+
+    /// Counts a pool rejection of `keyspace` once its cell is in.
+    pub(crate) fn pool_rejection(&self, epoch: u64, keyspace: u32) {
+        *self.jobs().pool_rejections.entry((epoch, keyspace)).or_default() += 1;
+    }
+
+    /// Registers thread `tid` on the attachment of `epoch` in the background.
+    pub(crate) fn register(&self, epoch: u64, tid: u32) {
+        if self.jobs().threads.insert((epoch, tid)) {
+            self.wake.notify_one();
+        }
+    }
+
+    pub(crate) fn stop(&self) {
+        self.jobs().stop = true;
+        self.wake.notify_all();
+    }
+}
+
+/// Starts the helper thread of `inner`; it ends with the client.
+pub(crate) fn spawn(inner: &Arc<Inner>) -> std::io::Result<()> {
+    let weak = Arc::downgrade(inner);
+    std::thread::Builder::new().name("governor-client".into()).spawn(move || run(weak)).map(drop)
+}
+
+fn run(client: Weak<Inner>) {
+    loop {
+        let Some(inner) = client.upgrade() else { return };
+        let (cells, threads) = {
+            let mut j = inner.helper.jobs();
+            while j.cells.is_empty() && j.threads.is_empty() && !j.stop {
+                // Wakes now and then to notice a client dropped elsewhere.
+                j = inner.helper.wake.wait_timeout(j, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            if j.stop {
+                return;
+            }
+            (std::mem::take(&mut j.cells), std::mem::take(&mut j.threads))
+        };
+        for (epoch, keyspace) in cells {
+            let att = inner.attachment_of(epoch);
+            let mut cell = None;
+            let refused = match &att {
+                Some(att) if att.alive() => match att.call(&Request::Keyspace { id: keyspace }) {
+                    Ok(Reply::Keyspace { cell: c, .. }) => {
+                        cell = Some(c);
+                        false
+                    }
+                    Ok(other) => {
+                        log::debug!("keyspace {keyspace}: expected a cell, got {other:?}");
+                        true
+                    }
+                    Err(e) => {
+                        log::debug!("keyspace {keyspace}: {e}");
+                        true
+                    }
+                },
+                // The agent went: callers go on without a cell (fail-open).
+                _ => true,
+            };
+            let mut j = inner.helper.jobs();
+            if refused {
+                j.refused.insert((epoch, keyspace), Instant::now());
+            }
+            if let Some(n) = j.pool_rejections.remove(&(epoch, keyspace))
+                && let (Some(att), Some(c)) = (&att, cell)
+                && let Some((b, _)) = att.admission.keyspace_cell(c)
+            {
+                b.count(governor_common::admission::counter::POOL_REJECTED, n);
+            }
+            let mut woken = Vec::new();
+            j.waiters.retain(|(e, k, w)| {
+                let hit = *e == epoch && *k == keyspace;
+                if hit {
+                    woken.push(w.clone());
+                }
+                !hit
+            });
+            drop(j);
+            woken.into_iter().for_each(Waker::wake);
+        }
+        for (epoch, tid) in threads {
+            if let Some(att) = inner.attachment_of(epoch).filter(|a| a.alive()) {
+                inner.preregister(&att, tid);
+            }
+        }
+    }
+}
