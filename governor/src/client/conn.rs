@@ -351,6 +351,45 @@ impl Client {
         Ok(())
     }
 
+    /// For tokio's `Builder::on_thread_park`: registers each worker thread
+    /// of the runtime the first time it parks (before its first task, as a
+    /// worker parks as soon as it starts idle), and never a blocking-pool
+    /// thread, which does not park this way. Later parks cost a
+    /// thread-local check. A failed registration is logged, not raised: the
+    /// thread runs unmeasured.
+    ///
+    /// ```no_run
+    /// # let client = governor::client::Client::new("/run/governor/governor.sock")?;
+    /// # struct Builder; impl Builder { fn on_thread_park(self, _f: impl Fn() + Send + Sync + 'static) -> Self { self } }
+    /// # let builder = Builder;
+    /// let builder = builder.on_thread_park(client.register_on_park());
+    /// # Ok::<(), governor::client::ClientError>(())
+    /// ```
+    pub fn register_on_park(&self) -> impl Fn() + Send + Sync + 'static {
+        let client = self.clone();
+        move || {
+            if !super::is_registered()
+                && let Err(e) = client.register_current_thread()
+            {
+                log::warn!("registering a runtime worker: {e}");
+            }
+        }
+    }
+
+    /// For tokio's `Builder::on_thread_start`: registers every thread the
+    /// runtime starts, its blocking-pool threads too (for work run with
+    /// `spawn_blocking` under a ticket moved there, which then is measured
+    /// by the kernel like the rest). Pair it with
+    /// [`super::unregister_current_thread`] in `on_thread_stop`.
+    pub fn register_on_start(&self) -> impl Fn() + Send + Sync + 'static {
+        let client = self.clone();
+        move || {
+            if let Err(e) = client.register_current_thread() {
+                log::warn!("registering a runtime thread: {e}");
+            }
+        }
+    }
+
     fn check_fork(&self) -> Result<(), ClientError> {
         if std::process::id() != self.inner.pid {
             return Err(ClientError::Forked { parent: self.inner.pid });

@@ -1,5 +1,6 @@
 //! `cargo xtask bench`: the measurement and policy benchmarks, as ratios
 //! from one run on this machine. `--json` prints one JSON object.
+mod adoption;
 mod operator;
 mod rules;
 mod switch;
@@ -97,6 +98,23 @@ fn main() -> Result<()> {
     let json_out = std::env::args().any(|a| a == "--json");
     // `--tickets`: the ticket fast path and its baselines alone (a quick
     // before/after of a change on that path).
+    // `--client`: the figures of the client as a server meets it alone.
+    if std::env::args().any(|a| a == "--client") {
+        let (cold, mutex_cold) = adoption::cold_ns()?;
+        let (wait, async_wait) = adoption::wait_cpu_us_p99()?;
+        println!(
+            "{}",
+            json!({
+                "ticket_acquire_cold_ns": round(cold),
+                "baseline_mutex_bucket_cold_ns": round(mutex_cold),
+                "acquire_wait_cpu_us_p99": round2(wait),
+                "acquire_async_wait_cpu_us_p99": round2(async_wait),
+                "first_use_poll_max_us": round2(adoption::first_use_poll_max_us()?),
+                "goodput_pct": round2(adoption::goodput_pct()?),
+            })
+        );
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--tickets") {
         let f = tickets::fast_path()?;
         println!(
@@ -143,6 +161,10 @@ fn main() -> Result<()> {
     let admission = tickets::fast_path()?;
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
+    let (cold_ns, mutex_cold_ns) = adoption::cold_ns()?;
+    let (wait_cpu_p99, async_wait_cpu_p99) = adoption::wait_cpu_us_p99()?;
+    let first_use_poll = adoption::first_use_poll_max_us()?;
+    let goodput = adoption::goodput_pct()?;
     let load = operator::agent_at_1000_keyspaces()?;
     // The light tenants' p99 governed against alone is a timing ratio that
     // moves from run to run: the median of three short demos.
@@ -213,6 +235,13 @@ fn main() -> Result<()> {
     // macro above is at its recursion limit).
     if let Some(o) = result.as_object_mut() {
         o.insert("metrics_scrape_ms".into(), json!(round2(load.scrape_ms)));
+        o.insert("ticket_acquire_cold_ns".into(), json!(round(cold_ns)));
+        o.insert("baseline_mutex_bucket_cold_ns".into(), json!(round(mutex_cold_ns)));
+        o.insert("ticket_cold_vs_mutex".into(), json!(round3(cold_ns / mutex_cold_ns)));
+        o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(wait_cpu_p99)));
+        o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(async_wait_cpu_p99)));
+        o.insert("first_use_poll_max_us".into(), json!(round2(first_use_poll)));
+        o.insert("goodput_pct".into(), json!(round2(goodput)));
         o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));
         o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
         o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));

@@ -16,7 +16,7 @@ use super::{best, per_op};
 
 /// µs each benchmarked request asks for: far below what the buckets hold,
 /// so every acquire succeeds and every release refunds it all.
-const ESTIMATE_US: u64 = 10;
+pub const ESTIMATE_US: u64 = 10;
 
 pub struct FastPath {
     pub uncontended_ns: f64,
@@ -53,12 +53,16 @@ fn concurrent(threads: usize, n: u64, op: impl Fn() + Sync) -> f64 {
 
 /// The baseline: the seed's decision (tenant then global bucket, nothing
 /// taken on refusal) and its refund, under one `std::sync::Mutex`.
-struct MutexBuckets {
+pub struct MutexBuckets {
     inner: Mutex<(i64, i64)>,
 }
 
 impl MutexBuckets {
-    fn acquire(&self, us: i64) -> bool {
+    pub fn new() -> MutexBuckets {
+        MutexBuckets { inner: Mutex::new((1_000_000, 1_000_000)) }
+    }
+
+    pub fn acquire(&self, us: i64) -> bool {
         let mut b = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if b.0 < us || b.1 < us {
             return false;
@@ -68,7 +72,7 @@ impl MutexBuckets {
         true
     }
 
-    fn release(&self, us: i64) {
+    pub fn release(&self, us: i64) {
         let mut b = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         b.0 += us;
         b.1 += us;
@@ -123,7 +127,7 @@ pub fn fast_path() -> Result<FastPath> {
     let uncontended_ns = best(5, || per_op(1_000_000, |_| ticket()));
     let alternating_ns = best(5, || per_op(1_000_000, |i| ticket_of(1 + (i & 1) as u32)));
     let contended_ns = best(5, || concurrent(2, 500_000, ticket));
-    let buckets = MutexBuckets { inner: Mutex::new((1_000_000, 1_000_000)) };
+    let buckets = MutexBuckets::new();
     let mutex = || {
         assert!(buckets.acquire(ESTIMATE_US as i64));
         buckets.release(ESTIMATE_US as i64);

@@ -198,7 +198,6 @@ impl Server {
             p
         })
         .await;
-        let pending = in_line.is_some();
         drop(in_line);
         let waited = started.elapsed();
         Counters::add(&c.wait_us, waited.as_micros() as u64);
@@ -206,14 +205,17 @@ impl Server {
             Ok(t) => t,
             Err(refused) => return busy(c, refused.code(), refused.waited),
         };
-        if pending {
+        // Whether the request waited in line for tokens (its tenant is held
+        // at its cap), as the ticket says.
+        let waited_in_line = ticket.did_wait();
+        if waited_in_line {
             Counters::add(&c.waited, 1);
         }
         if ticket.is_fail_open() {
             Counters::add(&c.fail_open, 1);
         }
         // Capped keyspaces (they waited) below the rest.
-        let lower = pending && self.levels.enabled;
+        let lower = waited_in_line && self.levels.enabled;
         let upper = (self.levels.enabled && !lower).then(|| self.levels.enter_upper());
         let done = match req.op {
             Op::Get => {

@@ -1,0 +1,69 @@
+//! The tokio hooks: `register_on_park` registers a runtime's workers and
+//! not its blocking-pool threads; `register_on_start` registers both, so a
+//! ticket moved into `spawn_blocking` charges the kernel's count of that
+//! work to its keyspace.
+
+use governor::client::{self, Client, Demand};
+use governor::sys;
+use governor_tests::{essential_config, Agent};
+use std::time::Duration;
+
+fn burn(ns: u64) -> u64 {
+    let t0 = sys::thread_cputime_ns();
+    while sys::thread_cputime_ns() - t0 < ns {}
+    sys::thread_cputime_ns() - t0
+}
+
+#[test]
+fn workers_register_on_park_and_blocking_threads_on_start() {
+    let agent = Agent::start("ebpf", &essential_config(1.0)).unwrap();
+    let client = Client::connect(&agent.socket).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .on_thread_park(client.register_on_park())
+        .build()
+        .unwrap();
+    // Let the workers start and go idle (they park, and register).
+    std::thread::sleep(Duration::from_millis(200));
+    let (worker, blocking) = rt.block_on(async {
+        let worker = tokio::spawn(async { client::is_registered() }).await.unwrap();
+        let blocking = tokio::task::spawn_blocking(client::is_registered).await.unwrap();
+        (worker, blocking)
+    });
+    assert!(worker, "a worker registered when it first parked");
+    assert!(!blocking, "a blocking-pool thread is not registered by the park hook");
+    drop(rt);
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .on_thread_start(client.register_on_start())
+        .on_thread_stop(client::unregister_current_thread)
+        .build()
+        .unwrap();
+    let before = agent.keyspace_seconds(12).unwrap();
+    let c = client.clone();
+    let (registered, ran) = rt.block_on(async move {
+        let ticket = c.acquire_async(12, Demand::new().timeout(Duration::from_secs(1))).await.unwrap();
+        // The owned ticket moves to a blocking-pool thread with its work.
+        tokio::task::spawn_blocking(move || {
+            let mut ticket = ticket;
+            let registered = client::is_registered();
+            let ran = {
+                let _g = ticket.enter();
+                burn(200_000_000)
+            };
+            (registered, ran)
+        })
+        .await
+        .unwrap()
+    });
+    // Thread stop unregisters: the last charge is settled by then.
+    drop(rt);
+    assert!(registered, "register_on_start registered the blocking-pool thread");
+    let charged = (agent.keyspace_seconds(12).unwrap() - before) * 1e9;
+    let err = (charged - ran as f64) / ran as f64 * 100.0;
+    eprintln!("work {ran} ns on a blocking thread, keyspace charged {charged:.0} ns ({err:+.3} %)");
+    // The charge is the kernel's count of the tagged span; the thread clock
+    // read inside it misses only the tag switches at its edges.
+    assert!((-0.5..=1.0).contains(&err), "charged {err:+.3} % off the work");
+}
