@@ -156,6 +156,7 @@ fn main() -> Result<()> {
     let (attribution, share_pp, steal) = attribution(&agent)?;
     let sleepy = sleepy_thread_error_pct(&agent)?;
     let policy = policy_allocate_release_ns();
+    client::unregister_current_thread();
     drop(client);
     drop(agent);
     let admission = tickets::fast_path()?;
