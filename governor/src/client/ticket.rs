@@ -577,14 +577,9 @@ impl Ticket {
             }
             let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us);
             let ((res, waited), cpu) = charged(&att, self.grant.cell(), || wait_in_line(&att, &k, q, deadline));
-            self.paced += waited;
-            self.consumed_ns = self.consumed_ns.saturating_add(cpu);
+            self.waited_for_top_up(waited, cpu);
             match res {
-                Waited::Granted(part) => {
-                    self.grant.absorb(part);
-                    write_record(&att, self.record, &self.grant);
-                    self.topup_due = false;
-                }
+                Waited::Granted(part) => self.absorb_top_up(part),
                 Waited::Refused(r) => return Err(r),
                 Waited::FailOpen => {
                     self.topup_due = false;
@@ -600,7 +595,17 @@ impl Ticket {
         self.att.clone()
     }
 
-    pub(crate) fn store_grant(&mut self) {
+    /// Counts a wait for a top-up: its time as pacing, the CPU it spent
+    /// as the ticket's.
+    pub(crate) fn waited_for_top_up(&mut self, waited: Duration, cpu_ns: u64) {
+        self.paced += waited;
+        self.consumed_ns = self.consumed_ns.saturating_add(cpu_ns);
+    }
+
+    /// Adds a granted top-up to the ticket and its ledger record.
+    pub(crate) fn absorb_top_up(&mut self, part: Grant) {
+        self.grant.absorb(part);
+        self.topup_due = false;
         if let Some(att) = &self.att {
             write_record(att, self.record, &self.grant);
         }

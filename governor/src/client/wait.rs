@@ -378,14 +378,9 @@ impl<F: Future> Run<F> {
                 let (waited, cpu) = (line.waited(), line.cpu_ns);
                 self.topup = None;
                 let t = self.ticket.as_mut().expect("ticket until ready");
-                t.paced += waited;
-                t.consumed_ns = t.consumed_ns.saturating_add(cpu);
+                t.waited_for_top_up(waited, cpu);
                 match res {
-                    LineResult::Granted(part) => {
-                        t.grant.absorb(part);
-                        t.topup_due = false;
-                        t.store_grant();
-                    }
+                    LineResult::Granted(part) => t.absorb_top_up(part),
                     LineResult::Refused(r) => {
                         self.ticket = None;
                         return Poll::Ready(Err(r));
@@ -508,14 +503,11 @@ impl Future for Checkpoint<'_> {
             }
             let Some(line) = this.line.as_mut() else { return Poll::Ready(()) };
             let res = std::task::ready!(line.poll(cx));
-            this.ticket.paced += line.waited();
-            this.ticket.consumed_ns = this.ticket.consumed_ns.saturating_add(line.cpu_ns);
+            this.ticket.waited_for_top_up(line.waited(), line.cpu_ns);
             this.line = None;
             match res {
                 LineResult::Granted(part) => {
-                    this.ticket.grant.absorb(part);
-                    this.ticket.topup_due = false;
-                    this.ticket.store_grant();
+                    this.ticket.absorb_top_up(part);
                     // Still past its share (a large overrun): another top-up.
                     this.started = false;
                 }
