@@ -1,4 +1,4 @@
-//! With the `agent` feature: builds governor-ebpf for the BPF target
+//! With the `agent` feature: builds governor-ebpf (package keyspace-governor-ebpf) for the BPF target
 //! (through aya-build, with the nightly toolchain and bpf-linker that
 //! `cargo xtask setup` installs) and leaves the object in OUT_DIR for
 //! `include_bytes_aligned!`. The client alone needs none of it.
@@ -26,11 +26,18 @@ fn main() -> anyhow::Result<()> {
     let root = manifest.parent().context("governor/ has no parent")?;
     let ebpf_dir = root.join("governor-ebpf");
     let common_dir = root.join("governor-common");
+    if !ebpf_dir.join("Cargo.toml").exists() {
+        anyhow::bail!(
+            "the `agent` feature builds the eBPF programs from the repository's governor-ebpf/ \
+             (not in this package): build the agent from the repository (`cargo xtask dist`); \
+             a storage server needs only the default `client` feature"
+        );
+    }
     // The eBPF object embeds the shared layouts too.
     println!("cargo:rerun-if-changed={}", common_dir.display());
     let ebpf_dir = ebpf_dir.to_str().context("non-UTF-8 path")?;
     aya_build::build_ebpf(
-        [aya_build::Package { name: "governor-ebpf", root_dir: ebpf_dir, ..Default::default() }],
+        [aya_build::Package { name: "keyspace-governor-ebpf", root_dir: ebpf_dir, ..Default::default() }],
         aya_build::Toolchain::default(),
     )
     .context("building governor-ebpf (run `cargo xtask setup` first)")

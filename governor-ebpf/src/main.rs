@@ -54,7 +54,7 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, PerfEventContext},
 };
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
-use governor_common::{
+use keyspace_governor_common::{
     cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, RuleCpu, RuleEvent, ThreadSlot, DEFAULT_MAX_KEYSPACES,
     DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, FRESH_OFFSET_NS, MAX_CPUS, MAX_PENDING,
     RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,

@@ -1,47 +1,57 @@
 //! governor: a per-node CPU governor for multi-tenant storage servers.
 //!
-//! # Layout
+//! A storage server links this crate for [`client`]: it registers its
+//! worker threads with the node's agent, tags their work with keyspaces
+//! (tenants), and admits requests through tickets taken from shared memory
+//! (no syscall and no lock on the fast path). The agent (the `governor`
+//! binary) measures every registered thread's on-CPU time in the kernel and
+//! keeps the token buckets the tickets draw on.
 //!
-//! - [`config`]: the TOML configuration, parsed then validated, with online
-//!   updates applied whole or not at all.
-//! - [`region`]: typed, atomic views of the shared regions (per-CPU switch
-//!   records, thread slots, keyspace cells).
-//! - [`measure`]: the measurement backends: eBPF (the programs of
-//!   governor-ebpf) or the thread-clock fallback.
-//! - [`client`]: what a storage server links: connect, register threads,
-//!   tag work with keyspaces, read the thread clock.
-//! - [`agent`]: the daemon: backend, control socket, slot reuse, window.
-//! - [`proto`]: the control-socket messages.
-//! - [`cli`]: the operator verbs.
-//! - [`tsc`]: CLOCK_MONOTONIC from the TSC, calibrated by the agent.
-//! - `sys`: the syscall seam (the only other place with `unsafe`).
+//! ```toml
+//! keyspace-governor = "0.1"   # the client alone: stable Rust, no eBPF toolchain
+//! ```
 //!
 //! # Features
 //!
-//! - `client`: what a storage server links (`client`, and the admission
-//!   fast path of `policy`); stable Rust, no eBPF toolchain, aya, tokio or
-//!   clap: `governor = { default-features = false, features = ["client"] }`.
-//! - `agent` (default): the daemon, the CLI, the configuration, the
-//!   measurement backends and the whole policy; builds the eBPF programs.
+//! - `client` (default): [`client`], the only public API of the default
+//!   build; stable Rust, no eBPF toolchain, aya, tokio or clap.
+//! - `agent`: the daemon, the operator CLI, the configuration, the
+//!   measurement backends and the whole policy (modules `agent`, `cli`,
+//!   `config`, `measure`, `policy`, `region`, `proto`, `tsc`, `sys`, public
+//!   for the agent's binary and its tests). It builds the eBPF programs from
+//!   the repository's `governor-ebpf/` with the nightly toolchain and
+//!   bpf-linker (`cargo xtask setup`), so it builds from the repository only.
+
 #![deny(unsafe_code)]
+#![cfg_attr(not(feature = "agent"), deny(missing_docs))]
+
+/// Declares a module the client uses internally: public with the `agent`
+/// feature (the daemon and its tests reach into it), private in the client
+/// build, whose public API is `client` alone.
+macro_rules! internal {
+    ($($name:ident),* $(,)?) => {$(
+        #[cfg(feature = "agent")]
+        pub mod $name;
+        #[cfg(not(feature = "agent"))]
+        #[allow(dead_code, unused_imports)]
+        mod $name;
+    )*};
+}
 
 #[cfg(feature = "agent")]
 pub mod agent;
 #[cfg(feature = "agent")]
 pub mod cli;
 #[cfg(feature = "client")]
+#[deny(missing_docs)]
 pub mod client;
 #[cfg(feature = "agent")]
 pub mod config;
 #[cfg(feature = "agent")]
 pub mod measure;
-pub mod policy;
 #[cfg(feature = "agent")]
 pub mod procs;
-pub mod proto;
-pub mod region;
-pub mod sys;
-pub mod tsc;
+internal!(policy, proto, region, sys, tsc);
 
 /// The eBPF object built from governor-ebpf by build.rs.
 #[cfg(feature = "agent")]

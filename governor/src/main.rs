@@ -1,7 +1,7 @@
 //! The `governor` binary: the agent and the operator verbs.
 use clap::{Parser, Subcommand};
-use governor::cli::{self, CliError, EXIT_USAGE};
-use governor::config::{MeasureMode, ValidatedConfig};
+use keyspace_governor::cli::{self, CliError, EXIT_USAGE};
+use keyspace_governor::config::{MeasureMode, ValidatedConfig};
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -226,11 +226,11 @@ fn fail(json: bool, e: &CliError) -> ! {
                 })).collect::<Vec<_>>(),
             }),
             CliError::Rejected { errors } => serde_json::json!({ "accepted": false, "errors": errors }),
-            other => serde_json::json!({ "error": governor::error_chain(other) }),
+            other => serde_json::json!({ "error": keyspace_governor::error_chain(other) }),
         };
         write_stdout(&(serde_json::to_string_pretty(&body).expect("json") + "\n"));
     } else {
-        eprintln!("governor: {}", governor::error_chain(e));
+        eprintln!("governor: {}", keyspace_governor::error_chain(e));
     }
     std::process::exit(e.exit_code())
 }
@@ -252,10 +252,10 @@ fn main() {
                 None => ValidatedConfig::embedded_default(),
             };
             if let Err(e) = run_agent(cfg, config, measure, socket, metrics_addr) {
-                eprintln!("governor agent: {}", governor::error_chain(&e));
+                eprintln!("governor agent: {}", keyspace_governor::error_chain(&e));
                 // EX_NOPERM when privileges are what is missing.
                 let code = match &e {
-                    governor::agent::AgentError::Measure(governor::measure::MeasureError::MissingCapability { .. }) => 77,
+                    keyspace_governor::agent::AgentError::Measure(keyspace_governor::measure::MeasureError::MissingCapability { .. }) => 77,
                     _ => 1,
                 };
                 std::process::exit(code);
@@ -297,7 +297,7 @@ fn main() {
         Verb::Rules {
             verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place, position, socket, json },
         } => {
-            let rule = governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place };
+            let rule = keyspace_governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place };
             match cli::rules::add(&socket.unwrap_or_else(default_socket), &rule, position) {
                 Ok(a) => print(json, &a, cli::config_cmd::render_applied),
                 Err(e) => fail(json, &e),
@@ -349,8 +349,8 @@ fn run_agent(
     measure: Option<MeasureMode>,
     socket: Option<PathBuf>,
     metrics_addr: Option<std::net::SocketAddr>,
-) -> Result<(), governor::agent::AgentError> {
-    let mut opts = governor::agent::AgentOptions::from_config(&cfg);
+) -> Result<(), keyspace_governor::agent::AgentError> {
+    let mut opts = keyspace_governor::agent::AgentOptions::from_config(&cfg);
     // An absolute path: reloads read the same file whatever the cwd.
     opts.config_path = config_path.map(|p| std::fs::canonicalize(&p).unwrap_or(p));
     if let Some(a) = metrics_addr {
@@ -362,7 +362,7 @@ fn run_agent(
     if let Some(s) = socket {
         opts.socket = s;
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(governor::agent::AgentError::Runtime)?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(keyspace_governor::agent::AgentError::Runtime)?;
     rt.block_on(async {
         let shutdown = async {
             let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -373,6 +373,6 @@ fn run_agent(
             }
             log::info!("shutting down");
         };
-        governor::agent::run(opts, shutdown).await
+        keyspace_governor::agent::run(opts, shutdown).await
     })
 }

@@ -21,6 +21,7 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// Its name in configuration and status (`ebpf`, `thread-clock`).
     pub fn as_str(self) -> &'static str {
         match self {
             BackendKind::Ebpf => "ebpf",

@@ -1,7 +1,7 @@
 //! Malformed configuration files: each is rejected with an error naming the
 //! exact dotted key and the line it sits on.
 
-use governor::config::{ConfigError, ValidatedConfig};
+use keyspace_governor::config::{ConfigError, ValidatedConfig};
 
 /// (file text, key the error must name, line it must report).
 const CASES: &[(&str, &str, usize)] = &[

@@ -2,7 +2,7 @@
 //! against the running configuration, restart-only keys refused, all or
 //! nothing, every reason listed.
 
-use governor::config::{ConfigError, ValidatedConfig};
+use keyspace_governor::config::{ConfigError, ValidatedConfig};
 
 mod common;
 

@@ -1,7 +1,7 @@
 //! tenant-cpu-cap.md §7 points 7 and 8: conflicting Essential settings are
 //! rejected at start and on online updates, with every reason listed.
 
-use governor::config::{ConfigError, ValidatedConfig};
+use keyspace_governor::config::{ConfigError, ValidatedConfig};
 
 const ESSENTIAL: &str = include_str!("fixtures/seed_cap_essential.toml");
 mod common;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use governor::config::{
+use keyspace_governor::config::{
     AdmissionMode, ByteSize, EMBEDDED_DEFAULT_TOML, MeasureMode, RawConfig, ValidatedConfig,
 };
 

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{SEC, base};
-use governor::policy::{
+use keyspace_governor::policy::{
     AdmissionMode, Demand, Grant, Policy, Refusal, Settings, TENANT_ADMISSION_CONTROL_MARKER,
 };
 

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 
 use common::essential_settings;
-use governor::policy::{AdmissionMode, Demand, Policy};
+use keyspace_governor::policy::{AdmissionMode, Demand, Policy};
 
 #[test]
 fn policy_is_send_and_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<Policy>();
-    assert_send_sync::<governor::policy::Grant>();
+    assert_send_sync::<keyspace_governor::policy::Grant>();
 }
 
 /// What one worker did, for the conservation checks.

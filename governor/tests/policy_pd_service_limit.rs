@@ -5,7 +5,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{SEC, base};
-use governor::policy::{PdAction, PdFetch, PdLimit, Policy, QuotaSource, Settings};
+use keyspace_governor::policy::{PdAction, PdFetch, PdLimit, Policy, QuotaSource, Settings};
 
 fn pd(f: impl FnOnce(&mut Settings)) -> Policy {
     let mut s = Settings {
@@ -179,7 +179,7 @@ fn pd_quota_throttles_and_does_not_outlive_pd() {
     assert!(!g.is_skip());
     assert_eq!(
         p.allocate(1, Some(1), 0).unwrap_err(),
-        governor::policy::Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
+        keyspace_governor::policy::Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
     );
     p.release(g, 240_000);
     // Turning PD off online drops its quotas; a static quota comes back.

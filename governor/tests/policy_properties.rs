@@ -4,7 +4,7 @@
 mod common;
 
 use common::{base, essential_settings};
-use governor::policy::{BucketSnapshot, Grant, Policy, Settings, UsageSample};
+use keyspace_governor::policy::{BucketSnapshot, Grant, Policy, Settings, UsageSample};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]

@@ -5,8 +5,8 @@
 mod common;
 
 use common::essential;
-use governor::policy::{acquire_with, release_with, Demand, Policy, Refusal, Spare, SPARE_MAX_US};
-use governor::region::{AdmissionRegions, BucketView, GLOBAL};
+use keyspace_governor::policy::{acquire_with, release_with, Demand, Policy, Refusal, Spare, SPARE_MAX_US};
+use keyspace_governor::region::{AdmissionRegions, BucketView, GLOBAL};
 use std::sync::atomic::Ordering;
 
 fn demand(us: u64) -> Demand {

@@ -6,7 +6,7 @@
 mod common;
 
 use common::{CORES, Load, MS, SEC, assert_close, essential, essential_settings, run, steady};
-use governor::policy::{PdFetch, PdLimit, Policy, QuotaSource, Refusal, UsageSample};
+use keyspace_governor::policy::{PdFetch, PdLimit, Policy, QuotaSource, Refusal, UsageSample};
 use std::collections::BTreeMap;
 
 #[test]
@@ -221,7 +221,7 @@ fn seed_cap_06_no_pd_dependency() {
 #[test]
 fn essential_helper_is_the_seed_profile() {
     let fixture = include_str!("fixtures/seed_cap_essential.toml");
-    let mut from_fixture = governor::policy::Settings::from_toml(fixture, CORES).unwrap();
+    let mut from_fixture = keyspace_governor::policy::Settings::from_toml(fixture, CORES).unwrap();
     assert!(from_fixture.enable_adaptive_estimate, "the profile leaves the default on");
     from_fixture.enable_adaptive_estimate = false;
     assert_eq!(essential_settings(CORES, 0.4), from_fixture);

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{CORES, Load, MS, SEC, assert_close, base, essential, essential_settings, run, steady};
-use governor::policy::{AdmissionMode, Policy, Refusal, Settings};
+use keyspace_governor::policy::{AdmissionMode, Policy, Refusal, Settings};
 
 #[test]
 fn seed_cap_09_runtime_top_up_uses_only_tenant_and_global_buckets() {
@@ -81,7 +81,7 @@ fn seed_cap_10_low_priority_dag_is_cap_aware() {
         (g.low_priority_us(), g.tenant_us(), g.global_us()),
         (320_000, 320_000, 320_000)
     );
-    assert_eq!(p.keyspace(7).unwrap().source(), governor::policy::QuotaSource::TenantCap);
+    assert_eq!(p.keyspace(7).unwrap().source(), keyspace_governor::policy::QuotaSource::TenantCap);
     let low_before = p.low_priority_bucket().available_us();
     assert_eq!(low_before, 400_000 - 320_000);
     let err = p.allocate_low_priority(7, Some(1000), 0).unwrap_err();
@@ -228,7 +228,7 @@ fn seed_cap_13_disabling_the_cap_removes_auto_created_buckets() {
     p.set_tenant_max_cpu_ratio(0.0).unwrap();
     assert_eq!(p.keyspace_count(), 0);
     assert_eq!(p.tenant_cap_refill_us(), 0);
-    assert!(p.keyspaces_from(governor::policy::QuotaSource::TenantCap).is_empty());
+    assert!(p.keyspaces_from(keyspace_governor::policy::QuotaSource::TenantCap).is_empty());
     let g = p.allocate(1, Some(10_000_000), 0).unwrap();
     assert!(g.is_skip(), "reverted to legacy skip-throttle");
     p.release(g, 10_000_000);

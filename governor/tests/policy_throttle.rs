@@ -4,7 +4,7 @@
 mod common;
 
 use common::{MS, SEC, base};
-use governor::policy::{
+use keyspace_governor::policy::{
     AdmissionMode, FairInput, Policy, QuotaSource, Refusal, Settings, UsageSample, fair_allocate,
 };
 

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{SEC, base};
-use governor::policy::{
+use keyspace_governor::policy::{
     Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Policy, Refusal, Settings, WriteLimitKind,
 };
 
@@ -144,7 +144,7 @@ fn write_bytes_and_the_in_flight_place_come_back_when_cpu_refuses() {
     let p = Policy::new(
         Settings {
             pending_write_threshold_bytes: 1000,
-            admission_mode: governor::policy::AdmissionMode::Enforced,
+            admission_mode: keyspace_governor::policy::AdmissionMode::Enforced,
             max_concurrent_per_tenant: 10,
             keyspace_cpu_quotas_millicores: [(1, 100)].into(), // 1_000 µs per 10 ms, capacity 10_000
             ..base()

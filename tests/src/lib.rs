@@ -2,7 +2,7 @@
 //! binary as separate processes, and reads the agent over its socket.
 
 use anyhow::{bail, Context, Result};
-use governor::proto::StatusReport;
+use keyspace_governor::proto::StatusReport;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -30,6 +30,12 @@ pub fn workload_bin() -> PathBuf {
 /// The `reader-server` binary of the governor-reader crate (READER_SERVER_BIN overrides).
 pub fn reader_server_bin() -> PathBuf {
     std::env::var_os("READER_SERVER_BIN").map(PathBuf::from).unwrap_or_else(|| profile_dir().join("reader-server"))
+}
+
+/// An example of the keyspace-governor package (`governor/examples/`),
+/// as `cargo test` builds it.
+pub fn example_bin(name: &str) -> PathBuf {
+    profile_dir().join("examples").join(name)
 }
 
 /// The `demo` binary (DEMO_BIN overrides).
@@ -256,7 +262,7 @@ impl Agent {
     }
 
     pub fn status(&self) -> Result<StatusReport> {
-        Ok(governor::cli::status::run(&self.socket)?)
+        Ok(keyspace_governor::cli::status::run(&self.socket)?)
     }
 
     /// Charged CPU seconds of `keyspace_id` (0 when never charged).
@@ -372,9 +378,8 @@ pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, Bu
 /// `ratio` of the node's cores.
 pub fn essential_config(ratio: f64) -> String {
     format!(
-        "[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nenabled = true\n\
-         enforce-global-limit = true\ntenant-max-cpu-ratio = {ratio}\nenable-burst = false\n\
-         enable-fair-allocation = false\nenable-dynamic-adjustment = false\n[agent]\nmax-threads = 256\n"
+        "[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nprofile = \"essential\"\n\
+         tenant-max-cpu-ratio = {ratio}\n[agent]\nmax-threads = 256\n"
     )
 }
 

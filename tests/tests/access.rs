@@ -39,7 +39,7 @@ fn by_default_only_the_owner_and_group_can_reach_the_socket() {
     let agent = Agent::start_default("ebpf").unwrap();
     let meta = std::fs::metadata(&agent.socket).unwrap();
     assert_eq!(meta.permissions().mode() & 0o777, 0o660);
-    assert_eq!(meta.gid(), governor::sys::effective_gid());
+    assert_eq!(meta.gid(), keyspace_governor::sys::effective_gid());
     let o = governor_as(NOBODY, &agent, &["status", "--json"]);
     assert_ne!(o.status.code(), Some(0), "{}", text(&o));
     assert!(text(&o).contains("Permission denied"), "{}", text(&o));

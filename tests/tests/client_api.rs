@@ -2,8 +2,8 @@
 //! restore the previous tag, the `Tagged` future charges exactly its polls,
 //! and the thread clock follows CLOCK_THREAD_CPUTIME_ID.
 
-use governor::client::{self, Client, TaggedExt};
-use governor::sys;
+use keyspace_governor::client::{self, Client, TaggedExt};
+use keyspace_governor::sys;
 use governor_tests::Agent;
 use std::future::Future;
 use std::pin::Pin;
@@ -207,7 +207,7 @@ fn agent_publishes_the_tsc_clock_where_the_kernel_keeps_time_on_it() {
     let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let agent = Agent::start("ebpf", "").unwrap();
     // Published once the agent has two calibration anchors (100 ms apart).
-    let want = if governor::tsc::usable() { "tsc" } else { "vdso" };
+    let want = if keyspace_governor::tsc::usable() { "tsc" } else { "vdso" };
     governor_tests::eventually(&format!("thread clock source {want}"), || agent.status().unwrap().thread_clock_source == want);
     let fallback = Agent::start("thread-clock", "").unwrap();
     assert_eq!(fallback.status().unwrap().thread_clock_source, "thread-cputime");
@@ -252,7 +252,7 @@ fn a_forked_child_leaves_the_parents_registration_alone() {
             "charged {charged} ns for {spent} ns of CPU"
         );
         assert_eq!(c2.keyspace_cpu_ns(32), None, "the child created keyspace 32");
-        let status = governor::cli::status::run(&socket).unwrap();
+        let status = keyspace_governor::cli::status::run(&socket).unwrap();
         assert_eq!(status.threads.registered, 1, "the parent's slot was given back");
     })
     .join()

@@ -11,8 +11,8 @@
 //! After every attack the agent must still run, answer status within 1 s,
 //! and serve a new legitimate client (register, tag, ticket) within 1 s.
 
-use governor::client::{self, Client, Demand};
-use governor::proto::{Reply, Request, StatusReport};
+use keyspace_governor::client::{self, Client, Demand};
+use keyspace_governor::proto::{Reply, Request, StatusReport};
 use governor_tests::{essential_config, governor_bin, schedstat_ns, steal_tick_ns, workload_bin, Agent, Stretch};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
@@ -174,7 +174,7 @@ fn rss_kib(pid: u32) -> u64 {
 fn timed_status(agent: &Agent) -> (StatusReport, Duration) {
     let t0 = Instant::now();
     let s = agent.status().unwrap_or_else(|e| {
-        panic!("status failed after {:?}: {}; agent log:\n{}", t0.elapsed(), governor::error_chain(e.as_ref()), tail(&agent.log_text()))
+        panic!("status failed after {:?}: {}; agent log:\n{}", t0.elapsed(), keyspace_governor::error_chain(e.as_ref()), tail(&agent.log_text()))
     });
     (s, t0.elapsed())
 }
@@ -189,8 +189,8 @@ fn tail(log: &str) -> &str {
 
 /// Spins until the calling thread ran `d` more CPU.
 fn burn(d: Duration) {
-    let end = governor::sys::thread_cputime_ns() + d.as_nanos() as u64;
-    while governor::sys::thread_cputime_ns() < end {
+    let end = keyspace_governor::sys::thread_cputime_ns() + d.as_nanos() as u64;
+    while keyspace_governor::sys::thread_cputime_ns() < end {
         std::hint::spin_loop();
     }
 }
@@ -206,7 +206,7 @@ fn legitimate_round_trip(socket: &Path, client: Option<Client>, keyspace: u32) -
     std::thread::spawn(move || {
         let t0 = Instant::now();
         let r = (|| {
-            let chain = |what: &str, e: &(dyn std::error::Error + 'static)| format!("{what}: {}", governor::error_chain(e));
+            let chain = |what: &str, e: &(dyn std::error::Error + 'static)| format!("{what}: {}", keyspace_governor::error_chain(e));
             let c = match client {
                 Some(c) => c,
                 None => Client::connect(&socket).map_err(|e| chain("connect", &e))?,
@@ -260,7 +260,7 @@ impl Victim {
         let thread = std::thread::spawn(move || {
             c.register_current_thread().expect("the victim registers");
             let _g = client::tag(keyspace).expect("the victim tags");
-            tid_tx.send(governor::sys::gettid()).expect("test alive");
+            tid_tx.send(keyspace_governor::sys::gettid()).expect("test alive");
             while let Ok(Some(d)) = orders.recv() {
                 burn(d);
                 let _ = finished.send(());

@@ -16,7 +16,7 @@ fn a_server_started_before_the_agent_is_governed_once_it_answers() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let agent = Agent::start_on("ebpf", &essential_config(0.5 / cores), &socket).unwrap();
     // The agent answers from here on (start_on returns once it does).
-    let answered_ns = governor::sys::monotonic_ns();
+    let answered_ns = keyspace_governor::sys::monotonic_ns();
     let windows = agent.sample_windows(9, 3, Some(child.id())).unwrap();
     let mut line = String::new();
     out.read_line(&mut line).unwrap();

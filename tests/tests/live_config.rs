@@ -119,6 +119,69 @@ fn only_root_or_the_agents_uid_may_change_the_configuration() {
     assert_eq!(agent.status().unwrap().config_updates.rejected, 0, "a refused peer is not a refused configuration");
 }
 
+/// The seeds' Essential profile in one step from the embedded default:
+/// the tenant cap alone is refused there (its required settings conflict,
+/// and the refusal names the profile), `profile=essential` switches them
+/// together with a cap of 0.4, after which the cap moves on its own; a
+/// greedy tenant is then held at the cap; `profile=premium` goes back.
+#[test]
+fn one_step_to_the_essential_profile_and_back() {
+    let agent = Agent::start_default("ebpf").expect("agent");
+    let throttle = |a: &Agent| a.status().expect("status").admission.throttle;
+    assert!(!throttle(&agent) && cap_ratio(&agent) == 0.0, "the default: no throttle, no cap");
+    let cap = "resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25";
+    let o = governor(&agent, &["config", "set", cap]);
+    assert_eq!(o.status.code(), Some(64), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    for key in ["enforce-global-limit", "enable-burst", "enable-fair-allocation", "enable-dynamic-adjustment"] {
+        assert!(err.contains(&format!("cpu-throttle.{key}: must be")), "{key} named: {}", text(&o));
+    }
+    assert!(err.contains("profile = \"essential\" sets every such key"), "the refusal names the one step: {}", text(&o));
+    assert_eq!(cap_ratio(&agent), 0.0, "refused whole");
+
+    let o = governor(&agent, &["config", "set", "resource-control.cpu-throttle.profile=essential", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    let changed: Vec<&str> = v["changes"].as_array().unwrap().iter().filter_map(|c| c["key"].as_str()).collect();
+    eprintln!("profile=essential changed {changed:?}");
+    for key in ["profile", "enabled", "enforce-global-limit", "enable-burst", "enable-fair-allocation", "enable-dynamic-adjustment", "tenant-max-cpu-ratio"] {
+        assert!(changed.contains(&format!("resource-control.cpu-throttle.{key}").as_str()), "{key} in {changed:?}");
+    }
+    assert_eq!(changed.len(), 7, "only the profile's keys that differed: {changed:?}");
+    assert!(throttle(&agent), "the throttle is on");
+    assert_eq!(cap_ratio(&agent), 0.4, "the seed's example cap");
+
+    // The README's own example now works as written.
+    let o = governor(&agent, &["config", "set", cap]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(cap_ratio(&agent), 0.25);
+    // And the cap acts: a greedy tenant on every core is held at it.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let mut greedy = Command::new(governor_tests::workload_bin())
+        .args(["tickets", "--keyspace", "91", "--threads", "2", "--seconds", "5", "--socket"])
+        .arg(&agent.socket)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("workload");
+    std::thread::sleep(Duration::from_secs(1));
+    let windows = agent.sample_windows(91, 3, None).expect("windows");
+    let _ = greedy.wait();
+    let want = 0.25 * cores;
+    for (i, w) in windows.iter().enumerate() {
+        eprintln!("window {i}: {:.3} cores (cap {want:.3}), steal {:.1} %", w.cores, w.steal_pct);
+        assert!(w.cores <= want * 1.10, "window {i}: {:.3} cores over the cap {want:.3}", w.cores);
+        assert!(w.cores >= want * (0.85 - w.steal_pct / 100.0), "window {i}: {:.3} cores, held below the cap {want:.3}", w.cores);
+    }
+
+    // A tenant cap and premium do not mix; premium restores its defaults.
+    let o = governor(&agent, &["config", "set", "resource-control.cpu-throttle.profile=premium"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(cap_ratio(&agent), 0.0);
+    let o = governor(&agent, &["config", "set", cap]);
+    assert_eq!(o.status.code(), Some(64), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("must be 0 with profile = \"premium\""), "{}", text(&o));
+}
+
 #[test]
 fn the_embedded_default_has_no_file_to_reload_but_can_be_set() {
     let agent = Agent::start_default("auto").expect("agent");

@@ -188,23 +188,23 @@ fn auto_without_capabilities_falls_back_and_says_so() {
     while !socket.exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let status = governor::cli::status::run(&socket);
+    let status = keyspace_governor::cli::status::run(&socket);
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(status.expect("fallback agent answers").backend, governor::proto::BackendKind::ThreadClock);
+    assert_eq!(status.expect("fallback agent answers").backend, keyspace_governor::proto::BackendKind::ThreadClock);
     assert!(stderr.contains("thread-clock") && stderr.contains("CAP_BPF"), "{stderr}");
 }
 
 #[test]
 fn client_on_a_missing_socket_gets_a_typed_error_naming_the_path() {
     let path = std::path::Path::new("/tmp/governor-no-such-dir/agent.sock");
-    match governor::client::Client::connect(path) {
-        Err(governor::client::ClientError::Connect { path: p, .. }) => assert_eq!(p, path),
+    match keyspace_governor::client::Client::connect(path) {
+        Err(keyspace_governor::client::ClientError::Connect { path: p, .. }) => assert_eq!(p, path),
         Err(other) => panic!("wrong error: {other}"),
         Ok(_) => panic!("connected to nothing"),
     }
-    let err = governor::client::Client::connect(path).err().unwrap();
+    let err = keyspace_governor::client::Client::connect(path).err().unwrap();
     assert!(err.to_string().contains("/tmp/governor-no-such-dir/agent.sock"), "{err}");
 }
 

@@ -4,7 +4,7 @@
 //! `governor status` reports; past `agent.metrics-max-keyspaces` the
 //! smallest keyspaces fold into `keyspace_id="other"`.
 
-use governor::client::{self, Client};
+use keyspace_governor::client::{self, Client};
 use governor_tests::{essential_config, run_workload, Agent, Scratch};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -220,8 +220,8 @@ fn past_the_limit_the_smallest_keyspaces_fold_into_other() {
     // Four keyspaces with 40, 30, 20 and 10 ms of CPU.
     for (ks, ms) in [(11u32, 40u64), (12, 30), (13, 20), (14, 10)] {
         let _g = client::tag(ks).unwrap();
-        let end = governor::sys::thread_cputime_ns() + ms * 1_000_000;
-        while governor::sys::thread_cputime_ns() < end {}
+        let end = keyspace_governor::sys::thread_cputime_ns() + ms * 1_000_000;
+        while keyspace_governor::sys::thread_cputime_ns() < end {}
     }
     client::clear_tag();
     let status = agent.status().unwrap();

@@ -4,7 +4,7 @@
 //! TTL, and `governor status` and the `tikv_service_limit_*` metrics say
 //! what happened.
 
-use governor::proto::{PdKeyspaceStatus, PdStatus, StatusReport};
+use keyspace_governor::proto::{PdKeyspaceStatus, PdStatus, StatusReport};
 use governor_tests::fake_pd::{FakePd, Reply};
 use governor_tests::{governor_bin, scrape_metrics, Agent, Scratch};
 use std::process::Command;

@@ -3,8 +3,8 @@
 //! ticket moved into `spawn_blocking` charges the kernel's count of that
 //! work to its keyspace.
 
-use governor::client::{self, Client, Demand};
-use governor::sys;
+use keyspace_governor::client::{self, Client, Demand};
+use keyspace_governor::sys;
 use governor_tests::{essential_config, Agent};
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! quotas split a saturated node, burst fills an idle one, waiters are woken
 //! by refunds in arrival order and leave at their deadline.
 
-use governor::client::{Client, Demand};
+use keyspace_governor::client::{Client, Demand};
 use governor_tests::{blocked_in_futex, essential_config, eventually, spawn_workload_started, thread_schedstat, Agent, Stretch};
 use std::io::BufRead;
 use std::sync::Mutex;
@@ -178,7 +178,7 @@ fn a_refund_wakes_a_waiter_long_before_the_next_refill() {
         let c2 = c.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         let waiter = std::thread::spawn(move || {
-            tx.send(governor::sys::gettid()).unwrap();
+            tx.send(keyspace_governor::sys::gettid()).unwrap();
             let wait0 = thread_schedstat().1;
             let t = c2.acquire(5, Demand::new().estimate_us(60_000).timeout(Duration::from_secs(3)));
             let served_at = Instant::now();
@@ -219,7 +219,7 @@ fn waiters_of_one_keyspace_are_served_in_arrival_order() {
             let (c, tx) = (c.clone(), tx.clone());
             let (tid_tx, tid_rx) = std::sync::mpsc::channel();
             let w = std::thread::spawn(move || {
-                tid_tx.send(governor::sys::gettid()).unwrap();
+                tid_tx.send(keyspace_governor::sys::gettid()).unwrap();
                 let t = c.acquire(6, Demand::new().estimate_us(20_000).timeout(Duration::from_secs(30)));
                 tx.send(i).unwrap();
                 // Hold it a while, so served waiters do not refund to the next.

@@ -3,7 +3,7 @@
 //! order, and `Ticket::run` charges the keyspace exactly the CPU of its
 //! future's polls.
 
-use governor::client::{self, Client, Demand};
+use keyspace_governor::client::{self, Client, Demand};
 use governor_tests::{essential_config, Agent};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -11,15 +11,15 @@ use std::time::{Duration, Instant};
 
 /// Spins for `ns` of this thread's CPU time; returns the CPU it took.
 fn burn_cpu(ns: u64) -> u64 {
-    let start = governor::sys::thread_cputime_ns();
+    let start = keyspace_governor::sys::thread_cputime_ns();
     let mut x = 1u64;
-    while governor::sys::thread_cputime_ns() - start < ns {
+    while keyspace_governor::sys::thread_cputime_ns() - start < ns {
         for i in 0..200 {
             x = x.rotate_left(5) ^ i;
         }
     }
     std::hint::black_box(x);
-    governor::sys::thread_cputime_ns() - start
+    keyspace_governor::sys::thread_cputime_ns() - start
 }
 
 #[test]

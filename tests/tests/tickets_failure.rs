@@ -3,7 +3,7 @@
 //! returns everything), a client scribbles on the regions (the agent keeps
 //! serving the others).
 
-use governor::client::{self, Client, Demand};
+use keyspace_governor::client::{self, Client, Demand};
 use governor_tests::{Agent, Holder, Stretch};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -57,8 +57,8 @@ fn a_dead_agent_admits_everyone_within_a_second_and_a_new_one_governs_again() {
                         }
                     if let Ok(mut t) = r {
                         let _g = t.enter();
-                        let end = governor::sys::thread_cputime_ns() + 2_000_000;
-                        while governor::sys::thread_cputime_ns() < end {}
+                        let end = keyspace_governor::sys::thread_cputime_ns() + 2_000_000;
+                        while keyspace_governor::sys::thread_cputime_ns() < end {}
                     }
                 }
             })

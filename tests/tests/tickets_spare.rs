@@ -2,7 +2,7 @@
 //! refund for its next ticket of the same keyspace. The agent sees it in
 //! flight, and gets it back when the thread ends.
 
-use governor::client::{Client, Demand};
+use keyspace_governor::client::{Client, Demand};
 use governor_tests::{essential_config, Agent};
 
 #[test]

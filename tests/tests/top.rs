@@ -23,9 +23,9 @@ fn top_redraws_in_a_terminal_and_shows_the_busy_keyspace_first() {
     let agent = Agent::start("ebpf", "").unwrap();
     let (mut busy, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "42", "--seconds", "6"]).unwrap();
     // A quiet keyspace too: it sorts below.
-    let client = governor::client::Client::connect(&agent.socket).unwrap();
+    let client = keyspace_governor::client::Client::connect(&agent.socket).unwrap();
     client.register_current_thread().unwrap();
-    drop(governor::client::tag(7).unwrap());
+    drop(keyspace_governor::client::tag(7).unwrap());
     let session = format!("governor-top-{}", std::process::id());
     let cmd = format!("{} top --socket {} --interval 0.5", governor_bin().display(), agent.socket.display());
     let o = tmux(&["new-session", "-d", "-s", &session, "-x", "150", "-y", "30", &cmd]);

@@ -191,7 +191,7 @@ fn dist(arch: Option<dist::Arch>) -> Result<()> {
     }
     if arch != Some(dist::Arch::X86_64) {
         setup::setup(true)?;
-        run(cross_env(cargo())?.args(["build", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", "governor", "--bins"]))?;
+        run(cross_env(cargo())?.args(["build", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bins"]))?;
         let (_, deb) = dist::package(dist::Arch::Aarch64)?;
         check_deb(&deb, "arm64")?;
     }
@@ -203,11 +203,12 @@ fn dist(arch: Option<dist::Arch>) -> Result<()> {
 const AGENT_ONLY_CRATES: &[&str] =
     &["aya", "aya-build", "aya-log", "aya-obj", "clap", "dashmap", "env_logger", "procfs", "prometheus", "tokio", "toml"];
 
-/// The light client builds and passes its unit tests on stable Rust, and
-/// its dependency tree (build dependencies included) holds none of
-/// [`AGENT_ONLY_CRATES`].
+/// The light client builds and passes its unit tests on stable Rust, its
+/// dependency tree (build dependencies included) holds none of
+/// [`AGENT_ONLY_CRATES`], its rustdoc builds with no warning, and it
+/// packages for crates.io.
 fn light_client() -> Result<()> {
-    let features = ["-p", "governor", "--no-default-features", "--features", "client"];
+    let features = ["-p", "keyspace-governor", "--no-default-features", "--features", "client"];
     let stable = || {
         let mut c = Command::new("rustup");
         c.args(["run", "stable", "cargo"]);
@@ -230,7 +231,14 @@ fn light_client() -> Result<()> {
         bail!("the light client depends on {found:?}:\n{text}");
     }
     eprintln!("light client: {} crates, none of {AGENT_ONLY_CRATES:?}", text.lines().collect::<std::collections::BTreeSet<_>>().len());
-    Ok(())
+    // Its documentation is its API: no broken link, nothing undocumented
+    // (the crate denies missing docs in this build).
+    run(stable().args(["doc", "--no-deps"]).args(features).env("RUSTDOCFLAGS", "-D warnings"))?;
+    // What a server links must package and build from its own sources as
+    // crates.io would serve them (together: the client needs its layouts).
+    run(stable()
+        .args(["publish", "--dry-run", "--allow-dirty", "-p", "keyspace-governor-common", "-p", "keyspace-governor"])
+        .current_dir(root()))
 }
 
 /// `c` with the aarch64 cross linker and qemu-user runner.
@@ -242,7 +250,7 @@ fn host_ebpf_object() -> Result<PathBuf> {
         return Ok(p.clone());
     }
     let mut c = cargo();
-    c.args(["build", "--release", "-p", "governor", "--bin", "governor", "--message-format=json-render-diagnostics"])
+    c.args(["build", "--release", "-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bin", "governor", "--message-format=json-render-diagnostics"])
         .current_dir(root())
         .stderr(std::process::Stdio::inherit());
     let out = c.output().with_context(|| format!("starting {c:?}"))?;
@@ -276,10 +284,10 @@ fn cross_env(mut c: Command) -> Result<Command> {
 /// (layouts, config, policy, regions) under qemu-user.
 fn cross_aarch64() -> Result<()> {
     let target = "aarch64-unknown-linux-gnu";
-    run(cross_env(cargo())?.args(["build", "--release", "--target", target, "-p", "governor", "--bins"]))?;
-    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "governor-common"]))?;
+    run(cross_env(cargo())?.args(["build", "--release", "--target", target, "-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bins"]))?;
+    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "keyspace-governor-common"]))?;
     // governor's own integration tests are the pure config and policy suites.
-    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "governor", "--lib", "--tests"]))
+    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "keyspace-governor", "--features", "agent", "--lib", "--tests"]))
 }
 
 fn tests_bin(name: &str) -> PathBuf {

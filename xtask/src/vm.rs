@@ -156,7 +156,7 @@ fn build(arch: Arch) -> Result<Built> {
     };
     let mut built = Built { exes: BTreeMap::new() };
     let mut bins = cmd("build")?;
-    bins.args(["-p", "governor", "--bin", "governor", "-p", "governor-tests", "--bin", "workload"]);
+    bins.args(["-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bin", "governor", "-p", "governor-tests", "--bin", "workload"]);
     let mut tests = cmd("test")?;
     tests.args(["--no-run", "-p", "governor-tests"]);
     for t in TESTS {

@@ -9,7 +9,7 @@
 
 use crate::policy::{self, Grant, Policy};
 use crate::region::{LedgerMemory, RegionError};
-use governor_common::admission::{counter, LEDGER_LEN, TICKET_FREE, TICKET_HELD, T_COUNTED, T_SPARE};
+use keyspace_governor_common::admission::{counter, LEDGER_LEN, TICKET_FREE, TICKET_HELD, T_COUNTED, T_SPARE};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 

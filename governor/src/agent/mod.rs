@@ -207,7 +207,7 @@ impl Shared {
         let mut pinned: HashSet<u32> = slots
             .held_slots()
             .filter_map(|s| m.regions.slots.get(s))
-            .filter_map(|v| governor_common::cell_of_tag(v.tag.load(Ordering::Relaxed)))
+            .filter_map(|v| keyspace_governor_common::cell_of_tag(v.tag.load(Ordering::Relaxed)))
             .collect();
         pinned.extend(self.lock_rules().cells());
         pinned

@@ -35,7 +35,7 @@ use crate::config::{ProcessIdentity, Rule};
 use crate::measure::ebpf::RuleMaps;
 use crate::measure::Measurement;
 use crate::proto::RuleStatus;
-use governor_common::{RuleEvent, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, TAG_PENDING};
+use keyspace_governor_common::{RuleEvent, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, TAG_PENDING};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -19,7 +19,7 @@ use crate::config::{Access, Peer, Role};
 use super::{AgentError, Shared};
 use crate::policy::{Demand, Grant};
 use crate::proto::{Reply, Request};
-use governor_common::admission::LEDGER_LEN;
+use keyspace_governor_common::admission::LEDGER_LEN;
 use std::collections::HashMap;
 use crate::region::fd;
 use crate::sys;
@@ -360,7 +360,7 @@ fn hello(shared: &Shared, conn: u64) -> (Reply, Option<Vec<RawFd>>) {
     fds[fd::PARAMS] = params;
     fds[fd::LEDGER] = ledger;
     let mut sizes = m.sizes;
-    sizes.ledger = governor_common::admission::LEDGER_LEN;
+    sizes.ledger = keyspace_governor_common::admission::LEDGER_LEN;
     (Reply::Hello { backend: m.kind, sizes, instance: shared.instance }, Some(fds))
 }
 
@@ -375,7 +375,7 @@ fn keyspace(shared: &Shared, id: u32, uid: u32) -> (Reply, Option<Vec<RawFd>>) {
         owners.retain(|&cell, &mut (_, generation)| {
             r.keyspace_cell(cell).is_some_and(|(_, p)| {
                 p.generation.load(std::sync::atomic::Ordering::Acquire) == generation
-                    && p.entry().0 == governor_common::admission::DIR_LIVE
+                    && p.entry().0 == keyspace_governor_common::admission::DIR_LIVE
             })
         });
         let held = owners.values().filter(|(u, _)| *u == uid).count();

@@ -3,7 +3,7 @@
 
 use crate::measure::Measurement;
 use crate::proto::ThreadStats;
-use governor_common::{SLOT_FREE, SLOT_LIVE, TAG_NONE};
+use keyspace_governor_common::{SLOT_FREE, SLOT_LIVE, TAG_NONE};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 

@@ -160,7 +160,7 @@ impl Shared {
                     name: String::new(),
                     uid,
                     slot,
-                    keyspace: governor_common::cell_of_tag(tag).and_then(|c| ids.get(&c).copied()),
+                    keyspace: keyspace_governor_common::cell_of_tag(tag).and_then(|c| ids.get(&c).copied()),
                     cpu_seconds: view.map_or(0, |v| v.oncpu_ns.load(Ordering::Relaxed)) as f64 / 1e9,
                 }
             })

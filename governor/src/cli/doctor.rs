@@ -146,13 +146,13 @@ fn clocksource() -> Check {
 
 fn pid_max() -> Check {
     match crate::procs::pid_max() {
-        Some(p) if p <= governor_common::DEFAULT_MAX_TIDS => {
+        Some(p) if p <= keyspace_governor_common::DEFAULT_MAX_TIDS => {
             ok("pid-max", format!("kernel.pid_max = {p}: the tid table is sized to it at start"))
         }
         Some(p) => fail(
             "pid-max",
-            format!("kernel.pid_max = {p} exceeds the tid table's {} entries", governor_common::DEFAULT_MAX_TIDS),
-            format!("sysctl -w kernel.pid_max={}", governor_common::DEFAULT_MAX_TIDS),
+            format!("kernel.pid_max = {p} exceeds the tid table's {} entries", keyspace_governor_common::DEFAULT_MAX_TIDS),
+            format!("sysctl -w kernel.pid_max={}", keyspace_governor_common::DEFAULT_MAX_TIDS),
         ),
         None => warn("pid-max", "cannot read kernel.pid_max", "check /proc/sys/kernel/pid_max"),
     }
@@ -182,7 +182,7 @@ fn cgroups() -> Check {
 
 fn custom_slice(v: Option<(u32, u32)>) -> Check {
     if v.is_some_and(|v| v >= (6, 12)) {
-        ok("sched-slice", "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (governor::sys::set_thread_slice)")
+        ok("sched-slice", "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (keyspace_governor::sys::set_thread_slice)")
     } else {
         warn(
             "sched-slice",

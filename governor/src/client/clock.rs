@@ -34,7 +34,7 @@ impl ThreadRef<'_> {
     /// switch-in plus the time since then. The reads are valid when the CPU's
     /// `seq` did not move and the thread stayed on that CPU; otherwise a switch
     /// split them and we read again. An anchor that is not this thread's
-    /// current one (see [`governor_common::CpuCell`]) is not used: the thread
+    /// current one (see [`keyspace_governor_common::CpuCell`]) is not used: the thread
     /// reads the syscall, which is the same timeline.
     #[inline]
     pub fn clock(&self) -> u64 {

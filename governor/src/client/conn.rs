@@ -6,7 +6,7 @@ use super::clock::ThreadRef;
 use crate::proto::{BackendKind, Reply, Request};
 use crate::region::{fd, AdmissionRegions, MeasureRegions, RegionError, RegionSizes, Table, TicketView};
 use crate::sys;
-use governor_common::{cpu_owner, TAG_NONE};
+use keyspace_governor_common::{cpu_owner, TAG_NONE};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -28,22 +28,51 @@ const MAX_ATTACHMENTS: usize = 1024;
 /// server started before its agent is governed within this of its start.)
 const REATTACH_MAX_BACKOFF: Duration = Duration::from_millis(250);
 
+/// What can go wrong between a client and its agent.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The control socket could not be opened ([`Client::connect`]; from
+    /// [`Client::new`] only when the error is the operator's, e.g. permission
+    /// denied).
     #[error("cannot connect to the governor agent at {path}")]
-    Connect { path: PathBuf, #[source] source: std::io::Error },
+    Connect {
+        /// The socket's path.
+        path: PathBuf,
+        /// The connect error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading or writing the control socket failed.
     #[error("talking to the governor agent failed")]
     Io(#[from] std::io::Error),
+    /// The agent answered something this client does not understand
+    /// (an agent of another version).
     #[error("the agent sent a malformed reply: {detail}")]
-    Protocol { detail: String },
+    Protocol {
+        /// What was wrong.
+        detail: String,
+    },
+    /// The agent refused the request (e.g. no free thread slot, or this
+    /// process may not connect).
     #[error("the agent refused: {message}")]
-    Refused { message: String },
+    Refused {
+        /// The agent's reason.
+        message: String,
+    },
+    /// A shared region could not be mapped, or the keyspace table is full.
     #[error(transparent)]
     Region(#[from] RegionError),
+    /// [`Client::register_current_thread`] on a thread already registered.
     #[error("this thread is already registered")]
     AlreadyRegistered,
+    /// The client was created in a parent process; a child must create its own.
     #[error("this client was connected by process {parent}; a forked child must connect its own")]
-    Forked { parent: u32 },
+    Forked {
+        /// The process that created the client.
+        parent: u32,
+    },
+    /// No agent answers now: the client re-attaches by itself, and
+    /// admission is fail-open meanwhile.
     #[error("the governor agent is gone; this client re-attaches when one is back")]
     AgentGone,
 }
@@ -75,6 +104,7 @@ fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
 }
 
 /// One request on a fresh connection, without `hello` (operator verbs).
+#[cfg(feature = "agent")]
 pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
     let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
     stream.set_read_timeout(Some(CALL_TIMEOUT))?;
@@ -359,11 +389,11 @@ impl Client {
     /// thread runs unmeasured.
     ///
     /// ```no_run
-    /// # let client = governor::client::Client::new("/run/governor/governor.sock")?;
+    /// # let client = keyspace_governor::client::Client::new("/run/governor/governor.sock")?;
     /// # struct Builder; impl Builder { fn on_thread_park(self, _f: impl Fn() + Send + Sync + 'static) -> Self { self } }
     /// # let builder = Builder;
     /// let builder = builder.on_thread_park(client.register_on_park());
-    /// # Ok::<(), governor::client::ClientError>(())
+    /// # Ok::<(), keyspace_governor::client::ClientError>(())
     /// ```
     pub fn register_on_park(&self) -> impl Fn() + Send + Sync + 'static {
         let client = self.clone();
@@ -398,6 +428,7 @@ impl Client {
     }
 
     /// Sends one request on the current attachment and waits for its reply.
+    #[cfg(feature = "agent")]
     pub fn call(&self, req: &Request) -> Result<Reply, ClientError> {
         self.check_fork()?;
         self.attachment().ok_or(ClientError::AgentGone)?.call(req)

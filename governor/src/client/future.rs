@@ -1,7 +1,7 @@
 //! A future that charges every poll to its keyspace.
 
 use super::set_raw_tag;
-use governor_common::tag_for_cell;
+use keyspace_governor_common::tag_for_cell;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -19,10 +19,12 @@ pin_project_lite::pin_project! {
 }
 
 impl<F> Tagged<F> {
+    /// `inner`, each poll of it charged to `keyspace_id`.
     pub fn new(keyspace_id: u32, inner: F) -> Self {
         Tagged { inner, keyspace_id }
     }
 
+    /// The keyspace its polls are charged to.
     pub fn keyspace_id(&self) -> u32 {
         self.keyspace_id
     }
@@ -54,6 +56,7 @@ impl<F: Future> Future for Tagged<F> {
 
 /// `.tagged(keyspace)` on any future.
 pub trait TaggedExt: Future + Sized {
+    /// This future, each poll of it charged to `keyspace_id` (see [`Tagged`]).
     fn tagged(self, keyspace_id: u32) -> Tagged<Self> {
         Tagged::new(keyspace_id, self)
     }

@@ -150,7 +150,7 @@ fn run(client: Weak<Inner>) {
                 && let (Some(att), Some(c)) = (&att, cell)
                 && let Some((b, _)) = att.admission.keyspace_cell(c)
             {
-                b.count(governor_common::admission::counter::POOL_REJECTED, n);
+                b.count(keyspace_governor_common::admission::counter::POOL_REJECTED, n);
             }
             let mut woken = Vec::new();
             j.waiters.retain(|(e, k, w)| {

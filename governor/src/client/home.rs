@@ -17,7 +17,7 @@
 use super::conn::Attachment;
 use crate::policy::Spare;
 use crate::region::TicketView;
-use governor_common::admission::{TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_SPARE};
+use keyspace_governor_common::admission::{TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_SPARE};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

@@ -16,14 +16,14 @@
 //!   not use when dropped.
 //!
 //! ```no_run
-//! use governor::client::{self, Client};
+//! use keyspace_governor::client::{self, Client};
 //! let c = Client::connect("/run/governor/governor.sock")?;
 //! c.register_current_thread()?;
 //! {
 //!     let _g = client::tag(42)?; // CPU from here on is keyspace 42's
 //!     // ... serve the request ...
 //! } // back to the previous tag
-//! # Ok::<(), governor::client::ClientError>(())
+//! # Ok::<(), keyspace_governor::client::ClientError>(())
 //! ```
 
 mod clock;
@@ -34,12 +34,19 @@ mod home;
 mod ticket;
 mod wait;
 
-pub use conn::{handshake, request, Client, ClientError, CALL_TIMEOUT};
+pub use conn::{Client, ClientError};
+#[cfg(feature = "agent")]
+pub use conn::{handshake, request, CALL_TIMEOUT};
+pub use crate::policy::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
+pub use crate::proto::BackendKind;
+pub use crate::region::{RegionError, RegionSizes};
+pub use crate::sys::{set_thread_slice, thread_cputime_ns};
+pub use ticket::FAIL_OPEN_AFTER;
 pub use future::{Tagged, TaggedExt};
 pub use ticket::{Demand, Refused, Ticket, TicketGuard};
 pub use wait::{AcquireFuture, Checkpoint, DeadlineFuture, TicketFuture};
 
-use governor_common::{tag_for_cell, TAG_NONE};
+use keyspace_governor_common::{tag_for_cell, TAG_NONE};
 use std::cell::RefCell;
 
 thread_local! {

@@ -22,8 +22,8 @@ use super::home;
 use crate::policy::{self, Grant, Knobs, Progress, Queued, Refusal};
 use crate::region::TicketView;
 use crate::sys;
-use governor_common::admission::{counter, KNOB_RUNTIME_TOPUP, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_COUNTED};
-use governor_common::tag_for_cell;
+use keyspace_governor_common::admission::{counter, KNOB_RUNTIME_TOPUP, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_COUNTED};
+use keyspace_governor_common::tag_for_cell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,17 +51,22 @@ pub struct Demand {
 }
 
 impl Demand {
+    /// The keyspace's published estimate, no write bytes, no wait.
     pub fn new() -> Demand {
         Demand::default()
     }
+    /// Expects `us` µs of CPU instead of the keyspace's estimate (the
+    /// agent bounds a grant to a tenth of the tenant's bucket).
     pub fn estimate_us(mut self, us: u64) -> Demand {
         self.estimate_us = Some(us);
         self
     }
+    /// Holds `bytes` of pending writes until the ticket drops.
     pub fn write_bytes(mut self, bytes: u64) -> Demand {
         self.write_bytes = bytes;
         self
     }
+    /// Waits in line for admission until `at`.
     pub fn deadline(mut self, at: Instant) -> Demand {
         self.deadline = Some(at);
         self
@@ -71,6 +76,7 @@ impl Demand {
         self.deadline = Some(Instant::now() + d);
         self
     }
+    /// Draws on the low-priority DAG bucket as well.
     pub fn low_priority(mut self) -> Demand {
         self.low_priority = true;
         self
@@ -85,7 +91,9 @@ impl Demand {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{reason} (waited {waited:?})")]
 pub struct Refused {
+    /// Why.
     pub reason: Refusal,
+    /// How long the request waited in line first.
     pub waited: Duration,
 }
 
@@ -464,6 +472,7 @@ impl Ticket {
         self.paced
     }
 
+    /// The keyspace the ticket admits.
     pub fn keyspace(&self) -> u32 {
         self.grant.keyspace()
     }
@@ -482,11 +491,6 @@ impl Ticket {
     /// Admitted without a check because no agent answered.
     pub fn is_fail_open(&self) -> bool {
         self.att.is_none()
-    }
-
-    /// The grant behind the ticket.
-    pub fn grant(&self) -> &Grant {
-        &self.grant
     }
 
     /// Runs the ticket's work on this thread until the guard drops: the

@@ -18,7 +18,7 @@ use super::ticket::{agent_alive, charged, granted, Demand, Refused, Ticket, LIVE
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::BucketView;
 use crate::sys;
-use governor_common::admission::counter;
+use keyspace_governor_common::admission::counter;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -322,7 +322,7 @@ impl Future for AcquireFuture {
             AcquireState::Waiting { client, keyspace, deadline, line, record } => {
                 let res = std::task::ready!(line.poll(cx));
                 let (att, idx) = (line.att.clone(), *record);
-                let free = || att.ledger.get(idx).map(|r| r.state.store(governor_common::admission::TICKET_FREE, Ordering::Release));
+                let free = || att.ledger.get(idx).map(|r| r.state.store(keyspace_governor_common::admission::TICKET_FREE, Ordering::Release));
                 let out = match res {
                     LineResult::Granted(g) => {
                         let waited = line.waited();
@@ -353,7 +353,7 @@ impl Drop for AcquireFuture {
         // itself gives its place back when it drops).
         if let AcquireState::Waiting { line, record, .. } = &self.state
             && let Some(r) = line.att.ledger.get(*record) {
-                r.state.store(governor_common::admission::TICKET_FREE, Ordering::Release);
+                r.state.store(keyspace_governor_common::admission::TICKET_FREE, Ordering::Release);
             }
     }
 }

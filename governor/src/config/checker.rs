@@ -99,7 +99,8 @@ impl Checker<'_> {
                 line: own_line.or_else(|| self.line(CAP_KEY)),
                 key,
                 reason: format!(
-                    "{reason} while tenant-max-cpu-ratio > 0 (essential tenant-cap mode){unset}"
+                    "{reason} while tenant-max-cpu-ratio > 0 (essential tenant-cap mode; \
+                     profile = \"essential\" sets every such key){unset}"
                 ),
             });
         }

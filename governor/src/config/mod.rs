@@ -1,4 +1,4 @@
-//! `governor::config` — the agent's configuration file.
+//! `keyspace_governor::config` — the agent's configuration file.
 //!
 //! # Layout
 //!
@@ -20,7 +20,7 @@
 //! - `error`: [`ConfigError`], [`ConfigErrors`], [`UpdateRejected`].
 //!
 //! ```
-//! # use governor::config::ValidatedConfig;
+//! # use keyspace_governor::config::ValidatedConfig;
 //! let cfg = ValidatedConfig::from_toml_str("[agent]\nmax-threads = 1\n").unwrap_err();
 //! assert_eq!(cfg.to_string(), "line 2: agent.max-threads: must be between 64 and 1048576, got 1");
 //! ```
@@ -47,7 +47,7 @@ pub use raw::{
     AdmissionMode, MeasureMode, RawAdmissionControl, RawAgent, RawConfig, RawResourceControl,
     RawWriteQuota,
 };
-pub use raw_throttle::RawCpuThrottle;
+pub use raw_throttle::{Profile, RawCpuThrottle, ESSENTIAL_TENANT_MAX_CPU_RATIO};
 pub use rules::{cgroup_roots, ProcessIdentity, RawRule, Rule, MAX_RULES};
 pub use source::SourceMap;
 pub use units::{ByteSize, ConfigDuration};

@@ -13,6 +13,11 @@ use super::units::ConfigDuration;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct RawCpuThrottle {
+    /// A deployment profile: `"custom"` (default: every key as written or
+    /// its default), `"essential"` (the tenant-cap seed's Essential profile,
+    /// §4.1: keys the file leaves out take its values) or `"premium"` (the
+    /// throttle seed's defaults). Set online, it sets its keys together.
+    pub profile: Profile,
     /// Turns the token-bucket throttle on. Off by default: measuring is safe
     /// to roll out, refusing work is a decision an operator makes.
     pub enabled: bool,
@@ -109,9 +114,67 @@ pub struct RawCpuThrottle {
     pub low_priority_dag_global_enabled: bool,
 }
 
+/// `profile`: the keys a deployment profile decides, set in one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Profile {
+    /// No profile: every key as written, or its default.
+    #[default]
+    Custom,
+    /// tenant-cpu-cap.md §4.1: the throttle on, a uniform tenant cap (0.4
+    /// unless set), the global limit hard; burst, fair allocation, dynamic
+    /// adjustment, PD service limits, the low-priority DAG bucket and
+    /// per-keyspace quotas off.
+    Essential,
+    /// keyspace-cpu-throttle.md's defaults: no uniform cap; burst, fair
+    /// allocation and dynamic adjustment on; the global limit best-effort.
+    Premium,
+}
+
+/// The tenant cap `profile = "essential"` gives when none is set: the
+/// seed's example (tenant-cpu-cap.md §4.1).
+pub const ESSENTIAL_TENANT_MAX_CPU_RATIO: f64 = 0.4;
+
+impl Profile {
+    /// Gives `t` the profile's value for each key it decides, except those
+    /// `keep` names (a key written in the file, or a running tenant cap when
+    /// the profile is set online).
+    pub(crate) fn fill(self, t: &mut RawCpuThrottle, keep: impl Fn(&str) -> bool) {
+        let premium = RawCpuThrottle::default();
+        let (enabled, ratio, off, global) = match self {
+            Profile::Custom => return,
+            Profile::Essential => (Some(true), ESSENTIAL_TENANT_MAX_CPU_RATIO, true, true),
+            Profile::Premium => (None, premium.tenant_max_cpu_ratio, false, premium.enforce_global_limit),
+        };
+        let set = |key: &str, field: &mut bool, value: bool| {
+            if !keep(key) {
+                *field = value;
+            }
+        };
+        if let Some(on) = enabled {
+            set("enabled", &mut t.enabled, on);
+        }
+        set("enforce-global-limit", &mut t.enforce_global_limit, global);
+        set("enable-burst", &mut t.enable_burst, if off { false } else { premium.enable_burst });
+        set("enable-fair-allocation", &mut t.enable_fair_allocation, if off { false } else { premium.enable_fair_allocation });
+        set("enable-dynamic-adjustment", &mut t.enable_dynamic_adjustment, if off { false } else { premium.enable_dynamic_adjustment });
+        if off {
+            set("enable-pd-service-limit", &mut t.enable_pd_service_limit, false);
+            set("low-priority-dag-global-enabled", &mut t.low_priority_dag_global_enabled, false);
+            if !keep("keyspace-cpu-quotas") {
+                t.keyspace_cpu_quotas.clear();
+            }
+        }
+        if !keep("tenant-max-cpu-ratio") {
+            t.tenant_max_cpu_ratio = ratio;
+        }
+    }
+}
+
 impl Default for RawCpuThrottle {
     fn default() -> Self {
         Self {
+            profile: Profile::Custom,
             enabled: false,
             keyspace_cpu_quotas: String::new(),
             enforce_global_limit: false,

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::error::{ConfigError, ConfigErrors, UpdateRejected};
 use super::raw::RawConfig;
+use super::raw_throttle::Profile;
 use super::source::SourceMap;
 use super::validated::ValidatedConfig;
 
@@ -162,9 +163,8 @@ impl ValidatedConfig {
     /// Validates a reloaded file against the running configuration. Errors
     /// carry the line in `source`.
     pub fn apply_update(&self, source: &str) -> Result<ValidatedConfig, UpdateRejected> {
-        let map = SourceMap::new(source);
-        let raw: RawConfig = toml::from_str(source).map_err(|e| UpdateRejected {
-            errors: ConfigErrors::one(map.convert(&e)),
+        let (raw, map) = super::validated::parse_file(source).map_err(|e| UpdateRejected {
+            errors: ConfigErrors::one(e),
         })?;
         self.check_update(&raw, &map)
     }
@@ -225,13 +225,20 @@ impl ValidatedConfig {
             .and_then(|mut t| t.remove("v"))
             .unwrap_or_else(|| toml::Value::String(value.trim().to_string()));
         cursor.insert(leaf.to_string(), parsed);
-        let raw: RawConfig = table.try_into().map_err(|e: toml::de::Error| {
+        let mut raw: RawConfig = table.try_into().map_err(|e: toml::de::Error| {
             reject(ConfigError::InvalidValue {
                 key: key.into(),
                 line: None,
                 reason: e.message().trim().to_string(),
             })
         })?;
+        if key == "resource-control.cpu-throttle.profile" {
+            // One step: the profile sets every key it decides, keeping a
+            // running tenant cap.
+            let t = &mut raw.resource_control.cpu_throttle;
+            let keep_cap = t.profile == Profile::Essential && self.cpu_throttle().tenant_max_cpu_ratio > 0.0;
+            t.profile.fill(t, |k| k == "tenant-max-cpu-ratio" && keep_cap);
+        }
         self.check_update(&raw, &SourceMap::none())
     }
 

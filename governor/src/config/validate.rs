@@ -12,6 +12,7 @@ use std::time::Duration;
 use super::checker::{CT, Checker, RC};
 use super::error::ConfigErrors;
 use super::raw::RawConfig;
+use super::raw_throttle::Profile;
 use super::source::SourceMap;
 use super::validated::{
     AdmissionControl, AgentConfig, CpuThrottle, ResourceControl, ValidatedConfig, WriteQuota,
@@ -181,6 +182,17 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         Duration::from_secs(30 * 86400),
     );
 
+    match t.profile {
+        Profile::Essential if t.tenant_max_cpu_ratio <= 0.0 => c.invalid(
+            format!("{CT}.tenant-max-cpu-ratio"),
+            "must be above 0 with profile = \"essential\" (the uniform tenant cap is the profile)",
+        ),
+        Profile::Premium if t.tenant_max_cpu_ratio > 0.0 => c.invalid(
+            format!("{CT}.tenant-max-cpu-ratio"),
+            "must be 0 with profile = \"premium\" (a uniform tenant cap is profile = \"essential\")",
+        ),
+        _ => {}
+    }
     // Essential profile (tenant-cpu-cap.md §4.3): every violated rule is listed.
     if t.tenant_max_cpu_ratio > 0.0 {
         c.cap_rule(
@@ -274,6 +286,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             max_read_cpu_ratio: rc.max_read_cpu_ratio,
             enable_qps_bytes_limiter: rc.enable_qps_bytes_limiter,
             cpu_throttle: CpuThrottle {
+                profile: t.profile,
                 enabled: t.enabled,
                 keyspace_cpu_quotas: quotas,
                 enforce_global_limit: t.enforce_global_limit,
@@ -409,8 +422,58 @@ mod tests {
         assert_eq!(
             errors.to_string(),
             "line 2: resource-control.cpu-throttle.enable-dynamic-adjustment: must be false while \
-             tenant-max-cpu-ratio > 0 (essential tenant-cap mode) (not set in the file; its default conflicts)"
+             tenant-max-cpu-ratio > 0 (essential tenant-cap mode; profile = \"essential\" sets every such key) \
+             (not set in the file; its default conflicts)"
         );
+    }
+
+    #[test]
+    fn the_essential_profile_fills_what_the_file_leaves_out() {
+        let cfg = ValidatedConfig::from_toml_str("[resource-control.cpu-throttle]\nprofile = \"essential\"\n").unwrap();
+        let t = cfg.cpu_throttle();
+        assert!(t.enabled && t.enforce_global_limit);
+        assert!(!t.enable_burst && !t.enable_fair_allocation && !t.enable_dynamic_adjustment);
+        assert!(!t.enable_pd_service_limit && !t.low_priority_dag_global_enabled);
+        assert_eq!(t.tenant_max_cpu_ratio, 0.4);
+        // Printed back, it reads the same.
+        assert_eq!(ValidatedConfig::from_toml_str(&cfg.to_toml_string()).unwrap(), cfg);
+        // A key the file writes wins, and is checked.
+        let cfg = ValidatedConfig::from_toml_str(
+            "[resource-control.cpu-throttle]\nprofile = \"essential\"\ntenant-max-cpu-ratio = 0.25\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.cpu_throttle().tenant_max_cpu_ratio, 0.25);
+        let source = "[resource-control.cpu-throttle]\nprofile = \"essential\"\nenable-burst = true\ntenant-max-cpu-ratio = 0\n";
+        let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
+        assert_eq!(
+            errors.keys(),
+            vec!["resource-control.cpu-throttle.tenant-max-cpu-ratio"],
+            "{errors}"
+        );
+        assert!(errors.to_string().starts_with("line 4: "), "{errors}");
+        let source = "[resource-control.cpu-throttle]\nprofile = \"essential\"\nenable-burst = true\n";
+        let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
+        assert_eq!(errors.keys(), vec!["resource-control.cpu-throttle.enable-burst"], "{errors}");
+        // Premium has no uniform cap.
+        let source = "[resource-control.cpu-throttle]\nprofile = \"premium\"\ntenant-max-cpu-ratio = 0.3\n";
+        let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
+        assert!(errors.to_string().contains("must be 0 with profile = \"premium\""), "{errors}");
+    }
+
+    #[test]
+    fn setting_a_profile_online_sets_its_keys_and_keeps_a_running_cap() {
+        let default = ValidatedConfig::embedded_default();
+        let essential = default.apply_set("resource-control.cpu-throttle.profile", "essential").unwrap();
+        assert_eq!(essential.cpu_throttle().tenant_max_cpu_ratio, 0.4);
+        assert!(essential.cpu_throttle().enabled && !essential.cpu_throttle().enable_burst);
+        let capped = essential.apply_set("resource-control.cpu-throttle.tenant-max-cpu-ratio", "0.25").unwrap();
+        let again = capped.apply_set("resource-control.cpu-throttle.profile", "essential").unwrap();
+        assert_eq!(again.cpu_throttle().tenant_max_cpu_ratio, 0.25, "a running cap stays");
+        let premium = capped.apply_set("resource-control.cpu-throttle.profile", "premium").unwrap();
+        let t = premium.cpu_throttle();
+        assert_eq!(t.tenant_max_cpu_ratio, 0.0);
+        assert!(t.enable_burst && t.enable_fair_allocation && t.enable_dynamic_adjustment && !t.enforce_global_limit);
+        assert!(t.enabled, "premium leaves the throttle as it was");
     }
 
     #[test]

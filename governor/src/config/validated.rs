@@ -57,6 +57,7 @@ pub struct ResourceControl {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct CpuThrottle {
+    pub profile: super::raw_throttle::Profile,
     pub enabled: bool,
     pub keyspace_cpu_quotas: KeyspaceList<u64>,
     pub enforce_global_limit: bool,
@@ -146,13 +147,21 @@ pub struct AgentConfig {
     pub access: super::access::Access,
 }
 
+/// A file as written, with its profile's values for the keys it leaves
+/// out, and where each key sits.
+pub(crate) fn parse_file(source: &str) -> Result<(RawConfig, SourceMap), super::ConfigError> {
+    let map = SourceMap::new(source);
+    let mut raw: RawConfig = toml::from_str(source).map_err(|e| map.convert(&e))?;
+    let t = &mut raw.resource_control.cpu_throttle;
+    t.profile.fill(t, |key| map.line_of(&format!("resource-control.cpu-throttle.{key}")).is_some());
+    Ok((raw, map))
+}
+
 impl ValidatedConfig {
     /// Parses and validates a whole file. All problems are reported together,
     /// each with its dotted key and line.
     pub fn from_toml_str(source: &str) -> Result<Self, ConfigErrors> {
-        let map = SourceMap::new(source);
-        let raw: RawConfig =
-            toml::from_str(source).map_err(|e| ConfigErrors::one(map.convert(&e)))?;
+        let (raw, map) = parse_file(source).map_err(ConfigErrors::one)?;
         super::validate::validate(&raw, &map)
     }
 

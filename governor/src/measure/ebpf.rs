@@ -11,7 +11,7 @@ use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
 use aya::programs::perf_event::{perf_sw_ids, PerfEventScope, PerfTypeId, SamplePolicy};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
-use governor_common::{
+use keyspace_governor_common::{
     RuleEvent, GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUNTIME,
     GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS,
     MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME,
@@ -159,7 +159,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
 
 /// Possible tids: `kernel.pid_max` (the tid table has one entry each).
 fn pid_max() -> u32 {
-    crate::procs::pid_max().unwrap_or(governor_common::DEFAULT_MAX_TIDS)
+    crate::procs::pid_max().unwrap_or(keyspace_governor_common::DEFAULT_MAX_TIDS)
 }
 
 impl EbpfSide {
@@ -252,7 +252,7 @@ impl RuleMaps {
                 let now = e.load(Ordering::Acquire);
                 let ok = match from {
                     Some(f) => now == f,
-                    None => now != governor_common::TAG_PENDING,
+                    None => now != keyspace_governor_common::TAG_PENDING,
                 };
                 if ok && now != to && e.compare_exchange(now, to, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                     changed = true;
@@ -283,7 +283,7 @@ impl RuleMaps {
     /// still holds `from`. True if it holds `to` afterwards.
     pub fn set_thread_tag(&self, tid: u32, from: u32, to: u32) -> bool {
         let Some(e) = self.half(tid) else { return false };
-        from == to || (from != governor_common::TAG_PENDING && e.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok())
+        from == to || (from != keyspace_governor_common::TAG_PENDING && e.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok())
     }
 
     /// Events the ring buffer had no room for, since start.

@@ -7,7 +7,7 @@ use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
 use crate::region::{fd, Access, MeasureRegions, RegionSizes, SlotView};
 use crate::sys;
-use governor_common::{ThreadSlot, SLOT_LIVE};
+use keyspace_governor_common::{ThreadSlot, SLOT_LIVE};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 

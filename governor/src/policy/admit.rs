@@ -1,5 +1,5 @@
 //! The admission fast path: the checks a ticket passes, run by whoever asks
-//! (a client process, or the agent's own [`super::Policy`]) directly on the
+//! (a client process, or the agent's own `Policy`) directly on the
 //! shared regions. No lock, no allocation, no syscall, no clock read.
 //!
 //! Order (cheapest refusal first, nothing held when refused): the tenant's
@@ -14,7 +14,7 @@ use super::error::{Refusal, WriteLimitKind};
 use super::spare::{self, Spare, SPARE_MAX_US};
 use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL, LOW_PRIORITY};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
-use governor_common::admission::{
+use keyspace_governor_common::admission::{
     counter as c, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED,
     KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP,
     P_SHRINK_DEBT, P_THROTTLED,
@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub const KEYSPACE_PENDING_WRITE_RATIO: f64 = 0.3;
 
 /// The settings the fast path reads, copied from the header once per call
-/// ([`crate::region::KnobsView::snapshot`]).
-pub use governor_common::admission::KnobsCell as Knobs;
+/// (`crate::region::KnobsView::snapshot`).
+pub use keyspace_governor_common::admission::KnobsCell as Knobs;
 
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use governor_common::admission::{counter, P_BURST_ALLOWED, P_BURST_ENABLED};
+use keyspace_governor_common::admission::{counter, P_BURST_ALLOWED, P_BURST_ENABLED};
 use serde::Serialize;
 
 use super::dynamic::{adjust_global_refill, adjust_keyspace_refill};

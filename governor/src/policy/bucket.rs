@@ -2,7 +2,7 @@
 //! charge debt, wait in line, refill.
 //!
 //! Tokens are CPU µs held as two monotonic rovers (see
-//! [`governor_common::admission::BucketCell`]): `tail_us` moves forward for
+//! [`keyspace_governor_common::admission::BucketCell`]): `tail_us` moves forward for
 //! every µs taken, `head_us` for every µs made available, and `head − tail`
 //! is what is available. Taking is a CAS on `tail_us` that never drives the
 //! bucket below zero; a waiter instead takes its place in line with a

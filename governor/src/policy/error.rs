@@ -35,36 +35,58 @@ impl std::fmt::Display for WriteLimitKind {
 pub enum Refusal {
     /// Tenant-cap mode: the keyspace's uniform cap bucket is empty. No burst, no fallback.
     #[error("tenant cpu exhausted: keyspace {keyspace} is at its tenant cap")]
-    TenantCpuExhausted { keyspace: u32 },
+    TenantCpuExhausted {
+        /// The keyspace refused.
+        keyspace: u32,
+    },
     /// A quota'd keyspace's bucket is empty and bursting was not possible.
     #[error("keyspace cpu exhausted: keyspace {keyspace} has no tokens and cannot burst")]
-    KeyspaceCpuExhaustedNoBurst { keyspace: u32 },
+    KeyspaceCpuExhaustedNoBurst {
+        /// The keyspace refused.
+        keyspace: u32,
+    },
     /// The node-level (global) bucket is empty; the tenant allocation was rolled back.
     #[error("global cpu exhausted while admitting keyspace {keyspace}")]
-    GlobalCpuExhausted { keyspace: u32 },
+    GlobalCpuExhausted {
+        /// The keyspace refused.
+        keyspace: u32,
+    },
     /// The low-priority DAG bucket is empty.
     #[error("low-priority dag cpu exhausted while admitting keyspace {keyspace}")]
-    LowPriorityCpuExhausted { keyspace: u32 },
+    LowPriorityCpuExhausted {
+        /// The keyspace refused.
+        keyspace: u32,
+    },
     /// Admission control (enforced mode): the tenant has too many requests in flight.
     #[error(
         "tenant_admission_control: tenant {tenant} has {inflight} requests in flight, limit {limit}"
     )]
     ConcurrencyLimited {
+        /// The tenant (keyspace) refused.
         tenant: u32,
+        /// Its requests in flight when refused.
         inflight: u64,
+        /// Its limit.
         limit: u64,
     },
     /// The client already holds as many tickets as its ledger records.
     #[error("too many tickets: this client holds {limit}, its ledger's size")]
-    TooManyTickets { limit: u32 },
+    TooManyTickets {
+        /// Tickets the ledger holds.
+        limit: u32,
+    },
     /// Pending write bytes reached a threshold.
     #[error(
         "write bytes limited ({kind}): keyspace {keyspace} pending {pending_bytes} >= {threshold_bytes}"
     )]
     WriteBytesLimited {
+        /// The keyspace refused.
         keyspace: u32,
+        /// Which threshold it reached.
         kind: WriteLimitKind,
+        /// Bytes pending (the node's or the keyspace's, as `kind` says).
         pending_bytes: u64,
+        /// The threshold reached.
         threshold_bytes: u64,
     },
 }

@@ -3,7 +3,7 @@
 //! a bucket ([`BucketSnapshot`]) and a keyspace ([`KeyspaceEntry`]) handed to
 //! status, metrics and tests.
 
-use governor_common::admission::counter as c;
+use keyspace_governor_common::admission::counter as c;
 use serde::Serialize;
 
 use crate::region::BucketView;

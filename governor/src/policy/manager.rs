@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 
-use governor_common::admission::{
+use keyspace_governor_common::admission::{
     counter, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_CAP_MODE, KNOB_ENABLED,
     KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ENABLED, P_CAP, P_SHRINK_DEBT,
     P_THROTTLED,
@@ -26,7 +26,7 @@ use super::AdmissionMode;
 use crate::region::{AdmissionMemory, AdmissionRegions, ParamsView, RegionError, GLOBAL, LOW_PRIORITY};
 
 /// Keyspace cells of a policy built by [`Policy::new`].
-pub const DEFAULT_CELLS: u32 = governor_common::DEFAULT_MAX_KEYSPACES;
+pub const DEFAULT_CELLS: u32 = keyspace_governor_common::DEFAULT_MAX_KEYSPACES;
 
 /// The agent-side state, behind one mutex the fast path never takes.
 #[derive(Debug)]

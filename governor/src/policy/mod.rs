@@ -1,4 +1,4 @@
-//! `governor::policy` — the CPU governor's policy: token buckets in shared
+//! `keyspace_governor::policy` — the CPU governor's policy: token buckets in shared
 //! memory, the admission fast path on them, and the agent's loop over them.
 //!
 //! # Layout
@@ -6,7 +6,7 @@
 //!   [`acquire`], [`top_up`], [`release`]; [`Demand`], [`Grant`], [`Knobs`].
 //! - `bucket` — token operations on one shared bucket (take, give back,
 //!   debt, wait in line, refill).
-//! - `manager` — [`Policy`]: owns the admission regions, decides and
+//! - `manager` — `Policy`: owns the admission regions, decides and
 //!   publishes every bucket's source, rate and capacity.
 //! - `agent` — the loop side: `tick` (refill, monitor window, estimates,
 //!   burst flags, dynamic and fair refill, idle eviction).

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use governor_common::admission::counter;
+use keyspace_governor_common::admission::counter;
 use serde::Serialize;
 
 use super::keyspace::{BucketSnapshot, KeyspaceCounters, KeyspaceEntry, QuotaSource};

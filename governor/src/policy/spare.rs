@@ -21,7 +21,7 @@
 
 use super::admit::give_back;
 use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL};
-use governor_common::admission::P_SHRINK_DEBT;
+use keyspace_governor_common::admission::P_SHRINK_DEBT;
 use std::sync::atomic::Ordering;
 
 /// The most a thread keeps spare, µs.

@@ -2,10 +2,10 @@
 
 use super::measure::same_layout;
 use super::{RegionError, Table, FIRST_KEYSPACE};
-use governor_common::admission::{
+use keyspace_governor_common::admission::{
     counter, dir_key, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
 };
-use governor_common::{probe_start, HeaderCell};
+use keyspace_governor_common::{probe_start, HeaderCell};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -44,7 +44,7 @@ pub struct KnobsView {
     pub max_concurrent_per_tenant: AtomicU64,
 }
 
-/// Atomic mirror of [`governor_common::admission::HeaderPage`].
+/// Atomic mirror of [`keyspace_governor_common::admission::HeaderPage`].
 #[repr(C)]
 pub struct HeaderView {
     pub clock: ClockView,
@@ -210,7 +210,7 @@ same_layout!(
     pending_write_threshold,
     max_concurrent_per_tenant
 );
-same_layout!(HeaderView, governor_common::admission::HeaderPage, clock, agent, knobs);
+same_layout!(HeaderView, keyspace_governor_common::admission::HeaderPage, clock, agent, knobs);
 same_layout!(
     BucketView,
     BucketCell,
@@ -310,7 +310,7 @@ impl<'a> Directory<'a> {
             let p = self.entry(cell);
             let (_, id) = p.entry();
             p.flags.store(0, Ordering::Relaxed);
-            p.key.store(dir_key(id, governor_common::admission::DIR_TOMBSTONE), Ordering::Release);
+            p.key.store(dir_key(id, keyspace_governor_common::admission::DIR_TOMBSTONE), Ordering::Release);
         }
     }
 

@@ -1,7 +1,7 @@
 //! Atomic mirrors of the measurement layouts, and the charge step.
 
 use super::MeasureRegions;
-use governor_common::{cell_of_tag, CpuCell, KeyspaceCell, ThreadSlot};
+use keyspace_governor_common::{cell_of_tag, CpuCell, KeyspaceCell, ThreadSlot};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 

@@ -36,14 +36,39 @@ use std::os::fd::RawFd;
 /// Errors of the region views.
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
+    /// mmap of a region failed.
     #[error("mapping the {what} region ({len} bytes) failed")]
-    Map { what: &'static str, len: usize, #[source] source: std::io::Error },
+    Map {
+        /// The region.
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// mmap's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A descriptor backs less memory than its region needs.
     #[error("the {what} descriptor backs {have} bytes, fewer than the {want} its region needs")]
-    TooShort { what: &'static str, have: usize, want: usize },
+    TooShort {
+        /// The region.
+        what: &'static str,
+        /// Bytes the descriptor backs.
+        have: usize,
+        /// Bytes the region needs.
+        want: usize,
+    },
+    /// No free cell for a new keyspace.
     #[error("the keyspace table is full ({capacity} cells); raise agent.max-keyspaces")]
-    KeyspaceTableFull { capacity: u32 },
+    KeyspaceTableFull {
+        /// Cells in the table.
+        capacity: u32,
+    },
+    /// The agent sent a table whose length is not a power of two.
     #[error("the keyspace table length {len} is not a power of two")]
-    BadTableLength { len: u32 },
+    BadTableLength {
+        /// The length sent.
+        len: u32,
+    },
 }
 
 mod sealed {
@@ -138,7 +163,9 @@ impl<T: SharedCell> Table<T> {
 /// Sizes of the regions, sent with their descriptors.
 #[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct RegionSizes {
+    /// Per-CPU records (the CPUs the agent found).
     pub cpus: u32,
+    /// Thread slots: threads that can be registered at once.
     pub slots: u32,
     /// Keyspace cells; the bucket and parameter regions hold one more
     /// entry (the global one, at index 0).

@@ -2,7 +2,7 @@
 //! generator, shared by the integration tests.
 #![allow(dead_code)]
 
-use governor::policy::{Policy, Refusal, Settings};
+use keyspace_governor::policy::{Policy, Refusal, Settings};
 
 pub const SEC: u64 = 1_000_000;
 pub const MS: u64 = 1_000;

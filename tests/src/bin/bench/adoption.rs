@@ -3,8 +3,8 @@
 //! use, and the goodput of a capped tenant's admitted work.
 
 use anyhow::{Context, Result};
-use governor::client::{Client, Demand, TaggedExt};
-use governor::sys;
+use keyspace_governor::client::{Client, Demand, TaggedExt};
+use keyspace_governor::sys;
 use governor_tests::{essential_config, workload_bin, Agent};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -44,7 +44,7 @@ pub fn cold_ns() -> Result<(f64, f64)> {
         buckets.release(ESTIMATE_US as i64);
         mutex.push(t0.elapsed().as_nanos() as f64);
     }
-    governor::client::unregister_current_thread();
+    keyspace_governor::client::unregister_current_thread();
     Ok((percentile(&mut ticket, 0.5), percentile(&mut mutex, 0.5)))
 }
 
@@ -117,7 +117,7 @@ pub fn wait_cpu_us_p99() -> Result<(f64, f64)> {
         }
     });
     let asynchronous = percentile(&mut waits.borrow_mut(), 0.99);
-    governor::client::unregister_current_thread();
+    keyspace_governor::client::unregister_current_thread();
     Ok((blocking, asynchronous))
 }
 
@@ -153,7 +153,7 @@ pub fn first_use_poll_max_us() -> Result<f64> {
         }
         Ok::<(), anyhow::Error>(())
     })?;
-    governor::client::unregister_current_thread();
+    keyspace_governor::client::unregister_current_thread();
     Ok(longest)
 }
 

@@ -7,9 +7,9 @@ mod switch;
 mod tickets;
 
 use anyhow::{Context, Result};
-use governor::client::{self, Client};
-use governor::policy::{Policy, Settings};
-use governor::sys;
+use keyspace_governor::client::{self, Client};
+use keyspace_governor::policy::{Policy, Settings};
+use keyspace_governor::sys;
 use governor_tests::{run_workload, Agent};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -134,7 +134,7 @@ fn main() -> Result<()> {
     // Measure the steady state: the agent publishes the TSC clock after its
     // second calibration anchor (where the kernel keeps time on the TSC).
     let deadline = Instant::now() + std::time::Duration::from_secs(2);
-    while agent.status()?.thread_clock_source == "vdso" && governor::tsc::usable() && Instant::now() < deadline {
+    while agent.status()?.thread_clock_source == "vdso" && keyspace_governor::tsc::usable() && Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let clock_source = agent.status()?.thread_clock_source;

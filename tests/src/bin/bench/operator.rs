@@ -3,7 +3,7 @@
 //! by a registered thread cycling through them).
 
 use anyhow::{bail, Context, Result};
-use governor::client::{self, Client};
+use keyspace_governor::client::{self, Client};
 use governor_tests::Agent;
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -24,7 +24,7 @@ pub fn unmatched_switch_ns(rounds: usize) -> Result<(f64, f64)> {
             Ok(agent.status()?.programs.into_iter().map(|p| (p.name, p.run_time_ns, p.run_count)).collect())
         };
         let r = per_run(stats, || pingpong(None, 20_000).map(drop))?;
-        r.get(governor_common::PROG_SCHED_SWITCH).copied().context("switch program runs")
+        r.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().context("switch program runs")
     };
     let many = unmatched_rules(1000);
     let (mut none, mut with) = (Vec::new(), Vec::new());

@@ -7,12 +7,12 @@ use governor_tests::{run_workload, Agent};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-const CALIBRATION: [&str; 2] = [governor_common::PROG_CALIBRATE, governor_common::PROG_CALIBRATE_CLOCK];
+const CALIBRATION: [&str; 2] = [keyspace_governor_common::PROG_CALIBRATE, keyspace_governor_common::PROG_CALIBRATE_CLOCK];
 
 /// The CPU the ping-pongs run on: the last one, away from the agent's
 /// usual CPU 0 housekeeping where there is a choice.
 fn pingpong_cpu() -> String {
-    (governor::sys::logical_cores().max(1) - 1).to_string()
+    (keyspace_governor::sys::logical_cores().max(1) - 1).to_string()
 }
 
 /// Mean ns per round trip of a same-CPU ping-pong between two processes,
@@ -83,10 +83,10 @@ pub fn overhead(rounds: usize) -> Result<Overhead> {
 /// program here) and one that only reads the clock.
 fn calibration(programs: &[&str]) -> Result<aya::Ebpf> {
     let mut ebpf = aya::EbpfLoader::new()
-        .set_max_entries(governor_common::MAP_TID_SLOT, 2)
-        .set_max_entries(governor_common::MAP_SLOTS, 1)
-        .set_max_entries(governor_common::MAP_KEYSPACES, 1)
-        .load(governor::EBPF_OBJECT)?;
+        .set_max_entries(keyspace_governor_common::MAP_TID_SLOT, 2)
+        .set_max_entries(keyspace_governor_common::MAP_SLOTS, 1)
+        .set_max_entries(keyspace_governor_common::MAP_KEYSPACES, 1)
+        .load(keyspace_governor::EBPF_OBJECT)?;
     let btf = aya::Btf::from_sys_fs()?;
     for &name in programs {
         let prog: &mut aya::programs::BtfTracePoint =
@@ -132,10 +132,10 @@ pub fn ebpf_cost(agent: &Agent) -> Result<BTreeMap<String, f64>> {
     };
     let mut out = BTreeMap::new();
     let reg = per_run(agent_stats, || pingpong(Some(&agent.socket), 20_000).map(drop))?;
-    out.insert("registered".to_string(), reg.get(governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN));
-    out.insert("timer".to_string(), reg.get(governor_common::PROG_TIMER).copied().unwrap_or(f64::NAN));
+    out.insert("registered".to_string(), reg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN));
+    out.insert("timer".to_string(), reg.get(keyspace_governor_common::PROG_TIMER).copied().unwrap_or(f64::NAN));
     let unreg = per_run(agent_stats, || pingpong(None, 20_000).map(drop))?;
-    out.insert("unregistered".to_string(), unreg.get(governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN));
+    out.insert("unregistered".to_string(), unreg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN));
     // The agent's programs are still attached; the calibration programs'
     // own figures are what matters in this pass.
     let calib = calibration(&CALIBRATION)?;

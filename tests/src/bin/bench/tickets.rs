@@ -4,7 +4,7 @@
 //! and how soon a dead agent stops holding anyone back.
 
 use anyhow::{bail, Context, Result};
-use governor::client::{Client, Demand};
+use keyspace_governor::client::{Client, Demand};
 use governor_tests::{essential_config, spawn_workload_started, Agent};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -29,7 +29,7 @@ pub struct FastPath {
 }
 
 fn cores() -> f64 {
-    governor::sys::logical_cores() as f64
+    keyspace_governor::sys::logical_cores() as f64
 }
 
 /// Per-op ns of `op` run `n` times on each of `threads` threads at once:

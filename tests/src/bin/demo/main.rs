@@ -164,13 +164,11 @@ fn tenants(o: &Opts) -> (Vec<Light>, Noisy) {
 }
 
 /// The embedded default configuration plus the tenant cap: the Essential
-/// profile's required settings and `tenant-max-cpu-ratio`.
+/// profile in one key, with the demo's `tenant-max-cpu-ratio`.
 fn cap_config(ratio: f64) -> String {
     format!(
         "# The embedded default, plus the demo's tenant cap (Essential profile).\n\
-         [resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\n\
-         tenant-max-cpu-ratio = {ratio}\nenable-burst = false\nenable-fair-allocation = false\n\
-         enable-dynamic-adjustment = false\n"
+         [resource-control.cpu-throttle]\nprofile = \"essential\"\ntenant-max-cpu-ratio = {ratio}\n"
     )
 }
 

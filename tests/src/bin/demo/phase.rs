@@ -30,7 +30,7 @@ pub struct Spec<'a> {
 /// The agent's and the server's counters at one moment.
 struct Sample {
     at: Instant,
-    agent: BTreeMap<u32, governor::proto::KeyspaceStatus>,
+    agent: BTreeMap<u32, keyspace_governor::proto::KeyspaceStatus>,
     server: ServerStats,
     /// The machine's steal time so far, s.
     steal_s: f64,
@@ -82,7 +82,7 @@ impl Sample {
 /// The Instant of a CLOCK_MONOTONIC reading taken between `before` and
 /// `after` (clamped into that span).
 fn monotonic_instant(ns: u64, before: Instant, after: Instant) -> Instant {
-    let now_ns = governor::sys::monotonic_ns();
+    let now_ns = keyspace_governor::sys::monotonic_ns();
     let now = Instant::now();
     let at = now.checked_sub(Duration::from_nanos(now_ns.saturating_sub(ns))).unwrap_or(before);
     at.clamp(before, after)

@@ -20,10 +20,10 @@
 
 use super::{arg, socket};
 use anyhow::{bail, Context, Result};
-use governor::proto::{Reply, Request};
-use governor::region::{fd, RegionSizes, SlotView, Table};
-use governor::sys;
-use governor_common::{SLOT_DEAD, SLOT_LIVE};
+use keyspace_governor::proto::{Reply, Request};
+use keyspace_governor::region::{fd, RegionSizes, SlotView, Table};
+use keyspace_governor::sys;
+use keyspace_governor_common::{SLOT_DEAD, SLOT_LIVE};
 use serde_json::json;
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -75,7 +75,7 @@ impl Session {
     fn open(path: &str) -> Result<Session> {
         let stream = UnixStream::connect(path).with_context(|| format!("connecting to {path}"))?;
         stream.set_read_timeout(Some(Duration::from_secs(60)))?;
-        let (reply, fds, reader) = governor::client::handshake(stream).context("hello")?;
+        let (reply, fds, reader) = keyspace_governor::client::handshake(stream).context("hello")?;
         let sizes = match reply {
             Reply::Hello { sizes, .. } => sizes,
             other => bail!("hello answered {other:?}"),

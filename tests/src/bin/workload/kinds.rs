@@ -24,8 +24,8 @@
 
 use super::{arg, burn, socket};
 use anyhow::{bail, Context, Result};
-use governor::client::{self, Client};
-use governor::sys;
+use keyspace_governor::client::{self, Client};
+use keyspace_governor::sys;
 use serde_json::json;
 use std::io::{BufRead, Read, Write};
 use std::sync::{Arc, Barrier};

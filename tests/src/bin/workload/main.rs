@@ -7,8 +7,8 @@ mod server;
 mod tickets;
 
 use anyhow::{bail, Context, Result};
-use governor::client::{self, Client};
-use governor::sys;
+use keyspace_governor::client::{self, Client};
+use keyspace_governor::sys;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -209,7 +209,7 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
                 if abrupt {
                     abrupt_done.fetch_add(1, Ordering::SeqCst);
                 }
-                let _ = tx.send(r.err().map(|e| governor::error_chain(e.as_ref())));
+                let _ = tx.send(r.err().map(|e| keyspace_governor::error_chain(e.as_ref())));
                 if abrupt {
                     // SAFETY: ends this thread at once, skipping destructors,
                     // as a crashed thread would; nothing else touches its stack.

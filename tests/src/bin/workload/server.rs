@@ -6,8 +6,8 @@
 
 use super::{arg, burn, socket};
 use anyhow::{Context, Result};
-use governor::client::{Client, Demand};
-use governor::sys;
+use keyspace_governor::client::{Client, Demand};
+use keyspace_governor::sys;
 use serde_json::json;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -3,8 +3,8 @@
 
 use super::{arg, burn, socket};
 use anyhow::{bail, Context, Result};
-use governor::client::{self, Client, Demand};
-use governor::sys;
+use keyspace_governor::client::{self, Client, Demand};
+use keyspace_governor::sys;
 use serde_json::json;
 use std::io::{BufRead, Write};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -27,7 +27,7 @@ mod serve;
 mod stats;
 
 use anyhow::{bail, Context, Result};
-use governor::client::Client;
+use keyspace_governor::client::Client;
 use governor_reader::store::{CostModel, KeyspaceData};
 use serve::Server;
 use std::io::Write;
@@ -119,7 +119,7 @@ fn main() -> Result<()> {
     }
     eprintln!("reader-server: data generated in {:.2?}", t0.elapsed());
     let sample = data.values().next().context("no keyspace")?;
-    let costs = CostModel::measure(sample, 2000, governor::sys::thread_cputime_ns).context("measuring the cost model")?;
+    let costs = CostModel::measure(sample, 2000, keyspace_governor::client::thread_cputime_ns).context("measuring the cost model")?;
     eprintln!("reader-server: a point get costs {:.1} µs, a scanned block {:.1} µs", costs.get_us, costs.scan_block_us);
     let client = Client::connect(&args.socket).with_context(|| format!("connecting to the governor agent at {}", args.socket))?;
     let server = SERVER.get_or_init(|| Server {
@@ -138,7 +138,7 @@ fn main() -> Result<()> {
         .enable_all()
         .on_thread_start(move || {
             if !slice.is_zero() {
-                if let Err(e) = governor::sys::set_thread_slice(slice) {
+                if let Err(e) = keyspace_governor::client::set_thread_slice(slice) {
                     log::warn!("asking the kernel for a {slice:?} scheduler slice: {e}");
                 }
             }

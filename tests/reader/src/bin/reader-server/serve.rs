@@ -14,8 +14,8 @@
 //! work, becomes a busy reply carrying the governor's refusal code.
 
 use crate::stats::{Counters, Stats};
-use governor::client::{Client, Demand};
-use governor::sys::thread_cputime_ns;
+use keyspace_governor::client::{Client, Demand};
+use keyspace_governor::client::thread_cputime_ns;
 use governor_reader::proto::{Op, Reply, Request, MAX_FRAME};
 use governor_reader::store::{CostModel, KeyspaceData, Scan, StoreError};
 use std::collections::BTreeMap;

@@ -98,7 +98,7 @@ impl Stats {
         self.keyspaces.get(&id)
     }
 
-    pub fn snapshot(&self, client: &governor::client::Client, workers: usize) -> ServerStats {
+    pub fn snapshot(&self, client: &keyspace_governor::client::Client, workers: usize) -> ServerStats {
         ServerStats {
             workers,
             attachments: client.attachments(),
