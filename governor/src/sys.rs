@@ -376,6 +376,48 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: s
     }
 }
 
+/// [`futex_wait`] for a waiter that only a wake naming one of `bits`
+/// concerns (`FUTEX_WAIT_BITSET`): [`futex_wake_bits`] with other bits
+/// leaves it asleep. `deadline_ns` is absolute, CLOCK_MONOTONIC.
+pub fn futex_wait_bits(word: &std::sync::atomic::AtomicU32, expected: u32, deadline_ns: u64, bits: u32) {
+    let ts = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: word is a valid, aligned u32 (maybe in a shared mapping: the
+    // shared op); ts is a valid absolute timeout; the fifth argument is
+    // unused by this op.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT_BITSET,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            bits,
+        );
+    }
+}
+
+/// Wakes the waiters of the shared word at `word` whose bits meet `bits`
+/// (`FUTEX_WAKE_BITSET`; plain and `futex_waitv` waiters match any bits).
+pub fn futex_wake_bits(word: &std::sync::atomic::AtomicU32, bits: u32) {
+    // SAFETY: word is a valid, aligned u32; the op only reads its address;
+    // the timeout and second address are unused by it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE_BITSET,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            bits,
+        );
+    }
+}
+
 /// Wakes up to `n` waiters of the shared word at `word`.
 pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
     // SAFETY: word is a valid, aligned u32; FUTEX_WAKE only reads its address.

@@ -67,3 +67,43 @@ fn workers_register_on_park_and_blocking_threads_on_start() {
     // read inside it misses only the tag switches at its edges.
     assert!((-0.5..=1.0).contains(&err), "charged {err:+.3} % off the work");
 }
+
+/// A rayon pool whose threads register as they start: parallel work that
+/// tags itself with the request's keyspace is charged to it, whichever pool
+/// thread runs each piece, as the kernel counts it.
+#[test]
+fn rayon_pieces_tagged_with_the_keyspace_are_charged_to_it() {
+    use rayon::prelude::*;
+    let agent = Agent::start("ebpf", &essential_config(1.0)).unwrap();
+    let client = Client::connect(&agent.socket).unwrap();
+    let c = client.clone();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .start_handler(move |_| c.register_current_thread().expect("a pool thread registers"))
+        .exit_handler(|_| client::unregister_current_thread())
+        .build()
+        .unwrap();
+    let (ks, other) = (13, 14);
+    let before = (agent.keyspace_seconds(ks).unwrap(), agent.keyspace_seconds(other).unwrap());
+    // Two requests' pieces interleaved on the same two threads.
+    let (ran, ran_other): (u64, u64) = pool.install(|| {
+        (0..16u32)
+            .into_par_iter()
+            .map(|i| {
+                let k = if i % 2 == 0 { ks } else { other };
+                let _g = client::tag(k).expect("tagged");
+                let ns = burn(15_000_000 + u64::from(i) * 1_000_000);
+                if k == ks { (ns, 0) } else { (0, ns) }
+            })
+            .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    });
+    drop(pool);
+    // The pool's threads went idle (switched out): their charges are in.
+    std::thread::sleep(Duration::from_millis(200));
+    for (k, ran, before) in [(ks, ran, before.0), (other, ran_other, before.1)] {
+        let charged = (agent.keyspace_seconds(k).unwrap() - before) * 1e9;
+        let err = (charged - ran as f64) / ran as f64 * 100.0;
+        eprintln!("keyspace {k}: pieces ran {ran} ns, charged {charged:.0} ns ({err:+.3} %)");
+        assert!((-0.5..=1.0).contains(&err), "keyspace {k}: charged {err:+.3} % off its pieces");
+    }
+}

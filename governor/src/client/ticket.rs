@@ -121,6 +121,12 @@ pub struct Ticket {
     /// `None`: admitted without a check (no agent answered); holds nothing.
     pub(crate) att: Option<Arc<Attachment>>,
     record: u32,
+    /// Time in line before admission, µs (rounded up): with `paced_us`,
+    /// 4-byte fields keep a ticket within 128 bytes, which moves inline
+    /// (no `memcpy` call) when it is returned or moved into a task.
+    waited_us: u32,
+    /// Time spent waiting for top-ups at checkpoints, µs (rounded up).
+    paced_us: u32,
     pub(crate) grant: Grant,
     pub(crate) consumed_ns: u64,
     /// `consumed_ns` at the last top-up check.
@@ -128,10 +134,11 @@ pub struct Ticket {
     /// A top-up was refused at a tag switch: the next checkpoint waits for it.
     pub(crate) topup_due: bool,
     pub(crate) deadline: Option<Instant>,
-    /// Time in line before admission.
-    pub(crate) waited: Duration,
-    /// Time spent waiting for top-ups at checkpoints.
-    pub(crate) paced: Duration,
+}
+
+/// `d` in µs, rounded up (a wait is never read as none), saturated.
+fn micros_up(d: Duration) -> u32 {
+    d.as_nanos().div_ceil(1000).min(u128::from(u32::MAX)) as u32
 }
 
 impl std::fmt::Debug for Ticket {
@@ -140,7 +147,7 @@ impl std::fmt::Debug for Ticket {
             .field("keyspace", &self.grant.keyspace())
             .field("granted_us", &self.grant.granted_us())
             .field("consumed_ns", &self.consumed_ns)
-            .field("waited", &self.waited)
+            .field("waited", &self.waited())
             .field("fail_open", &self.att.is_none())
             .finish()
     }
@@ -321,7 +328,7 @@ impl Client {
         match res {
             (Waited::Granted(g), waited) => {
                 let mut t = granted(att, idx, g, demand.deadline);
-                t.waited = waited;
+                t.set_waited(waited);
                 t.add_consumed(cpu);
                 Ok(t)
             }
@@ -373,11 +380,19 @@ impl Client {
             };
             let spare = home.as_deref_mut().map(|h| &mut h.spare);
             let queued = demand.deadline.is_some_and(|deadline| deadline > Instant::now());
-            let out = if queued {
-                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare)
-                    .map(|q| Some(Box::new(Waiting { att: att.clone(), record: idx, q, k })))
+            // A request that may wait takes its place in line, and is
+            // admitted on the spot when the line lets it through: the same
+            // path as one that may not, with no allocation and no tagging.
+            let admitted = if queued {
+                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare).map(|mut q| match q.poll(&att.admission, &k) {
+                    Progress::Ready(g) => Ok(g),
+                    Progress::Waiting { .. } => Err(q),
+                })
             } else {
-                policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(|g| {
+                policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(Ok)
+            };
+            let out = admitted.map(|now| match now {
+                Ok(g) => {
                     write_record(att, idx, &g);
                     // A reference the thread keeps for its tickets: no
                     // shared count touched when it has one.
@@ -386,8 +401,9 @@ impl Client {
                     t.grant = g;
                     t.deadline = demand.deadline;
                     None
-                })
-            };
+                }
+                Err(q) => Some(Box::new(Waiting { att: att.clone(), record: idx, q, k })),
+            });
             if let Some(h) = home {
                 h.sync();
             }
@@ -423,8 +439,8 @@ pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option
         checked_ns: 0,
         topup_due: false,
         deadline,
-        waited: Duration::ZERO,
-        paced: Duration::ZERO,
+        waited_us: 0,
+        paced_us: 0,
     }
 }
 
@@ -448,28 +464,29 @@ impl Ticket {
             checked_ns: 0,
             topup_due: false,
             deadline: None,
-            waited: Duration::ZERO,
-            paced: Duration::ZERO,
+            waited_us: 0,
+            paced_us: 0,
         }
     }
 
     /// How long the request waited in line before it was admitted (zero
     /// when tokens were there at once): a server that runs priority levels
     /// puts requests that waited (their tenant is held at its cap) below the
-    /// rest.
+    /// rest. To the µs, rounded up.
     pub fn waited(&self) -> Duration {
-        self.waited
+        Duration::from_micros(self.waited_us.into())
     }
 
     /// Whether the request waited in line before it was admitted.
     pub fn did_wait(&self) -> bool {
-        !self.waited.is_zero()
+        self.waited_us != 0
     }
 
     /// How long the running work waited for top-ups at its checkpoints so
-    /// far (the pacing that holds its keyspace to its share).
+    /// far (the pacing that holds its keyspace to its share). To the µs,
+    /// rounded up.
     pub fn paced(&self) -> Duration {
-        self.paced
+        Duration::from_micros(self.paced_us.into())
     }
 
     /// The keyspace the ticket admits.
@@ -601,8 +618,13 @@ impl Ticket {
 
     /// Counts a wait for a top-up: its time as pacing, the CPU it spent
     /// as the ticket's.
+    /// Records the time the request waited in line for admission.
+    pub(crate) fn set_waited(&mut self, waited: Duration) {
+        self.waited_us = micros_up(waited);
+    }
+
     pub(crate) fn waited_for_top_up(&mut self, waited: Duration, cpu_ns: u64) {
-        self.paced += waited;
+        self.paced_us = self.paced_us.saturating_add(micros_up(waited));
         self.consumed_ns = self.consumed_ns.saturating_add(cpu_ns);
     }
 
@@ -671,5 +693,15 @@ impl Drop for TicketGuard<'_> {
             None => sys::thread_cputime_ns(),
         };
         self.ticket.add_consumed(t1.saturating_sub(self.t0));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Moves of up to 128 bytes are inline stores; past that, a `memcpy`
+    /// call on every return and move of a ticket (the fast path's cost).
+    #[test]
+    fn a_ticket_moves_inline() {
+        assert!(std::mem::size_of::<super::Ticket>() <= 128, "{} bytes", std::mem::size_of::<super::Ticket>());
     }
 }

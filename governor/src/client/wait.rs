@@ -327,7 +327,7 @@ impl Future for AcquireFuture {
                     LineResult::Granted(g) => {
                         let waited = line.waited();
                         let mut t = granted(att.clone(), idx, g, *deadline);
-                        t.waited = waited;
+                        t.set_waited(waited);
                         t.add_consumed(line.cpu_ns);
                         Ok(t)
                     }

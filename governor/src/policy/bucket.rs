@@ -16,6 +16,32 @@ use std::sync::atomic::Ordering;
 /// CAS attempts before an operation settles for a bounded fallback.
 const ATTEMPTS: u32 = 64;
 
+/// Places in line are grouped in granules of this many token µs for
+/// wakeups: a blocked waiter sleeps under its granule's bit (of 32), and a
+/// move of the head wakes the bits of the granules it crossed. 1 ms: a
+/// refill tick crosses a few, and a line aliases only past 32 ms of tokens.
+const WAIT_GRANULE_US: u64 = 1024;
+const WAIT_GRANULE_SHIFT: u32 = WAIT_GRANULE_US.trailing_zeros();
+
+/// The wake bit of a place in line.
+#[inline]
+fn place_bit(pos: u64) -> u32 {
+    1 << ((pos >> WAIT_GRANULE_SHIFT) & 31)
+}
+
+/// The bits of every granule from `from`'s to `to`'s, inclusive.
+#[inline]
+fn served_bits(from: u64, to: u64) -> u32 {
+    let (a, b) = (from >> WAIT_GRANULE_SHIFT, to >> WAIT_GRANULE_SHIFT);
+    let n = b.wrapping_sub(a);
+    if n >= 31 {
+        return u32::MAX;
+    }
+    // n + 1 consecutive bits from a's, wrapping around the 32.
+    let run = if n == 31 { u32::MAX } else { (1u32 << (n + 1)) - 1 };
+    run.rotate_left((a & 31) as u32)
+}
+
 #[inline]
 fn signed(d: u64) -> i64 {
     d as i64
@@ -76,8 +102,8 @@ impl BucketView {
     /// head, unclamped, so whoever queued behind moves up by as much. (A
     /// refund, as the agent derives refunds from the head.)
     pub fn cancel(&self, us: u64) {
-        self.head_us.fetch_add(us, Ordering::SeqCst);
-        self.notify();
+        let head = self.head_us.fetch_add(us, Ordering::SeqCst);
+        self.notify_served(head, head.wrapping_add(us));
     }
 
     /// Adds `us` to what is available, never above `capacity`. Returns the µs
@@ -105,7 +131,7 @@ impl BucketView {
             }
         }
         if kept > 0 {
-            self.notify();
+            self.notify_served(head, head.wrapping_add(kept));
         }
         kept
     }
@@ -166,8 +192,8 @@ impl BucketView {
         tail
     }
 
-    /// Wakes the threads waiting on this bucket, if any. Called after every
-    /// move of `head_us`.
+    /// Wakes every thread waiting on this bucket, if any (the agent went
+    /// away: they all admit now).
     #[inline]
     pub fn notify(&self) {
         if self.sleepers.load(Ordering::SeqCst) > 0 {
@@ -176,14 +202,31 @@ impl BucketView {
         }
     }
 
-    /// Blocks the calling thread until `pos` is served, the bucket's head
-    /// moves, or `timeout` passes; the caller re-checks. Never waits when
-    /// `pos` is already served.
+    /// After `head_us` moved from `from` to `to`: wakes the blocked waiters
+    /// whose place may lie in between (the places now served), and leaves
+    /// the rest of the line asleep. Every waiter sleeps under the bit of its
+    /// place's [`WAIT_GRANULE_US`] granule, so a move wakes the granules it
+    /// crossed: a waiter up to a granule past `to`, or 32 granules further
+    /// on, wakes for nothing and sleeps again. The word still moves, so a
+    /// waiter about to sleep re-checks instead. (Async waiters sleep in
+    /// `futex_waitv`, which matches every wake: one thread per process.)
+    #[inline]
+    pub fn notify_served(&self, from: u64, to: u64) {
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.wake_seq.fetch_add(1, Ordering::SeqCst);
+            crate::sys::futex_wake_bits(&self.wake_seq, served_bits(from, to));
+        }
+    }
+
+    /// Blocks the calling thread until `pos` may be served (a move of the
+    /// head across its granule), the agent goes away, or `timeout` passes;
+    /// the caller re-checks. Never waits when `pos` is already served.
     pub fn wait_for(&self, pos: u64, timeout: std::time::Duration) {
         let seq = self.wake_seq.load(Ordering::SeqCst);
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         if !self.reached(pos) {
-            crate::sys::futex_wait(&self.wake_seq, seq, timeout);
+            let deadline = crate::sys::monotonic_ns().saturating_add(timeout.as_nanos() as u64);
+            crate::sys::futex_wait_bits(&self.wake_seq, seq, deadline, place_bit(pos));
         }
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
@@ -266,5 +309,43 @@ mod tests {
         giver.join().unwrap();
         let waited = t.elapsed();
         assert!(waited >= std::time::Duration::from_millis(45) && waited < std::time::Duration::from_secs(2), "{waited:?}");
+    }
+
+    proptest::proptest! {
+        /// A move of the head wakes every place it served.
+        #[test]
+        fn a_move_wakes_every_place_it_serves(from in 0u64..1 << 40, by in 1u64..200_000, at in 0u64..1 << 20) {
+            let to = from + by;
+            let pos = from + 1 + at % by;
+            proptest::prop_assert!(super::served_bits(from, to) & super::place_bit(pos) != 0);
+        }
+    }
+
+    #[test]
+    fn a_move_short_of_a_place_leaves_its_waiter_asleep() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::time::Duration;
+        let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
+        let b = m.regions.bucket(GLOBAL);
+        // A waiter 8 granules back in line.
+        let _ahead = b.reserve(8 * super::WAIT_GRANULE_US);
+        let pos = b.reserve(10);
+        let woke = std::sync::Arc::new(AtomicBool::new(false));
+        let (m2, woke2) = (m.clone(), woke.clone());
+        let waiter = std::thread::spawn(move || {
+            m2.regions.bucket(GLOBAL).wait_for(pos, Duration::from_secs(5));
+            woke2.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        // Serves those ahead only as far as 2 granules: not its granule.
+        b.give(2 * super::WAIT_GRANULE_US, u64::MAX / 4);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!woke.load(Ordering::SeqCst), "a waiter whose granule was not reached slept on");
+        // Serving the rest wakes it at once.
+        let t = std::time::Instant::now();
+        b.give(7 * super::WAIT_GRANULE_US, u64::MAX / 4);
+        waiter.join().unwrap();
+        assert!(b.reached(pos));
+        assert!(t.elapsed() < Duration::from_secs(1), "woken when served: {:?}", t.elapsed());
     }
 }

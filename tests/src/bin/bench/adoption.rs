@@ -48,10 +48,45 @@ pub fn cold_ns() -> Result<(f64, f64)> {
     Ok((percentile(&mut ticket, 0.5), percentile(&mut mutex, 0.5)))
 }
 
+/// CPU (thread clock, µs) of acquires that waited: p50 and p99.
+pub struct WaitCpu {
+    pub blocking_p50: f64,
+    pub blocking_p99: f64,
+    pub async_p99: f64,
+    /// One sleep and wake of a thread on this machine (`park`, woken 2 ms
+    /// later by another thread): the least a wait that sleeps can cost.
+    pub park_p50: f64,
+    pub park_p99: f64,
+}
+
+/// p50 and p99 of the CPU a thread spends across one park / unpark.
+fn park_cpu_us() -> (f64, f64) {
+    let (tx, rx) = std::sync::mpsc::channel::<std::thread::Thread>();
+    let sleeper = std::thread::spawn(move || {
+        tx.send(std::thread::current()).unwrap();
+        let mut v = Vec::new();
+        let mut n = 0;
+        while n < 300 {
+            let c0 = sys::thread_cputime_ns();
+            std::thread::park();
+            v.push((sys::thread_cputime_ns() - c0) as f64 / 1e3);
+            n += 1;
+        }
+        v
+    });
+    let t = rx.recv().unwrap();
+    for _ in 0..300 {
+        std::thread::sleep(Duration::from_millis(2));
+        t.unpark();
+    }
+    let mut v = sleeper.join().unwrap();
+    (percentile(&mut v, 0.5), percentile(&mut v, 0.99))
+}
+
 /// Four threads of one tenant capped at 0.1 core take tickets of 2 ms of
-/// work: the p99 of the CPU (thread clock, µs) each acquire that waited
-/// spent, blocking and async.
-pub fn wait_cpu_us_p99() -> Result<(f64, f64)> {
+/// work: the CPU (thread clock, µs) each acquire that waited spent,
+/// blocking and async, beside one park of a thread.
+pub fn wait_cpu_us() -> Result<WaitCpu> {
     let agent = Agent::start("ebpf", &essential_config(0.1 / cores()))?;
     let client = Client::connect(&agent.socket)?;
     let demand = || Demand::new().estimate_us(2_000).timeout(Duration::from_secs(1));
@@ -76,7 +111,8 @@ pub fn wait_cpu_us_p99() -> Result<(f64, f64)> {
             });
         }
     });
-    let blocking = percentile(&mut waits.into_inner().unwrap(), 0.99);
+    let mut blocking = waits.into_inner().unwrap();
+    let (blocking_p50, blocking_p99) = (percentile(&mut blocking, 0.5), percentile(&mut blocking, 0.99));
     // The same with four futures on one executor thread: CPU over the
     // polls of each acquire that waited.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -116,9 +152,10 @@ pub fn wait_cpu_us_p99() -> Result<(f64, f64)> {
             t.await.expect("task");
         }
     });
-    let asynchronous = percentile(&mut waits.borrow_mut(), 0.99);
+    let async_p99 = percentile(&mut waits.borrow_mut(), 0.99);
     keyspace_governor::client::unregister_current_thread();
-    Ok((blocking, asynchronous))
+    let (park_p50, park_p99) = park_cpu_us();
+    Ok(WaitCpu { blocking_p50, blocking_p99, async_p99, park_p50, park_p99 })
 }
 
 /// On a tokio executor thread: the longest poll (µs) of the first

@@ -101,14 +101,17 @@ fn main() -> Result<()> {
     // `--client`: the figures of the client as a server meets it alone.
     if std::env::args().any(|a| a == "--client") {
         let (cold, mutex_cold) = adoption::cold_ns()?;
-        let (wait, async_wait) = adoption::wait_cpu_us_p99()?;
+        let w = adoption::wait_cpu_us()?;
         println!(
             "{}",
             json!({
                 "ticket_acquire_cold_ns": round(cold),
                 "baseline_mutex_bucket_cold_ns": round(mutex_cold),
-                "acquire_wait_cpu_us_p99": round2(wait),
-                "acquire_async_wait_cpu_us_p99": round2(async_wait),
+                "acquire_wait_cpu_us_p50": round2(w.blocking_p50),
+                "acquire_wait_cpu_us_p99": round2(w.blocking_p99),
+                "acquire_async_wait_cpu_us_p99": round2(w.async_p99),
+                "baseline_park_cpu_us_p50": round2(w.park_p50),
+                "baseline_park_cpu_us_p99": round2(w.park_p99),
                 "first_use_poll_max_us": round2(adoption::first_use_poll_max_us()?),
                 "goodput_pct": round2(adoption::goodput_pct()?),
             })
@@ -121,6 +124,7 @@ fn main() -> Result<()> {
             "{}",
             json!({
                 "ticket_acquire_release_ns": round2(f.uncontended_ns),
+                "ticket_acquire_release_deadline_ns": round2(f.deadline_ns),
                 "ticket_acquire_release_alternating_ns": round2(f.alternating_ns),
                 "ticket_acquire_release_contended_ns": round2(f.contended_ns),
                 "baseline_mutex_bucket_ns": round2(f.mutex_ns),
@@ -163,7 +167,7 @@ fn main() -> Result<()> {
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
     let (cold_ns, mutex_cold_ns) = adoption::cold_ns()?;
-    let (wait_cpu_p99, async_wait_cpu_p99) = adoption::wait_cpu_us_p99()?;
+    let w = adoption::wait_cpu_us()?;
     let first_use_poll = adoption::first_use_poll_max_us()?;
     let goodput = adoption::goodput_pct()?;
     let load = operator::agent_at_1000_keyspaces()?;
@@ -213,6 +217,7 @@ fn main() -> Result<()> {
         "sleepy_thread_signed_error_pct": round3(sleepy),
         "policy_allocate_release_ns": round(policy),
         "ticket_acquire_release_ns": round(admission.uncontended_ns),
+        "ticket_acquire_release_deadline_ns": round(admission.deadline_ns),
         "ticket_acquire_release_contended_ns": round(admission.contended_ns),
         "ticket_acquire_release_alternating_ns": round(admission.alternating_ns),
         "baseline_mutex_bucket_ns": round(admission.mutex_ns),
@@ -239,8 +244,11 @@ fn main() -> Result<()> {
         o.insert("ticket_acquire_cold_ns".into(), json!(round(cold_ns)));
         o.insert("baseline_mutex_bucket_cold_ns".into(), json!(round(mutex_cold_ns)));
         o.insert("ticket_cold_vs_mutex".into(), json!(round3(cold_ns / mutex_cold_ns)));
-        o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(wait_cpu_p99)));
-        o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(async_wait_cpu_p99)));
+        o.insert("acquire_wait_cpu_us_p50".into(), json!(round2(w.blocking_p50)));
+        o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(w.blocking_p99)));
+        o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(w.async_p99)));
+        o.insert("baseline_park_cpu_us_p50".into(), json!(round2(w.park_p50)));
+        o.insert("baseline_park_cpu_us_p99".into(), json!(round2(w.park_p99)));
         o.insert("first_use_poll_max_us".into(), json!(round2(first_use_poll)));
         o.insert("goodput_pct".into(), json!(round2(goodput)));
         o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));

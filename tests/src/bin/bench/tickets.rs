@@ -20,6 +20,9 @@ pub const ESTIMATE_US: u64 = 10;
 
 pub struct FastPath {
     pub uncontended_ns: f64,
+    /// The same with a deadline (`Demand::timeout`), as servers ask: it may
+    /// wait in line, and here is let through at once.
+    pub deadline_ns: f64,
     /// One thread, two keyspaces in turn: no request finds a spare of its own.
     pub alternating_ns: f64,
     pub contended_ns: f64,
@@ -125,6 +128,12 @@ pub fn fast_path() -> Result<FastPath> {
     ticket();
     ticket_of(2);
     let uncontended_ns = best(5, || per_op(1_000_000, |_| ticket()));
+    let deadline_ns = best(5, || {
+        per_op(1_000_000, |_| {
+            let t = client.acquire(1, demand.timeout(std::time::Duration::from_secs(1))).expect("tokens available");
+            drop(std::hint::black_box(t));
+        })
+    });
     let alternating_ns = best(5, || per_op(1_000_000, |i| ticket_of(1 + (i & 1) as u32)));
     let contended_ns = best(5, || concurrent(2, 500_000, ticket));
     let buckets = MutexBuckets::new();
@@ -147,7 +156,7 @@ pub fn fast_path() -> Result<FastPath> {
     if let Some(e) = failed {
         return Err(e.context("acquire over the socket"));
     }
-    Ok(FastPath { uncontended_ns, alternating_ns, contended_ns, mutex_ns, mutex_contended_ns, rpc_ns })
+    Ok(FastPath { uncontended_ns, deadline_ns, alternating_ns, contended_ns, mutex_ns, mutex_contended_ns, rpc_ns })
 }
 
 /// The cap test of `tests/tickets.rs`: one tenant capped at 0.5 core runs 8
