@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release -p keyspace-governor --example tokio_server -- /run/governor/governor.sock 127.0.0.1:7400
-//! printf '7 2000\n' | nc -q1 127.0.0.1 7400        # 2 ms of CPU for keyspace 7
+//! exec 3<>/dev/tcp/127.0.0.1/7400; printf '7 2000\n' >&3; head -1 <&3  # 2 ms of CPU for keyspace 7
 //! ```
 //! The request protocol is in `common/mod.rs`.
 

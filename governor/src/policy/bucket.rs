@@ -37,9 +37,8 @@ fn served_bits(from: u64, to: u64) -> u32 {
     if n >= 31 {
         return u32::MAX;
     }
-    // n + 1 consecutive bits from a's, wrapping around the 32.
-    let run = if n == 31 { u32::MAX } else { (1u32 << (n + 1)) - 1 };
-    run.rotate_left((a & 31) as u32)
+    // n + 1 (at most 31) consecutive bits from a's, wrapping around the 32.
+    ((1u32 << (n + 1)) - 1).rotate_left((a & 31) as u32)
 }
 
 #[inline]
