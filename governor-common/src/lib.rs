@@ -309,11 +309,7 @@ pub const fn tag_for_cell(index: u32) -> u64 {
 /// Keyspace cell index of a tag, or `None` for [`TAG_NONE`].
 #[inline]
 pub const fn cell_of_tag(tag: u64) -> Option<u32> {
-    if tag == TAG_NONE {
-        None
-    } else {
-        Some((tag - 1) as u32)
-    }
+    if tag == TAG_NONE { None } else { Some((tag - 1) as u32) }
 }
 
 #[cfg(feature = "user")]

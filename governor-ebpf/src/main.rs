@@ -55,9 +55,10 @@ use aya_ebpf::{
 };
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
-    cell_of_tag, cpu_owner, CpuCell, KeyspaceCell, RuleCpu, RuleEvent, ThreadSlot, DEFAULT_MAX_KEYSPACES,
-    DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, FRESH_OFFSET_NS, MAX_CPUS, MAX_PENDING,
-    RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,
+    CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
+    FRESH_OFFSET_NS, KeyspaceCell, MAX_CPUS, MAX_PENDING, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON,
+    RULE_CTL_RENAME, RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag,
+    cpu_owner,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -322,7 +323,15 @@ pub fn gov_fork(ctx: BtfTracePointContext) -> i32 {
         let tgid = task_field::<u32>(child, &GOV_OFF_TGID);
         if tag == TAG_PENDING
             && tgid == tid
-            && !report(EVENT_FORK, tgid, task_field::<u32>(parent, &GOV_OFF_TGID), 0, 0, 0 as *const u8, 0 as *const u8)
+            && !report(
+                EVENT_FORK,
+                tgid,
+                task_field::<u32>(parent, &GOV_OFF_TGID),
+                0,
+                0,
+                core::ptr::null(),
+                core::ptr::null(),
+            )
         {
             // Unreported: the child is left unmeasured rather than pending forever.
             write_volatile(entry.add(1), 0);
@@ -348,11 +357,12 @@ pub fn gov_exec(ctx: BtfTracePointContext) -> i32 {
         // Pending still (a child of a pending process): the agent resolves
         // what it inherits from its parent.
         let prior = rule_tag(entry);
-        let filename = bpf_probe_read_kernel(bprm.add(read_volatile(&GOV_OFF_BPRM_FILENAME) as usize) as *const *const u8)
-            .unwrap_or(0 as *const u8);
+        let filename =
+            bpf_probe_read_kernel(bprm.add(read_volatile(&GOV_OFF_BPRM_FILENAME) as usize) as *const *const u8)
+                .unwrap_or(core::ptr::null());
         // Pending first: the slices that follow the report wait for the decision.
         write_volatile(entry.add(1), TAG_PENDING);
-        if !report(EVENT_EXEC, tgid, 0, prior, 0, 0 as *const u8, filename) {
+        if !report(EVENT_EXEC, tgid, 0, prior, 0, core::ptr::null(), filename) {
             write_volatile(entry.add(1), if prior == TAG_PENDING { 0 } else { prior });
         }
     }
@@ -375,7 +385,7 @@ pub fn gov_rename(ctx: BtfTracePointContext) -> i32 {
         let comm: *const u8 = ctx.arg(1);
         let tgid = task_field::<u32>(task, &GOV_OFF_TGID);
         let tid = task_field::<u32>(task, &GOV_OFF_PID);
-        report(EVENT_RENAME, tgid, 0, 0, tid, comm, 0 as *const u8);
+        report(EVENT_RENAME, tgid, 0, 0, tid, comm, core::ptr::null());
     }
     0
 }
@@ -386,7 +396,15 @@ pub fn gov_rename(ctx: BtfTracePointContext) -> i32 {
 /// # Safety
 /// `comm` and `filename` are null or kernel string pointers.
 #[inline(always)]
-unsafe fn report(kind: u32, tgid: u32, parent: u32, prior: u32, tid: u32, comm: *const u8, filename: *const u8) -> bool {
+unsafe fn report(
+    kind: u32,
+    tgid: u32,
+    parent: u32,
+    prior: u32,
+    tid: u32,
+    comm: *const u8,
+    filename: *const u8,
+) -> bool {
     let Some(mut e) = GOV_EVENTS.reserve::<RuleEvent>(0) else {
         if let Some(p) = GOV_RULE_CTL.get_ptr_mut(RULE_CTL_DROPPED) {
             // SAFETY: a map value pointer.
@@ -435,7 +453,9 @@ unsafe fn anchor(cell: *mut CpuCell, exec_start: u64, runtime: u64, index: u32, 
     // SAFETY: as the caller promises.
     unsafe {
         let since_fresh = exec_start.wrapping_sub(read_volatile(addr_of_mut!((*cell).fresh_task_ns))) as i64;
-        let offset = if read_volatile(addr_of_mut!((*cell).offset_valid)) != 0 && since_fresh.unsigned_abs() <= FRESH_OFFSET_NS {
+        let offset = if read_volatile(addr_of_mut!((*cell).offset_valid)) != 0
+            && since_fresh.unsigned_abs() <= FRESH_OFFSET_NS
+        {
             read_volatile(addr_of_mut!((*cell).mono_offset_ns))
         } else {
             let sample = bpf_ktime_get_ns().wrapping_sub(exec_start);
@@ -468,6 +488,7 @@ pub fn gov_calibrate(_ctx: BtfTracePointContext) -> i32 {
 /// `bpf_ktime_get_ns` costs on this machine. Benchmark only.
 #[btf_tracepoint(function = "sched_switch")]
 pub fn gov_calibrate_clock(_ctx: BtfTracePointContext) -> i32 {
+    // SAFETY: a helper with no arguments.
     let now = unsafe { bpf_ktime_get_ns() };
     (now & 1) as i32
 }
@@ -500,7 +521,7 @@ pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
 
 #[cfg(not(test))]
 #[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
     loop {}
 }
 

@@ -255,7 +255,9 @@ fn main() {
                 eprintln!("governor agent: {}", keyspace_governor::error_chain(&e));
                 // EX_NOPERM when privileges are what is missing.
                 let code = match &e {
-                    keyspace_governor::agent::AgentError::Measure(keyspace_governor::measure::MeasureError::MissingCapability { .. }) => 77,
+                    keyspace_governor::agent::AgentError::Measure(
+                        keyspace_governor::measure::MeasureError::MissingCapability { .. },
+                    ) => 77,
                     _ => 1,
                 };
                 std::process::exit(code);
@@ -276,13 +278,19 @@ fn main() {
             if !(0.05..=3600.0).contains(&interval) {
                 fail(json, &CliError::Usage(format!("--interval {interval}: between 0.05 and 3600 seconds")));
             }
-            let o = cli::top::Options { interval: std::time::Duration::from_secs_f64(interval), iterations, sort, limit, json };
+            let o = cli::top::Options {
+                interval: std::time::Duration::from_secs_f64(interval),
+                iterations,
+                sort,
+                limit,
+                json,
+            };
             if let Err(e) = cli::top::run(&socket.unwrap_or_else(default_socket), &o, write_stdout) {
                 fail(json, &e);
             }
         }
         Verb::Threads { socket, json } => match cli::threads::run(&socket.unwrap_or_else(default_socket)) {
-            Ok(t) => print(json, &t, cli::threads::render),
+            Ok(t) => print(json, &t, |t: &Vec<_>| cli::threads::render(t)),
             Err(e) => fail(json, &e),
         },
         Verb::Doctor { socket, json } => {
@@ -290,14 +298,42 @@ fn main() {
             print(json, &r, cli::doctor::render);
             std::process::exit(if r.failed() { 1 } else { 0 });
         }
-        Verb::Rules { verb: RulesVerb::List { socket, json } } => match cli::rules::list(&socket.unwrap_or_else(default_socket)) {
-            Ok(l) => print(json, &l, cli::rules::render_list),
-            Err(e) => fail(json, &e),
-        },
+        Verb::Rules { verb: RulesVerb::List { socket, json } } => {
+            match cli::rules::list(&socket.unwrap_or_else(default_socket)) {
+                Ok(l) => print(json, &l, cli::rules::render_list),
+                Err(e) => fail(json, &e),
+            }
+        }
         Verb::Rules {
-            verb: RulesVerb::Add { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place, position, socket, json },
+            verb:
+                RulesVerb::Add {
+                    name,
+                    keyspace,
+                    cgroup,
+                    cgroup_prefix,
+                    tgid,
+                    uid,
+                    exe,
+                    comm_prefix,
+                    thread_name_prefix,
+                    cap_in_place,
+                    position,
+                    socket,
+                    json,
+                },
         } => {
-            let rule = keyspace_governor::config::RawRule { name, keyspace, cgroup, cgroup_prefix, tgid, uid, exe, comm_prefix, thread_name_prefix, cap_in_place };
+            let rule = keyspace_governor::config::RawRule {
+                name,
+                keyspace,
+                cgroup,
+                cgroup_prefix,
+                tgid,
+                uid,
+                exe,
+                comm_prefix,
+                thread_name_prefix,
+                cap_in_place,
+            };
             match cli::rules::add(&socket.unwrap_or_else(default_socket), &rule, position) {
                 Ok(a) => print(json, &a, cli::config_cmd::render_applied),
                 Err(e) => fail(json, &e),
@@ -337,7 +373,11 @@ fn init_logging(json: bool) {
     if json {
         b.format(|f, r| {
             use std::io::Write;
-            writeln!(f, "{}", serde_json::json!({"level": r.level().as_str(), "target": r.target(), "message": r.args().to_string()}))
+            writeln!(
+                f,
+                "{}",
+                serde_json::json!({"level": r.level().as_str(), "target": r.target(), "message": r.args().to_string()})
+            )
         });
     }
     b.init();
@@ -362,11 +402,14 @@ fn run_agent(
     if let Some(s) = socket {
         opts.socket = s;
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(keyspace_governor::agent::AgentError::Runtime)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(keyspace_governor::agent::AgentError::Runtime)?;
     rt.block_on(async {
         let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("SIGTERM handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {},
                 _ = term.recv() => {},

@@ -125,7 +125,9 @@ pub fn cgroup_mounts() -> Vec<CgroupMount> {
                 let cpu = controllers.split_whitespace().any(|c| c == "cpu");
                 Some(CgroupMount { dir: m.mount_point, v2: true, cpu })
             }
-            "cgroup" if m.super_options.contains_key("cpu") => Some(CgroupMount { dir: m.mount_point, v2: false, cpu: true }),
+            "cgroup" if m.super_options.contains_key("cpu") => {
+                Some(CgroupMount { dir: m.mount_point, v2: false, cpu: true })
+            }
             _ => None,
         })
         .collect()
@@ -164,7 +166,10 @@ mod tests {
         let (before, cpu0) = (schedstat_ns(me, tid).unwrap(), crate::sys::thread_cputime_ns());
         while crate::sys::thread_cputime_ns() - cpu0 < 30_000_000 {}
         let (spun, cpu) = (schedstat_ns(me, tid).unwrap() - before, crate::sys::thread_cputime_ns() - cpu0);
-        assert!((cpu - 11_000_000..=cpu + 11_000_000).contains(&spun), "schedstat {spun} ns for {cpu} ns of the thread's CPU");
+        assert!(
+            (cpu - 11_000_000..=cpu + 11_000_000).contains(&spun),
+            "schedstat {spun} ns for {cpu} ns of the thread's CPU"
+        );
         let id = identity(me).unwrap();
         assert_eq!(id.parent, parent(me).unwrap());
         assert_eq!(id.uid, Some(crate::sys::effective_uid()));

@@ -582,7 +582,7 @@ pub fn memlock_limit() -> io::Result<u64> {
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(rl.rlim_cur as u64)
+    Ok(rl.rlim_cur)
 }
 
 pub fn raise_memlock() {

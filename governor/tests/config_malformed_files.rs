@@ -6,107 +6,35 @@ use keyspace_governor::config::{ConfigError, ValidatedConfig};
 /// (file text, key the error must name, line it must report).
 const CASES: &[(&str, &str, usize)] = &[
     // [resource-control]: types, durations, ranges, unknown keys.
-    (
-        "[resource-control]\nenabled = \"yes\"\n",
-        "resource-control.enabled",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = \"10\"\n",
-        "resource-control.stats-interval",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = \"ms\"\n",
-        "resource-control.stats-interval",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = \"-1s\"\n",
-        "resource-control.stats-interval",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = \"1.5.s\"\n",
-        "resource-control.stats-interval",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = 1000\n",
-        "resource-control.stats-interval",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = \"0s\"\n",
-        "resource-control.stats-interval",
-        2,
-    ),
-    (
-        "[resource-control]\nwindow-size = \"99999999999999999999h\"\n",
-        "resource-control.window-size",
-        2,
-    ),
-    (
-        "[resource-control]\nwindow-size = \"10fortnights\"\n",
-        "resource-control.window-size",
-        2,
-    ),
-    (
-        "[resource-control]\nstats-interval = \"2s\"\nwindow-size = \"1s\"\n",
-        "resource-control.window-size",
-        3,
-    ),
-    (
-        "[resource-control]\nmax-read-cpu-ratio = 1.5\n",
-        "resource-control.max-read-cpu-ratio",
-        2,
-    ),
-    (
-        "[resource-control]\nmax-read-cpu-ratio = 0.0\n",
-        "resource-control.max-read-cpu-ratio",
-        2,
-    ),
-    (
-        "[resource-control]\nmax-read-cpu-ratio = nan\n",
-        "resource-control.max-read-cpu-ratio",
-        2,
-    ),
-    (
-        "[resource-control]\nmax-read-cpu-ratio = \"0.6\"\n",
-        "resource-control.max-read-cpu-ratio",
-        2,
-    ),
-    (
-        "[resource-control]\nenabled = true\nbogus-key = 1\n",
-        "resource-control.bogus-key",
-        3,
-    ),
+    ("[resource-control]\nenabled = \"yes\"\n", "resource-control.enabled", 2),
+    ("[resource-control]\nstats-interval = \"10\"\n", "resource-control.stats-interval", 2),
+    ("[resource-control]\nstats-interval = \"ms\"\n", "resource-control.stats-interval", 2),
+    ("[resource-control]\nstats-interval = \"-1s\"\n", "resource-control.stats-interval", 2),
+    ("[resource-control]\nstats-interval = \"1.5.s\"\n", "resource-control.stats-interval", 2),
+    ("[resource-control]\nstats-interval = 1000\n", "resource-control.stats-interval", 2),
+    ("[resource-control]\nstats-interval = \"0s\"\n", "resource-control.stats-interval", 2),
+    ("[resource-control]\nwindow-size = \"99999999999999999999h\"\n", "resource-control.window-size", 2),
+    ("[resource-control]\nwindow-size = \"10fortnights\"\n", "resource-control.window-size", 2),
+    ("[resource-control]\nstats-interval = \"2s\"\nwindow-size = \"1s\"\n", "resource-control.window-size", 3),
+    ("[resource-control]\nmax-read-cpu-ratio = 1.5\n", "resource-control.max-read-cpu-ratio", 2),
+    ("[resource-control]\nmax-read-cpu-ratio = 0.0\n", "resource-control.max-read-cpu-ratio", 2),
+    ("[resource-control]\nmax-read-cpu-ratio = nan\n", "resource-control.max-read-cpu-ratio", 2),
+    ("[resource-control]\nmax-read-cpu-ratio = \"0.6\"\n", "resource-control.max-read-cpu-ratio", 2),
+    ("[resource-control]\nenabled = true\nbogus-key = 1\n", "resource-control.bogus-key", 3),
     // [resource-control.cpu-throttle]: intervals.
     (
         "[resource-control.cpu-throttle]\nrefill-interval = \"0ms\"\n",
         "resource-control.cpu-throttle.refill-interval",
         2,
     ),
-    (
-        "[resource-control.cpu-throttle]\nrefill-interval = \"2s\"\n",
-        "resource-control.cpu-throttle.refill-interval",
-        2,
-    ),
+    ("[resource-control.cpu-throttle]\nrefill-interval = \"2s\"\n", "resource-control.cpu-throttle.refill-interval", 2),
     (
         "[resource-control.cpu-throttle]\nrefill-interval = \"200ms\"\n",
         "resource-control.cpu-throttle.refill-interval",
         2,
     ),
-    (
-        "[resource-control.cpu-throttle]\nrefill-interval = \"10\"\n",
-        "resource-control.cpu-throttle.refill-interval",
-        2,
-    ),
-    (
-        "[resource-control.cpu-throttle]\nburst-window = \"20s\"\n",
-        "resource-control.cpu-throttle.burst-window",
-        2,
-    ),
+    ("[resource-control.cpu-throttle]\nrefill-interval = \"10\"\n", "resource-control.cpu-throttle.refill-interval", 2),
+    ("[resource-control.cpu-throttle]\nburst-window = \"20s\"\n", "resource-control.cpu-throttle.burst-window", 2),
     // Keyspace lists.
     (
         "[resource-control.cpu-throttle]\nkeyspace-cpu-quotas = \"1:\"\n",
@@ -149,26 +77,14 @@ const CASES: &[(&str, &str, usize)] = &[
         2,
     ),
     // Thresholds and ratios.
-    (
-        "[resource-control.cpu-throttle]\nhigh-watermark = 1.2\n",
-        "resource-control.cpu-throttle.high-watermark",
-        2,
-    ),
-    (
-        "[resource-control.cpu-throttle]\nlow-watermark = 0.9\n",
-        "resource-control.cpu-throttle.low-watermark",
-        2,
-    ),
+    ("[resource-control.cpu-throttle]\nhigh-watermark = 1.2\n", "resource-control.cpu-throttle.high-watermark", 2),
+    ("[resource-control.cpu-throttle]\nlow-watermark = 0.9\n", "resource-control.cpu-throttle.low-watermark", 2),
     (
         "[resource-control.cpu-throttle]\nfair-allocation-threshold = 0.0\n",
         "resource-control.cpu-throttle.fair-allocation-threshold",
         2,
     ),
-    (
-        "[resource-control.cpu-throttle]\nburst-threshold = -0.1\n",
-        "resource-control.cpu-throttle.burst-threshold",
-        2,
-    ),
+    ("[resource-control.cpu-throttle]\nburst-threshold = -0.1\n", "resource-control.cpu-throttle.burst-threshold", 2),
     (
         "[resource-control.cpu-throttle]\npd-service-limit-consecutive-404 = 0\n",
         "resource-control.cpu-throttle.pd-service-limit-consecutive-404",
@@ -214,11 +130,7 @@ const CASES: &[(&str, &str, usize)] = &[
         "resource-control.cpu-throttle.additional-allocation-threshold",
         2,
     ),
-    (
-        "[resource-control.cpu-throttle]\nper-allocation-us = 0\n",
-        "resource-control.cpu-throttle.per-allocation-us",
-        2,
-    ),
+    ("[resource-control.cpu-throttle]\nper-allocation-us = 0\n", "resource-control.cpu-throttle.per-allocation-us", 2),
     // Tenant cap ranges (tenant-cpu-cap.md §4.3).
     (
         "[resource-control.cpu-throttle]\ntenant-max-cpu-ratio = 1.5\n",
@@ -245,11 +157,7 @@ const CASES: &[(&str, &str, usize)] = &[
         "resource-control.cpu-throttle.enable-bursting",
         3,
     ),
-    (
-        "[resource-control]\ncpu-throttle = { enabled = true, wat = 1 }\n",
-        "resource-control.cpu-throttle.wat",
-        2,
-    ),
+    ("[resource-control]\ncpu-throttle = { enabled = true, wat = 1 }\n", "resource-control.cpu-throttle.wat", 2),
     // Essential conflict that is not set in the file points at the cap's line.
     (
         "[resource-control.cpu-throttle]\n\ntenant-max-cpu-ratio = 0.4\n",
@@ -257,63 +165,23 @@ const CASES: &[(&str, &str, usize)] = &[
         3,
     ),
     // [write-quota]
-    (
-        "[write-quota]\npending-write-threshold = \"100XB\"\n",
-        "write-quota.pending-write-threshold",
-        2,
-    ),
-    (
-        "[write-quota]\npending-write-threshold = -1\n",
-        "write-quota.pending-write-threshold",
-        2,
-    ),
-    (
-        "[write-quota]\npending-write-threshold = 0\n",
-        "write-quota.pending-write-threshold",
-        2,
-    ),
-    (
-        "[write-quota]\nper-keyspace-threshold = \"30MiB\"\n",
-        "write-quota.per-keyspace-threshold",
-        2,
-    ),
+    ("[write-quota]\npending-write-threshold = \"100XB\"\n", "write-quota.pending-write-threshold", 2),
+    ("[write-quota]\npending-write-threshold = -1\n", "write-quota.pending-write-threshold", 2),
+    ("[write-quota]\npending-write-threshold = 0\n", "write-quota.pending-write-threshold", 2),
+    ("[write-quota]\nper-keyspace-threshold = \"30MiB\"\n", "write-quota.per-keyspace-threshold", 2),
     // [admission-control]
-    (
-        "[admission-control]\nmode = \"strict\"\n",
-        "admission-control.mode",
-        2,
-    ),
-    (
-        "[admission-control]\nmax-concurrent-per-tenant = -1\n",
-        "admission-control.max-concurrent-per-tenant",
-        2,
-    ),
+    ("[admission-control]\nmode = \"strict\"\n", "admission-control.mode", 2),
+    ("[admission-control]\nmax-concurrent-per-tenant = -1\n", "admission-control.max-concurrent-per-tenant", 2),
     // [agent]
-    (
-        "[agent]\nmetrics-addr = \"localhost\"\n",
-        "agent.metrics-addr",
-        2,
-    ),
-    (
-        "[agent]\nmetrics-addr = \"127.0.0.1:99999\"\n",
-        "agent.metrics-addr",
-        2,
-    ),
+    ("[agent]\nmetrics-addr = \"localhost\"\n", "agent.metrics-addr", 2),
+    ("[agent]\nmetrics-addr = \"127.0.0.1:99999\"\n", "agent.metrics-addr", 2),
     ("[agent]\nmeasure = \"perf\"\n", "agent.measure", 2),
-    (
-        "[agent]\ntimer-period = \"500us\"\n",
-        "agent.timer-period",
-        2,
-    ),
+    ("[agent]\ntimer-period = \"500us\"\n", "agent.timer-period", 2),
     ("[agent]\ntimer-period = \"2s\"\n", "agent.timer-period", 2),
     ("[agent]\nmax-threads = 32\n", "agent.max-threads", 2),
     ("[agent]\nmax-threads = 2000000\n", "agent.max-threads", 2),
     ("[agent]\nmax-keyspaces = 0\n", "agent.max-keyspaces", 2),
-    (
-        "[agent]\ncontrol-socket = \"relative.sock\"\n",
-        "agent.control-socket",
-        2,
-    ),
+    ("[agent]\ncontrol-socket = \"relative.sock\"\n", "agent.control-socket", 2),
     ("[agent]\nsocket = \"/tmp/x.sock\"\n", "agent.socket", 2),
     ("# header\n[bogus-section]\nx = 1\n", "bogus-section", 2),
     ("[agent]\nmax-threads = \n", "agent.max-threads", 2),
@@ -323,33 +191,20 @@ const CASES: &[(&str, &str, usize)] = &[
 fn every_malformed_file_is_rejected_naming_key_and_line() {
     assert!(CASES.len() >= 40, "only {} cases", CASES.len());
     for (source, key, line) in CASES {
-        let errors = ValidatedConfig::from_toml_str(source)
-            .expect_err(&format!("accepted malformed file:\n{source}"));
+        let errors = ValidatedConfig::from_toml_str(source).expect_err(&format!("accepted malformed file:\n{source}"));
         assert!(
-            errors
-                .errors
-                .iter()
-                .any(|e| e.key() == *key && e.line() == Some(*line)),
+            errors.errors.iter().any(|e| e.key() == *key && e.line() == Some(*line)),
             "file:\n{source}\nwanted `{key}` at line {line}, got:\n{errors}\n{errors:?}"
         );
         let text = errors.to_string();
-        assert!(
-            text.contains(&format!("line {line}: {key}: ")),
-            "display lacks `line {line}: {key}: `:\n{text}"
-        );
+        assert!(text.contains(&format!("line {line}: {key}: ")), "display lacks `line {line}: {key}: `:\n{text}");
     }
 }
 
 #[test]
 fn unknown_keys_are_reported_as_unknown_key() {
     let errors = ValidatedConfig::from_toml_str("[agent]\nmax-thread = 64\n").unwrap_err();
-    assert_eq!(
-        errors.errors,
-        vec![ConfigError::UnknownKey {
-            key: "agent.max-thread".into(),
-            line: Some(2)
-        }]
-    );
+    assert_eq!(errors.errors, vec![ConfigError::UnknownKey { key: "agent.max-thread".into(), line: Some(2) }]);
 }
 
 #[test]

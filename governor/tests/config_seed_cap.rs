@@ -16,9 +16,7 @@ fn with(source: &str, key: &str, value: &str) -> (String, usize) {
         .enumerate()
         .map(|(i, l)| {
             let t = l.trim_start();
-            if t.strip_prefix(key)
-                .is_some_and(|r| r.trim_start().starts_with('='))
-            {
+            if t.strip_prefix(key).is_some_and(|r| r.trim_start().starts_with('=')) {
                 line_no = i + 1;
                 format!("{key} = {value}")
             } else {
@@ -58,11 +56,7 @@ fn seed_cap_07_conflicting_config_rejected() {
             .find(|e| matches!(e, ConfigError::Conflict { .. }))
             .unwrap_or_else(|| panic!("{key}: no conflict reported: {errors}"));
         match conflict {
-            ConfigError::Conflict {
-                key: k,
-                line: l,
-                reason,
-            } => {
+            ConfigError::Conflict { key: k, line: l, reason } => {
                 assert_eq!(k, &format!("{CT}.{key}"));
                 assert_eq!(*l, Some(line));
                 assert!(reason.contains("tenant-max-cpu-ratio > 0"), "{reason}");
@@ -99,9 +93,7 @@ fn seed_cap_08_hot_update_validation() {
     let before = running.clone();
 
     // `config set` enabling the cap is refused as a whole, listing all conflicts.
-    let rejected = running
-        .apply_set(&format!("{CT}.tenant-max-cpu-ratio"), "0.4")
-        .unwrap_err();
+    let rejected = running.apply_set(&format!("{CT}.tenant-max-cpu-ratio"), "0.4").unwrap_err();
     let mut keys = rejected.errors.keys();
     keys.sort();
     let want: Vec<String> = [
@@ -124,37 +116,25 @@ fn seed_cap_08_hot_update_validation() {
     let rejected = running.apply_update(&file).unwrap_err();
     assert_eq!(rejected.errors.keys(), vec![format!("{CT}.enable-burst")]);
     assert_eq!(rejected.errors.errors[0].line(), Some(burst_line));
-    assert!(
-        rejected
-            .to_string()
-            .contains("running configuration unchanged")
-    );
+    assert!(rejected.to_string().contains("running configuration unchanged"));
     assert_eq!(running, before);
 
     // The Essential profile itself is accepted as an update from Premium
     // (refill-interval and burst-window are unchanged), and reports the hot keys.
     let premium_default = ValidatedConfig::embedded_default();
-    let essential = premium_default
-        .apply_update(ESSENTIAL)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let essential = premium_default.apply_update(ESSENTIAL).unwrap_or_else(|e| panic!("{e}"));
     let diff = premium_default.diff(&essential);
     assert!(diff.hot().tenant_max_cpu_ratio);
     assert!(diff.changed(&format!("{CT}.enable-burst")));
 
     // In cap mode the ratio and idle TTL are hot-updatable.
-    let raised = essential
-        .apply_set(&format!("{CT}.tenant-max-cpu-ratio"), "0.5")
-        .unwrap();
+    let raised = essential.apply_set(&format!("{CT}.tenant-max-cpu-ratio"), "0.5").unwrap();
     let diff = essential.diff(&raised);
     assert_eq!(diff.keys(), vec![format!("{CT}.tenant-max-cpu-ratio")]);
     assert!(diff.hot().tenant_max_cpu_ratio && !diff.hot().tenant_cap_idle_ttl);
-    let ttl = essential
-        .apply_set(&format!("{CT}.tenant-cap-idle-ttl"), "1m")
-        .unwrap();
+    let ttl = essential.apply_set(&format!("{CT}.tenant-cap-idle-ttl"), "1m").unwrap();
     assert!(essential.diff(&ttl).hot().tenant_cap_idle_ttl);
     // ...but turning burst back on while capped is not.
-    let err = raised
-        .apply_set(&format!("{CT}.enable-burst"), "true")
-        .unwrap_err();
+    let err = raised.apply_set(&format!("{CT}.enable-burst"), "true").unwrap_err();
     assert_eq!(err.errors.keys(), vec![format!("{CT}.enable-burst")]);
 }

@@ -32,10 +32,7 @@ fn seed_throttle_full_example_is_refused_only_for_what_governor_does_not_impleme
     let errors = ValidatedConfig::from_toml_str(THROTTLE_FULL).unwrap_err();
     assert_eq!(
         errors.keys(),
-        vec![
-            "resource-control.enable-qps-bytes-limiter",
-            "resource-control.cpu-throttle.enable-pd-service-limit",
-        ]
+        vec!["resource-control.enable-qps-bytes-limiter", "resource-control.cpu-throttle.enable-pd-service-limit",]
     );
     let text = errors.to_string();
     assert!(text.matches("not supported").count() == 1, "{errors}");
@@ -53,41 +50,26 @@ fn seed_throttle_full_example_validates_in_premium_mode() {
     let text = common::throttle_full_supported();
     let cfg = ValidatedConfig::from_toml_str(&text).unwrap_or_else(|e| panic!("{e}"));
     let t = cfg.cpu_throttle();
-    assert!(
-        !t.tenant_cap_enabled(),
-        "tenant-max-cpu-ratio is absent, so legacy mode"
-    );
+    assert!(!t.tenant_cap_enabled(), "tenant-max-cpu-ratio is absent, so legacy mode");
     assert_eq!(t.keyspace_cpu_quotas.get(1), Some(1000));
     assert_eq!(t.keyspace_cpu_quotas.get(2), Some(2000));
     assert_eq!(t.keyspace_estimated_cpu_per_request_us.get(2), Some(5000));
     assert_eq!(t.keyspace_burst_enabled.get(1), Some(true));
     assert_eq!(t.keyspace_burst_enabled.get(2), Some(false));
     assert_eq!(t.pd_service_limit_consecutive_404, 3);
-    assert_eq!(
-        t.pd_service_limit_fetch_interval.get(),
-        Duration::from_secs(30)
-    );
+    assert_eq!(t.pd_service_limit_fetch_interval.get(), Duration::from_secs(30));
     assert_eq!(t.refill_interval.get(), Duration::from_millis(10));
     assert_eq!(t.burst_window.get(), Duration::from_millis(100));
     assert_eq!(t.per_allocation_us, 4000);
-    assert_eq!(
-        cfg.resource_control().window_size.get(),
-        Duration::from_secs(60)
-    );
+    assert_eq!(cfg.resource_control().window_size.get(), Duration::from_secs(60));
 }
 
 #[test]
 fn embedded_default_validates_and_equals_empty_file() {
     let embedded = ValidatedConfig::embedded_default();
     let empty = ValidatedConfig::from_toml_str("").unwrap();
-    assert_eq!(
-        embedded, empty,
-        "default.toml drifted from the serde defaults"
-    );
-    assert_eq!(
-        ValidatedConfig::from_raw(&RawConfig::default()).unwrap(),
-        empty
-    );
+    assert_eq!(embedded, empty, "default.toml drifted from the serde defaults");
+    assert_eq!(ValidatedConfig::from_raw(&RawConfig::default()).unwrap(), empty);
     assert!(EMBEDDED_DEFAULT_TOML.contains("tenant-max-cpu-ratio = 0.0"));
 }
 
@@ -108,23 +90,12 @@ fn empty_file_gives_documented_defaults() {
     assert_eq!(t.burst_window.get(), Duration::from_millis(100));
     assert_eq!((t.high_watermark, t.low_watermark), (0.8, 0.5));
     assert_eq!(t.estimated_cpu_per_request_us, 1000);
-    assert_eq!(
-        cfg.write_quota().pending_write_threshold,
-        ByteSize::mib(100)
-    );
-    assert_eq!(
-        cfg.write_quota()
-            .per_keyspace_pending_write_threshold()
-            .get(),
-        100 * 1024 * 1024 * 3 / 10
-    );
+    assert_eq!(cfg.write_quota().pending_write_threshold, ByteSize::mib(100));
+    assert_eq!(cfg.write_quota().per_keyspace_pending_write_threshold().get(), 100 * 1024 * 1024 * 3 / 10);
     assert_eq!(cfg.admission_control().mode, AdmissionMode::Disabled);
     assert_eq!(cfg.admission_control().max_concurrent_per_tenant, None);
     let a = cfg.agent();
-    assert_eq!(
-        a.control_socket.to_str(),
-        Some("/run/governor/governor.sock")
-    );
+    assert_eq!(a.control_socket.to_str(), Some("/run/governor/governor.sock"));
     assert_eq!(a.metrics_addr.to_string(), "127.0.0.1:9464");
     assert_eq!(a.measure, MeasureMode::Auto);
     assert_eq!(a.timer_period.get(), Duration::from_millis(10));
@@ -133,15 +104,10 @@ fn empty_file_gives_documented_defaults() {
 
 #[test]
 fn pending_write_threshold_accepts_integer_bytes_and_size_strings() {
-    let a =
-        ValidatedConfig::from_toml_str("[write-quota]\npending-write-threshold = 10000\n").unwrap();
+    let a = ValidatedConfig::from_toml_str("[write-quota]\npending-write-threshold = 10000\n").unwrap();
     assert_eq!(a.write_quota().pending_write_threshold.get(), 10000);
-    assert_eq!(
-        a.write_quota().per_keyspace_pending_write_threshold().get(),
-        3000
-    );
-    let b = ValidatedConfig::from_toml_str("[write-quota]\npending-write-threshold = \"1GiB\"\n")
-        .unwrap();
+    assert_eq!(a.write_quota().per_keyspace_pending_write_threshold().get(), 3000);
+    let b = ValidatedConfig::from_toml_str("[write-quota]\npending-write-threshold = \"1GiB\"\n").unwrap();
     assert_eq!(b.write_quota().pending_write_threshold.get(), 1 << 30);
 }
 
@@ -150,17 +116,10 @@ fn toml_output_round_trips_with_kebab_case_keys_and_string_durations() {
     for source in [ESSENTIAL, &common::throttle_full_supported(), ""] {
         let cfg = ValidatedConfig::from_toml_str(source).unwrap();
         let printed = cfg.to_toml_string();
-        assert!(
-            printed.contains("[resource-control.cpu-throttle]"),
-            "{printed}"
-        );
+        assert!(printed.contains("[resource-control.cpu-throttle]"), "{printed}");
         assert!(printed.contains("refill-interval = \"10ms\""), "{printed}");
-        assert!(
-            printed.contains("pending-write-threshold = \"100MiB\""),
-            "{printed}"
-        );
-        let again =
-            ValidatedConfig::from_toml_str(&printed).unwrap_or_else(|e| panic!("{e}\n{printed}"));
+        assert!(printed.contains("pending-write-threshold = \"100MiB\""), "{printed}");
+        let again = ValidatedConfig::from_toml_str(&printed).unwrap_or_else(|e| panic!("{e}\n{printed}"));
         assert_eq!(again, cfg);
     }
 }

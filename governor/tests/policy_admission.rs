@@ -10,11 +10,7 @@ use keyspace_governor::policy::{
 };
 
 fn settings(mode: AdmissionMode, max: u64) -> Settings {
-    Settings {
-        admission_mode: mode,
-        max_concurrent_per_tenant: max,
-        ..base()
-    }
+    Settings { admission_mode: mode, max_concurrent_per_tenant: max, ..base() }
 }
 
 fn policy(mode: AdmissionMode, max: u64) -> Policy {
@@ -62,14 +58,7 @@ fn admission_enforced_refuses_over_the_limit_with_the_marker() {
     let x = enter(&p, 1).unwrap();
     let y = enter(&p, 1).unwrap();
     let err = enter(&p, 1).unwrap_err();
-    assert_eq!(
-        err,
-        Refusal::ConcurrencyLimited {
-            tenant: 1,
-            inflight: 2,
-            limit: 2
-        }
-    );
+    assert_eq!(err, Refusal::ConcurrencyLimited { tenant: 1, inflight: 2, limit: 2 });
     assert!(err.to_string().contains(TENANT_ADMISSION_CONTROL_MARKER));
     assert_eq!(TENANT_ADMISSION_CONTROL_MARKER, "tenant_admission_control");
     assert!(err.is_tenant_admission_control());
@@ -95,11 +84,7 @@ fn admission_limit_zero_is_no_limit_in_every_mode() {
         let p = policy(mode, 0);
         let grants: Vec<_> = (0..1000).map(|_| enter(&p, 1).unwrap()).collect();
         assert_eq!(p.inflight_requests(1), 1000, "{mode:?}: counted");
-        assert_eq!(
-            refused_and_breaches(&p),
-            (0, 0),
-            "{mode:?}: 0 never refuses nor reports a breach"
-        );
+        assert_eq!(refused_and_breaches(&p), (0, 0), "{mode:?}: 0 never refuses nor reports a breach");
         grants.into_iter().for_each(|g| p.release(g, 0));
         assert_eq!(p.inflight_requests(1), 0);
     }
@@ -121,10 +106,7 @@ fn admission_mode_change_while_running_keeps_counts_exact() {
     let mut s = p.settings().clone();
     s.admission_mode = AdmissionMode::Enforced;
     p.update_settings(s).unwrap();
-    assert!(matches!(
-        enter(&p, 1),
-        Err(Refusal::ConcurrencyLimited { inflight: 1, limit: 1, .. })
-    ));
+    assert!(matches!(enter(&p, 1), Err(Refusal::ConcurrencyLimited { inflight: 1, limit: 1, .. })));
     p.release(counted, 0);
     assert_eq!(p.inflight_requests(1), 0);
     let g = enter(&p, 1).unwrap();
@@ -138,10 +120,7 @@ fn admission_limit_change_while_running_applies_to_the_next_request() {
     let mut s = p.settings().clone();
     s.max_concurrent_per_tenant = 2;
     p.update_settings(s).unwrap();
-    assert!(matches!(
-        enter(&p, 1),
-        Err(Refusal::ConcurrencyLimited { inflight: 3, limit: 2, .. })
-    ));
+    assert!(matches!(enter(&p, 1), Err(Refusal::ConcurrencyLimited { inflight: 3, limit: 2, .. })));
     held.into_iter().for_each(|g| p.release(g, 0));
     assert_eq!(p.inflight_requests(1), 0);
 }
@@ -175,10 +154,7 @@ fn idle_tenants_are_forgotten_and_busy_ones_kept_with_their_count() {
     assert_eq!(p.cells_in_use(), 1);
     // The busy tenant's count survived: it is still at its limit.
     assert_eq!(p.inflight_requests(7), 2);
-    assert!(matches!(
-        p.admit(7, &Demand::default(), ttl + SEC),
-        Err(Refusal::ConcurrencyLimited { inflight: 2, .. })
-    ));
+    assert!(matches!(p.admit(7, &Demand::default(), ttl + SEC), Err(Refusal::ConcurrencyLimited { inflight: 2, .. })));
     busy.into_iter().for_each(|g| p.release(g, 0));
     assert_eq!(p.inflight_requests(7), 0);
     let g = p.admit(7, &Demand::default(), ttl + SEC).unwrap();

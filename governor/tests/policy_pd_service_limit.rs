@@ -30,11 +30,7 @@ fn pd_quotas_are_proportional_to_positive_limits() {
     let p = pd(|_| {});
     let a = p.apply_pd_service_limits(
         0,
-        &fetched(&[
-            (1, PdLimit::Limit(300.0)),
-            (2, PdLimit::Limit(100.0)),
-            (3, PdLimit::Limit(0.0)),
-        ]),
+        &fetched(&[(1, PdLimit::Limit(300.0)), (2, PdLimit::Limit(100.0)), (3, PdLimit::Limit(0.0))]),
     );
     // Two quotas set; keyspace 3 reported unlimited (no quota of any source).
     assert_eq!(a.len(), 3);
@@ -45,16 +41,9 @@ fn pd_quotas_are_proportional_to_positive_limits() {
     assert_eq!(p.keyspace(1).unwrap().source(), QuotaSource::Pd);
     // Below the update threshold (1 %): kept; above: applied.
     assert!(
-        p.apply_pd_service_limits(
-            SEC,
-            &fetched(&[(1, PdLimit::Limit(301.0)), (2, PdLimit::Limit(100.0))])
-        )
-        .is_empty()
+        p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(301.0)), (2, PdLimit::Limit(100.0))])).is_empty()
     );
-    p.apply_pd_service_limits(
-        2 * SEC,
-        &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]),
-    );
+    p.apply_pd_service_limits(2 * SEC, &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]));
     assert_eq!((quota(&p, 1), quota(&p, 2)), (Some(24_000), Some(24_000)));
 }
 
@@ -75,22 +64,14 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
         s.keyspace_cpu_quotas_millicores = [(1, 1000)].into(); // 10_000 µs
     });
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
-    assert_eq!(
-        quota(&p, 1),
-        Some(10_000),
-        "static config is not overridden"
-    );
+    assert_eq!(quota(&p, 1), Some(10_000), "static config is not overridden");
     p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
     assert_eq!(quota(&p, 1), Some(10_000), "static quota kept on unlimited");
     assert_eq!(p.keyspace(1).unwrap().source(), QuotaSource::Config);
 
     let p = pd(|s| s.keyspace_cpu_quotas_millicores = [(1, 1000)].into());
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
-    assert_eq!(
-        quota(&p, 1),
-        Some(48_000),
-        "pd-override-config = true: PD wins"
-    );
+    assert_eq!(quota(&p, 1), Some(48_000), "pd-override-config = true: PD wins");
     // ...its "unlimited" too: the static quota goes while PD says 0, and
     // comes back when PD stops answering for the keyspace.
     p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(0.0))]));
@@ -106,31 +87,18 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
 #[test]
 fn pd_404_removes_only_after_consecutive_count_or_ttl() {
     let p = pd(|s| s.pd_service_limit_consecutive_404 = 3);
-    p.apply_pd_service_limits(
-        0,
-        &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]),
-    );
+    p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]));
     for i in 1..=2 {
         assert!(
-            p.apply_pd_service_limits(
-                i * SEC,
-                &fetched(&[(1, PdLimit::NotFound), (2, PdLimit::Limit(100.0))])
-            )
-            .is_empty()
+            p.apply_pd_service_limits(i * SEC, &fetched(&[(1, PdLimit::NotFound), (2, PdLimit::Limit(100.0))]))
+                .is_empty()
         );
         assert!(quota(&p, 1).is_some(), "404 #{i} tolerated");
     }
-    let a = p.apply_pd_service_limits(
-        3 * SEC,
-        &fetched(&[(1, PdLimit::NotFound), (2, PdLimit::Limit(100.0))]),
-    );
+    let a = p.apply_pd_service_limits(3 * SEC, &fetched(&[(1, PdLimit::NotFound), (2, PdLimit::Limit(100.0))]));
     assert!(a.contains(&PdAction::Remove { keyspace: 1 }));
     assert!(quota(&p, 1).is_none());
-    assert_eq!(
-        quota(&p, 2),
-        Some(48_000),
-        "sole remaining keyspace gets everything"
-    );
+    assert_eq!(quota(&p, 2), Some(48_000), "sole remaining keyspace gets everything");
     // A success resets the 404 streak.
     p.apply_pd_service_limits(4 * SEC, &fetched(&[(2, PdLimit::NotFound)]));
     p.apply_pd_service_limits(5 * SEC, &fetched(&[(2, PdLimit::Limit(100.0))]));
@@ -146,10 +114,7 @@ fn pd_unreachable_keeps_last_quotas() {
     let p = pd(|_| {});
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
     for i in 1..100 {
-        assert!(
-            p.apply_pd_service_limits(i * 60 * SEC, &PdFetch::Unreachable)
-                .is_empty()
-        );
+        assert!(p.apply_pd_service_limits(i * 60 * SEC, &PdFetch::Unreachable).is_empty());
     }
     assert_eq!(quota(&p, 1), Some(48_000));
     // PD is back after 99 minutes: the outage (from the first round that
@@ -167,10 +132,7 @@ fn pd_unreachable_keeps_last_quotas() {
 #[test]
 fn pd_quota_throttles_and_does_not_outlive_pd() {
     let p = pd(|s| s.keyspace_cpu_quotas_millicores = [(2, 1000)].into());
-    p.apply_pd_service_limits(
-        0,
-        &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]),
-    );
+    p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]));
     assert_eq!((quota(&p, 1), quota(&p, 2)), (Some(24_000), Some(24_000)));
     // The PD quota is a bucket like any other: capacity = rate × 100 ms burst window.
     let e = p.keyspace(1).unwrap();
@@ -191,9 +153,6 @@ fn pd_quota_throttles_and_does_not_outlive_pd() {
     assert_eq!(p.keyspace(2).unwrap().source(), QuotaSource::Config);
     assert_eq!(p.keyspaces_from(QuotaSource::Pd), Vec::<u32>::new());
     // And with PD off, answers are ignored.
-    assert!(
-        p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(100.0))]))
-            .is_empty()
-    );
+    assert!(p.apply_pd_service_limits(SEC, &fetched(&[(1, PdLimit::Limit(100.0))])).is_empty());
     assert_eq!(quota(&p, 1), None);
 }

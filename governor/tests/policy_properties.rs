@@ -109,12 +109,8 @@ fn check(p: &Policy, m: &Model) -> Result<(), TestCaseError> {
         let b = e.bucket();
         check_bucket(&format!("keyspace {}", e.id()), b)?;
         prop_assert!(b.available_us >= -KEYSPACE_DEBT_BOUND, "keyspace {} debt unbounded: {b:?}", e.id());
-        let live: u64 = m
-            .live
-            .iter()
-            .filter(|g| g.cell() == Some(e.cell()) && g.keyspace() == e.id())
-            .map(|g| g.tenant_us())
-            .sum();
+        let live: u64 =
+            m.live.iter().filter(|g| g.cell() == Some(e.cell()) && g.keyspace() == e.id()).map(|g| g.tenant_us()).sum();
         prop_assert_eq!(b.inflight_us(), live, "keyspace {} inflight", e.id());
         if b.in_debt() {
             prop_assert!(b.available_us <= 0, "keyspace {} in shrink debt holds tokens: {b:?}", e.id());
@@ -176,13 +172,7 @@ fn run_stream(settings: Settings, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 p.set_keyspace_quota_millicores(ks, millicores, now).unwrap();
             }
             Op::Observe => {
-                p.tick(
-                    now,
-                    Some(&UsageSample {
-                        global_cpu_cumulative_us: cum,
-                        keyspace_cpu_us: vec![(1, cum / 7)],
-                    }),
-                );
+                p.tick(now, Some(&UsageSample { global_cpu_cumulative_us: cum, keyspace_cpu_us: vec![(1, cum / 7)] }));
             }
             _ => {}
         }

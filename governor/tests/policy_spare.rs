@@ -5,7 +5,7 @@
 mod common;
 
 use common::essential;
-use keyspace_governor::policy::{acquire_with, release_with, Demand, Policy, Refusal, Spare, SPARE_MAX_US};
+use keyspace_governor::policy::{Demand, Policy, Refusal, SPARE_MAX_US, Spare, acquire_with, release_with};
 use keyspace_governor::region::{AdmissionRegions, BucketView, GLOBAL};
 use std::sync::atomic::Ordering;
 

@@ -12,124 +12,58 @@ use std::collections::BTreeMap;
 #[test]
 fn seed_cap_01_single_tenant_is_held_at_cap_and_others_unaffected() {
     let p = essential(0.4); // 8 cores × 0.4 = 3.2 cores = 3.2 s of CPU per second
-    let noisy = Load {
-        keyspace: 1,
-        cost_us: 1000,
-        per_step: 1000,
-    };
-    let victim = Load {
-        keyspace: 2,
-        cost_us: 1000,
-        per_step: 1,
-    }; // 1 core
+    let noisy = Load { keyspace: 1, cost_us: 1000, per_step: 1000 };
+    let victim = Load { keyspace: 2, cost_us: 1000, per_step: 1 }; // 1 core
     run(&p, &[noisy, victim], 0, SEC, MS);
     let out = run(&p, &[noisy, victim], SEC, SEC, MS);
-    assert_close(
-        out.consumed_us[0] as f64,
-        3_200_000.0,
-        0.01,
-        "noisy tenant over 1 s",
-    );
+    assert_close(out.consumed_us[0] as f64, 3_200_000.0, 0.01, "noisy tenant over 1 s");
     assert_eq!(out.refused[1], 0, "victim below its cap is never refused");
     assert_eq!(out.consumed_us[1], 1_000_000);
-    assert!(matches!(
-        out.last_refusal[0],
-        Some(Refusal::TenantCpuExhausted { keyspace: 1 })
-    ));
+    assert!(matches!(out.last_refusal[0], Some(Refusal::TenantCpuExhausted { keyspace: 1 })));
     assert!(p.counters().tenant_cap_exhausted > 0);
 }
 
 #[test]
 fn seed_cap_02_multiple_tenants_each_capped_at_the_same_ratio() {
     let p = essential(0.2); // 1.6 cores each; global 4.8 cores
-    let loads = [
-        Load {
-            keyspace: 1,
-            cost_us: 1000,
-            per_step: 1000,
-        },
-        Load {
-            keyspace: 2,
-            cost_us: 500,
-            per_step: 1000,
-        },
-    ];
+    let loads =
+        [Load { keyspace: 1, cost_us: 1000, per_step: 1000 }, Load { keyspace: 2, cost_us: 500, per_step: 1000 }];
     let used = steady(&p, &loads);
     for (i, u) in used.iter().enumerate() {
         assert_close(*u as f64, 1_600_000.0, 0.01, &format!("tenant {i}"));
     }
     let snap = p.snapshot();
-    assert!(
-        snap.keyspaces.iter().all(|k| k.base_refill_us == 16_000),
-        "same cap for all"
-    );
+    assert!(snap.keyspaces.iter().all(|k| k.base_refill_us == 16_000), "same cap for all");
 
     // Four greedy tenants want 6.4 cores; the global bucket holds the total at 4.8.
     let p = essential(0.2);
-    let loads: Vec<Load> = (1..=4)
-        .map(|k| Load {
-            keyspace: k,
-            cost_us: 1000,
-            per_step: 1000,
-        })
-        .collect();
+    let loads: Vec<Load> = (1..=4).map(|k| Load { keyspace: k, cost_us: 1000, per_step: 1000 }).collect();
     let used = steady(&p, &loads);
     let total: u64 = used.iter().sum();
-    assert_close(
-        total as f64,
-        4_800_000.0,
-        0.01,
-        "total held by the global bucket",
-    );
-    assert!(
-        used.iter().all(|&u| u <= 1_600_000 + 1000),
-        "no tenant above its cap: {used:?}"
-    );
+    assert_close(total as f64, 4_800_000.0, 0.01, "total held by the global bucket");
+    assert!(used.iter().all(|&u| u <= 1_600_000 + 1000), "no tenant above its cap: {used:?}");
     // Free competition within the caps: the global budget is shared evenly (1.2 cores each).
     for u in &used {
-        assert_close(
-            *u as f64,
-            1_200_000.0,
-            0.02,
-            "even share under global pressure",
-        );
+        assert_close(*u as f64, 1_200_000.0, 0.02, "even share under global pressure");
     }
 }
 
 #[test]
 fn seed_cap_03_global_bucket_is_the_bottleneck_when_cap_exceeds_read_ratio() {
     let p = essential(0.7); // cap 5.6 cores > global 4.8 cores
-    let load = [Load {
-        keyspace: 9,
-        cost_us: 1000,
-        per_step: 1000,
-    }];
+    let load = [Load { keyspace: 9, cost_us: 1000, per_step: 1000 }];
     let warm = run(&p, &load, 0, SEC, MS);
     let out = run(&p, &load, SEC, SEC, MS);
-    assert_close(
-        out.consumed_us[0] as f64,
-        4_800_000.0,
-        0.01,
-        "held by global",
-    );
-    assert!(
-        out.consumed_us[0] < 5_600_000 * 99 / 100,
-        "below the tenant cap"
-    );
+    assert_close(out.consumed_us[0] as f64, 4_800_000.0, 0.01, "held by global");
+    assert!(out.consumed_us[0] < 5_600_000 * 99 / 100, "below the tenant cap");
     assert!(p.counters().global_exhausted > 0);
-    assert!(matches!(
-        out.last_refusal[0],
-        Some(Refusal::GlobalCpuExhausted { keyspace: 9 })
-    ));
+    assert!(matches!(out.last_refusal[0], Some(Refusal::GlobalCpuExhausted { keyspace: 9 })));
     // Rollback: every global refusal gave its tenant tokens back, so the tenant bucket was
     // charged exactly what ran (taken − refunded + overrun debt = consumed), nothing in flight.
     let e = p.keyspace(9).unwrap();
     let b = e.bucket().snapshot();
     assert_eq!(e.counters().debt_forgiven_us, 0);
-    assert_eq!(
-        b.taken_total_us + b.debt_total_us - b.refunded_total_us,
-        warm.consumed_us[0] + out.consumed_us[0]
-    );
+    assert_eq!(b.taken_total_us + b.debt_total_us - b.refunded_total_us, warm.consumed_us[0] + out.consumed_us[0]);
     assert_eq!(e.counters().consumed_us, warm.consumed_us[0] + out.consumed_us[0]);
     assert!(e.counters().refused_global > 0, "refused by the global bucket, not the cap");
     assert_eq!(e.counters().refused_keyspace, 0);
@@ -168,29 +102,18 @@ fn seed_cap_05_exhausted_tenant_never_bursts() {
     assert_eq!(p.global_ratio(), 0.0);
     let global_before = p.global_bucket().available_us();
     assert_eq!(global_before, 480_000 - 320_000, "global has room");
-    assert_eq!(
-        p.snapshot().burst_budget_us,
-        48_000,
-        "budget would cover it"
-    );
+    assert_eq!(p.snapshot().burst_budget_us, 48_000, "budget would cover it");
     let err = p.allocate(1, Some(1000), 0).unwrap_err();
     assert_eq!(err, Refusal::TenantCpuExhausted { keyspace: 1 });
     assert_eq!(err.reason(), "tenant_cap_exhausted");
-    assert_eq!(
-        p.global_bucket().available_us(),
-        global_before,
-        "no global-only take"
-    );
+    assert_eq!(p.global_bucket().available_us(), global_before, "no global-only take");
     assert_eq!(p.snapshot().burst_budget_us, 48_000);
     assert_eq!(p.counters().burst_granted, 0);
     assert_eq!(p.counters().tenant_cap_exhausted, 1);
     assert!(!p.keyspace(1).unwrap().burst_allowed());
     // Nor does a runtime top-up burst.
     let mut g = g;
-    assert_eq!(
-        p.allocate_more(&mut g, 1000, 0).unwrap_err(),
-        Refusal::TenantCpuExhausted { keyspace: 1 }
-    );
+    assert_eq!(p.allocate_more(&mut g, 1000, 0).unwrap_err(), Refusal::TenantCpuExhausted { keyspace: 1 });
     assert!(!g.is_burst());
     assert_eq!(p.global_bucket().available_us(), global_before);
     p.release(g, cap);
@@ -206,10 +129,7 @@ fn seed_cap_06_no_pd_dependency() {
     assert_eq!(p.keyspace(2).unwrap().bucket().base_refill_us(), 32_000);
     assert_eq!(p.keyspace(1).unwrap().source(), QuotaSource::TenantCap);
     // PD answers are ignored with enable-pd-service-limit = false.
-    let fetch = PdFetch::Fetched(BTreeMap::from([
-        (1, PdLimit::Limit(5.0)),
-        (2, PdLimit::NotFound),
-    ]));
+    let fetch = PdFetch::Fetched(BTreeMap::from([(1, PdLimit::Limit(5.0)), (2, PdLimit::NotFound)]));
     assert!(p.apply_pd_service_limits(0, &fetch).is_empty());
     assert_eq!(p.keyspace(1).unwrap().bucket().base_refill_us(), 32_000);
     p.release(a, 100);
@@ -241,16 +161,9 @@ fn cap_mode_always_enforces_the_global_bucket() {
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate(9, Some(480_000), 0).unwrap();
     assert_eq!(p.global_bucket().available_us(), 0);
-    assert_eq!(
-        p.allocate(9, Some(1), 0).unwrap_err(),
-        Refusal::GlobalCpuExhausted { keyspace: 9 }
-    );
+    assert_eq!(p.allocate(9, Some(1), 0).unwrap_err(), Refusal::GlobalCpuExhausted { keyspace: 9 });
     assert_eq!(p.global_bucket().available_us(), 0, "no best-effort overdraft");
     assert_eq!(p.counters().global_best_effort_overdraft, 0);
-    assert_eq!(
-        p.keyspace(9).unwrap().bucket().available_us(),
-        560_000 - 480_000,
-        "tenant tokens rolled back"
-    );
+    assert_eq!(p.keyspace(9).unwrap().bucket().available_us(), 560_000 - 480_000, "tenant tokens rolled back");
     p.release(g, 480_000);
 }

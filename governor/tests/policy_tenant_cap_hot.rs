@@ -24,17 +24,10 @@ fn seed_cap_09_runtime_top_up_uses_only_tenant_and_global_buckets() {
     let global_before = p.global_bucket().available_us();
     let err = p.allocate_more(&mut g, 4000, 3).unwrap_err();
     assert_eq!(err, Refusal::TenantCpuExhausted { keyspace: 1 });
-    assert_eq!(
-        p.global_bucket().available_us(),
-        global_before,
-        "global untouched"
-    );
+    assert_eq!(p.global_bucket().available_us(), global_before, "global untouched");
     assert!(!g.is_burst());
     let c = p.counters();
-    assert_eq!(
-        (c.topup_granted, c.topup_refused, c.burst_granted),
-        (2, 1, 0)
-    );
+    assert_eq!((c.topup_granted, c.topup_refused, c.burst_granted), (2, 1, 0));
     p.release(g, 320_000);
     let k = p.keyspace(1).unwrap();
     assert_eq!(k.bucket().inflight_us(), 0);
@@ -77,36 +70,23 @@ fn seed_cap_10_low_priority_dag_is_cap_aware() {
     let p = Policy::new(s, 0).unwrap();
     // Unknown keyspace: low-priority bucket, then its tenant cap bucket.
     let g = p.allocate_low_priority(7, Some(320_000), 0).unwrap();
-    assert_eq!(
-        (g.low_priority_us(), g.tenant_us(), g.global_us()),
-        (320_000, 320_000, 320_000)
-    );
+    assert_eq!((g.low_priority_us(), g.tenant_us(), g.global_us()), (320_000, 320_000, 320_000));
     assert_eq!(p.keyspace(7).unwrap().source(), keyspace_governor::policy::QuotaSource::TenantCap);
     let low_before = p.low_priority_bucket().available_us();
     assert_eq!(low_before, 400_000 - 320_000);
     let err = p.allocate_low_priority(7, Some(1000), 0).unwrap_err();
     assert_eq!(err, Refusal::TenantCpuExhausted { keyspace: 7 });
-    assert_eq!(
-        p.low_priority_bucket().available_us(),
-        low_before,
-        "low-priority rolled back"
-    );
+    assert_eq!(p.low_priority_bucket().available_us(), low_before, "low-priority rolled back");
     p.release(g, 320_000);
     assert_eq!(p.keyspace(7).unwrap().bucket().inflight_us(), 0);
     assert_eq!(p.counters().skipped, 0);
 
     // Premium (no cap): an unknown keyspace uses the legacy global-only fallback.
-    let s = Settings {
-        low_priority_dag_global_enabled: true,
-        ..base()
-    };
+    let s = Settings { low_priority_dag_global_enabled: true, ..base() };
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate_low_priority(7, Some(1000), 0).unwrap();
     assert!(!g.is_skip());
-    assert_eq!(
-        (g.tenant_us(), g.global_us(), g.low_priority_us()),
-        (0, 1000, 1000)
-    );
+    assert_eq!((g.tenant_us(), g.global_us(), g.low_priority_us()), (0, 1000, 1000));
     assert!(p.keyspace(7).is_none(), "no bucket created");
     p.release(g, 500);
     // 500 consumed from each; the unused 500 came back to both.
@@ -129,20 +109,8 @@ fn seed_cap_11_premium_mode_is_unchanged() {
     p.release(g, 1_000_000);
     assert_eq!(p.global_bucket().available_us(), 480_000, "no tokens taken");
     assert_eq!(p.keyspace_count(), 1);
-    let used = steady(
-        &p,
-        &[Load {
-            keyspace: 1,
-            cost_us: 1000,
-            per_step: 1000,
-        }],
-    );
-    assert_close(
-        used[0] as f64,
-        1_000_000.0,
-        0.01,
-        "configured 1000 millicores",
-    );
+    let used = steady(&p, &[Load { keyspace: 1, cost_us: 1000, per_step: 1000 }]);
+    assert_close(used[0] as f64, 1_000_000.0, 0.01, "configured 1000 millicores");
     assert!(p.counters().keyspace_exhausted > 0);
     assert_eq!(p.counters().skipped, 1);
 }
@@ -171,10 +139,7 @@ fn seed_cap_12_hot_update_recomputes_every_cap_bucket() {
     assert_eq!(p.keyspace(2).unwrap().bucket().available_us(), 160_000);
     p.tick(10 * MS, None);
     assert_eq!(k1().bucket().available_us(), 0, "no refill while in debt");
-    assert_eq!(
-        p.allocate(1, Some(1), 10 * MS).unwrap_err(),
-        Refusal::TenantCpuExhausted { keyspace: 1 }
-    );
+    assert_eq!(p.allocate(1, Some(1), 10 * MS).unwrap_err(), Refusal::TenantCpuExhausted { keyspace: 1 });
     p.release(held, 30_000);
     assert!(k1().bucket().in_debt(), "left at the next refill");
     p.tick(20 * MS, None);
@@ -182,37 +147,10 @@ fn seed_cap_12_hot_update_recomputes_every_cap_bucket() {
     assert_eq!(k1().bucket().available_us(), 16_000);
     let g = p.allocate(1, Some(1000), 20 * MS).unwrap();
     p.release(g, 1000);
-    let used = run(
-        &p,
-        &[Load {
-            keyspace: 3,
-            cost_us: 1000,
-            per_step: 1000,
-        }],
-        SEC,
-        SEC,
-        MS,
-    )
-    .consumed_us;
-    let used2 = run(
-        &p,
-        &[Load {
-            keyspace: 3,
-            cost_us: 1000,
-            per_step: 1000,
-        }],
-        2 * SEC,
-        SEC,
-        MS,
-    )
-    .consumed_us;
+    let used = run(&p, &[Load { keyspace: 3, cost_us: 1000, per_step: 1000 }], SEC, SEC, MS).consumed_us;
+    let used2 = run(&p, &[Load { keyspace: 3, cost_us: 1000, per_step: 1000 }], 2 * SEC, SEC, MS).consumed_us;
     assert!(used[0] > 0);
-    assert_close(
-        used2[0] as f64,
-        1_600_000.0,
-        0.01,
-        "new cap after hot update",
-    );
+    assert_close(used2[0] as f64, 1_600_000.0, 0.01, "new cap after hot update");
 }
 
 #[test]
@@ -251,19 +189,12 @@ fn seed_cap_14_idle_ttl_is_hot_updatable() {
     let g = p.allocate(1, Some(10), 0).unwrap();
     p.release(g, 10);
     let held = p.allocate(2, Some(10), 0).unwrap();
-    assert_eq!(
-        p.tick(120 * SEC, None).evicted,
-        0,
-        "2 min idle < 10 min TTL"
-    );
+    assert_eq!(p.tick(120 * SEC, None).evicted, 0, "2 min idle < 10 min TTL");
     p.set_tenant_cap_idle_ttl_us(60 * SEC).unwrap();
     let report = p.tick(121 * SEC, None);
     assert_eq!(report.evicted, 1, "next scan uses the new TTL");
     assert!(p.keyspace(1).is_none());
-    assert!(
-        p.keyspace(2).is_some(),
-        "in-flight tokens keep a bucket alive"
-    );
+    assert!(p.keyspace(2).is_some(), "in-flight tokens keep a bucket alive");
     p.release(held, 10);
     assert_eq!(p.tick(122 * SEC, None).evicted, 1);
     assert_eq!(p.counters().cap_buckets_evicted, 2);
@@ -284,11 +215,7 @@ fn online_update_that_does_not_shrink_the_cap_leaves_busy_buckets_alone() {
     let a = p.allocate(1, Some(30_000), 0).unwrap();
     let b = p.allocate(1, Some(25_000), 0).unwrap();
     let k = || p.keyspace(1).unwrap();
-    assert_eq!(
-        k().bucket().inflight_us(),
-        55_000,
-        "more in flight than one interval's cap"
-    );
+    assert_eq!(k().bucket().inflight_us(), 55_000, "more in flight than one interval's cap");
     let available = k().bucket().available_us();
     assert_eq!(available, 320_000 - 55_000);
     // An unrelated change (admission mode) must not touch the tenant buckets.
@@ -323,10 +250,7 @@ fn a_tiny_cap_ratio_caps_instead_of_turning_the_cap_off() {
     let g = p.allocate(5, Some(10), 0).unwrap();
     assert!(!g.is_skip(), "still cap mode");
     assert_eq!(g.tenant_us(), 10, "a full bucket of 10 µs (1 µs × 100 ms / 10 ms)");
-    assert_eq!(
-        p.allocate(5, Some(1), 0).unwrap_err(),
-        Refusal::TenantCpuExhausted { keyspace: 5 }
-    );
+    assert_eq!(p.allocate(5, Some(1), 0).unwrap_err(), Refusal::TenantCpuExhausted { keyspace: 5 });
     p.release(g, 10);
     p.tick(10 * MS, None);
     assert_eq!(p.keyspace(5).unwrap().bucket().available_us(), 1);
@@ -379,10 +303,7 @@ fn a_cap_bucket_in_debt_is_kept_until_repaid() {
     assert_eq!(k().available_us, -48_000);
     assert_eq!(p.tick(20 * MS, None).evicted, 0);
     assert_eq!(k().available_us, -16_000);
-    assert_eq!(
-        p.allocate(1, Some(1), 20 * MS).unwrap_err(),
-        Refusal::TenantCpuExhausted { keyspace: 1 }
-    );
+    assert_eq!(p.allocate(1, Some(1), 20 * MS).unwrap_err(), Refusal::TenantCpuExhausted { keyspace: 1 });
     // Repaid at the next refill: then it goes.
     assert_eq!(p.tick(30 * MS, None).evicted, 1);
     assert!(p.keyspace(1).is_none());

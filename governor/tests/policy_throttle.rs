@@ -16,36 +16,14 @@ fn approx(a: f64, b: f64, eps: f64) -> bool {
 fn throttle_worked_example_fair_allocation() {
     // 8 cores, 6.0 used (75 %), 2.0 available.
     let inputs = [
-        FairInput {
-            keyspace: 1,
-            quota: 4.0,
-            usage: 2.5,
-            demand: Some(1.5),
-        }, // A
-        FairInput {
-            keyspace: 2,
-            quota: 2.0,
-            usage: 1.5,
-            demand: Some(1.0),
-        }, // B
-        FairInput {
-            keyspace: 3,
-            quota: 2.0,
-            usage: 2.0,
-            demand: Some(0.5),
-        }, // C
+        FairInput { keyspace: 1, quota: 4.0, usage: 2.5, demand: Some(1.5) }, // A
+        FairInput { keyspace: 2, quota: 2.0, usage: 1.5, demand: Some(1.0) }, // B
+        FairInput { keyspace: 3, quota: 2.0, usage: 2.0, demand: Some(0.5) }, // C
     ];
     let out = fair_allocate(8.0, 6.0, &inputs);
     assert!(approx(out[0].can_use, 2.0 * 4.0 / 6.0, 1e-9), "A gets 1.33");
-    assert!(
-        approx(out[0].allocation, 3.8333, 1e-3),
-        "A = 3.83, got {}",
-        out[0].allocation
-    );
-    assert!(
-        approx(out[1].can_use, 0.5, 1e-9),
-        "B capped at remaining quota"
-    );
+    assert!(approx(out[0].allocation, 3.8333, 1e-3), "A = 3.83, got {}", out[0].allocation);
+    assert!(approx(out[1].can_use, 0.5, 1e-9), "B capped at remaining quota");
     assert!(approx(out[1].allocation, 2.0, 1e-9));
     assert_eq!(out[2].can_use, 0.0, "C at its quota gets nothing");
     assert!(approx(out[2].allocation, 2.0, 1e-9));
@@ -53,22 +31,14 @@ fn throttle_worked_example_fair_allocation() {
 
 /// 8 cores, max-read-cpu-ratio 1.0, 10 ms refill, 1 s window = 1 s stats interval.
 fn premium(f: impl FnOnce(&mut Settings)) -> Settings {
-    let mut s = Settings {
-        cpu_cores: 8.0,
-        max_read_cpu_ratio: 1.0,
-        window_size_us: SEC,
-        stats_interval_us: SEC,
-        ..base()
-    };
+    let mut s =
+        Settings { cpu_cores: 8.0, max_read_cpu_ratio: 1.0, window_size_us: SEC, stats_interval_us: SEC, ..base() };
     f(&mut s);
     s
 }
 
 fn sample(global_cum_us: u64, ks: &[(u32, u64)]) -> UsageSample {
-    UsageSample {
-        global_cpu_cumulative_us: global_cum_us,
-        keyspace_cpu_us: ks.to_vec(),
-    }
+    UsageSample { global_cpu_cumulative_us: global_cum_us, keyspace_cpu_us: ks.to_vec() }
 }
 
 #[test]
@@ -84,13 +54,7 @@ fn fair_allocation_drives_keyspace_refill_above_threshold() {
         assert!(p.allocate(ks, Some(demand), 500 * MS).is_err());
     }
     // Node at 75 %: A 2.5, B 1.5, C 2.0 cores over the 1 s window.
-    let r = p.tick(
-        SEC,
-        Some(&sample(
-            6 * SEC,
-            &[(1, 2_500_000), (2, 1_500_000), (3, 2 * SEC)],
-        )),
-    );
+    let r = p.tick(SEC, Some(&sample(6 * SEC, &[(1, 2_500_000), (2, 1_500_000), (3, 2 * SEC)])));
     assert!(r.fair_active);
     assert!(approx(r.global_ratio, 0.75, 1e-9));
     let refill = |ks| p.keyspace(ks).unwrap().bucket().refill_us();
@@ -126,10 +90,7 @@ fn burst_uses_global_tokens_under_the_seed_conditions_and_is_capped_per_interval
     assert!(b.is_burst());
     assert_eq!((b.tenant_us(), b.global_us()), (0, 40_000));
     // Burst budget is one global refill (48_000): 8_000 left this interval.
-    assert_eq!(
-        p.allocate(1, Some(10_000), now).unwrap_err(),
-        Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
-    );
+    assert_eq!(p.allocate(1, Some(10_000), now).unwrap_err(), Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 });
     let small = p.allocate(1, Some(8_000), now).unwrap();
     assert!(small.is_burst());
     // keyspace-burst-enabled = false for keyspace 2.
@@ -171,17 +132,11 @@ fn dynamic_adjustment_follows_the_watermarks() {
     assert_eq!(p.global_bucket().refill_us(), 38_400);
     assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 10_000);
     // 0.6 is between the watermarks: keep the reduced global rate; keyspace under → base.
-    p.tick(
-        2 * SEC,
-        Some(&sample(4_800_000 + 2_880_000, &[(1, 100_000)])),
-    );
+    p.tick(2 * SEC, Some(&sample(4_800_000 + 2_880_000, &[(1, 100_000)])));
     assert_eq!(p.global_bucket().refill_us(), 38_400);
     assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 20_000);
     // 0.4 < 0.5: restore.
-    p.tick(
-        3 * SEC,
-        Some(&sample(4_800_000 + 2_880_000 + 1_920_000, &[])),
-    );
+    p.tick(3 * SEC, Some(&sample(4_800_000 + 2_880_000 + 1_920_000, &[])));
     assert_eq!(p.global_bucket().refill_us(), 48_000);
 }
 
@@ -193,14 +148,8 @@ fn quota_shrink_enters_debt_until_inflight_drains() {
     p.set_keyspace_quota_millicores(1, Some(1000), 0).unwrap(); // 10_000 < 15_000 in flight
     let snap = p.snapshot().keyspaces[0].clone();
     assert!(snap.in_debt_mode);
-    assert_eq!(
-        (snap.available_us, snap.base_refill_us, snap.capacity_us),
-        (0, 10_000, 100_000)
-    );
-    assert_eq!(
-        p.allocate(1, Some(1), 0).unwrap_err(),
-        Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
-    );
+    assert_eq!((snap.available_us, snap.base_refill_us, snap.capacity_us), (0, 10_000, 100_000));
+    assert_eq!(p.allocate(1, Some(1), 0).unwrap_err(), Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 });
     p.tick(50 * MS, None);
     assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 0);
     p.release(g, 20_000); // overran by 5_000: debt
@@ -227,19 +176,10 @@ fn release_refunds_unused_estimate_and_charges_overrun() {
     assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), full - 2_000);
     let g = p.allocate(1, Some(5_000), 0).unwrap();
     p.release(g, 9_000);
-    assert_eq!(
-        p.keyspace(1).unwrap().bucket().available_us(),
-        full - 11_000
-    );
-    assert_eq!(
-        p.global_bucket().available_us(),
-        p.global_bucket().capacity_us() - 11_000
-    );
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), full - 11_000);
+    assert_eq!(p.global_bucket().available_us(), p.global_bucket().capacity_us() - 11_000);
     let ks = p.snapshot().keyspaces[0].clone();
-    assert_eq!(
-        (ks.counters.consumed_us, ks.counters.released, ks.inflight_us),
-        (11_000, 2, 0)
-    );
+    assert_eq!((ks.counters.consumed_us, ks.counters.released, ks.inflight_us), (11_000, 2, 0));
     assert_eq!(ks.bucket.debt_total_us, 4_000);
     assert_eq!(p.global_bucket().debt_total_us, 4_000);
 }
@@ -266,15 +206,8 @@ fn global_is_best_effort_tracking_unless_enforced() {
     p.release(b, 50_000);
     let p = mk(true);
     let a = p.allocate(1, Some(100_000), 0).unwrap();
-    assert_eq!(
-        p.allocate(1, Some(50_000), 0).unwrap_err(),
-        Refusal::GlobalCpuExhausted { keyspace: 1 }
-    );
-    assert_eq!(
-        p.keyspace(1).unwrap().bucket().available_us(),
-        800_000 - 100_000,
-        "tenant rolled back"
-    );
+    assert_eq!(p.allocate(1, Some(50_000), 0).unwrap_err(), Refusal::GlobalCpuExhausted { keyspace: 1 });
+    assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 800_000 - 100_000, "tenant rolled back");
     assert_eq!(p.counters().global_exhausted, 1);
     p.release(a, 100_000);
 }
@@ -289,29 +222,17 @@ fn adaptive_estimate_updates_once_per_stats_interval() {
     });
     let p = Policy::new(s, 0).unwrap();
     assert_eq!(p.keyspace(1).unwrap().estimate_us(), 1000);
-    assert_eq!(
-        p.keyspace(2).unwrap().estimate_us(),
-        1500,
-        "per-keyspace override"
-    );
+    assert_eq!(p.keyspace(2).unwrap().estimate_us(), 1500, "per-keyspace override");
     for _ in 0..10 {
         let g = p.allocate(1, None, 0).unwrap();
         assert_eq!(g.granted_us(), 1000);
         p.release(g, 3000);
     }
-    assert_eq!(
-        p.keyspace(1).unwrap().estimate_us(),
-        1000,
-        "not before the stats interval"
-    );
+    assert_eq!(p.keyspace(1).unwrap().estimate_us(), 1000, "not before the stats interval");
     p.tick(SEC, Some(&sample(0, &[])));
     assert_eq!(p.keyspace(1).unwrap().estimate_us(), 2000);
     p.tick(2 * SEC, Some(&sample(0, &[])));
-    assert_eq!(
-        p.keyspace(1).unwrap().estimate_us(),
-        2000,
-        "no requests, no change"
-    );
+    assert_eq!(p.keyspace(1).unwrap().estimate_us(), 2000, "no requests, no change");
     let g = p.allocate(1, None, 2 * SEC).unwrap();
     assert_eq!(g.granted_us(), 2000);
     p.release(g, 2000);
@@ -320,17 +241,9 @@ fn adaptive_estimate_updates_once_per_stats_interval() {
 
 #[test]
 fn monitor_window_ratios_are_published_and_exported() {
-    let s = Settings {
-        cpu_cores: 4.0,
-        max_read_cpu_ratio: 0.5,
-        window_size_us: 4 * SEC,
-        stats_interval_us: SEC,
-        ..base()
-    };
-    let s = Settings {
-        keyspace_cpu_quotas_millicores: [(1, 1000)].into(),
-        ..s
-    };
+    let s =
+        Settings { cpu_cores: 4.0, max_read_cpu_ratio: 0.5, window_size_us: 4 * SEC, stats_interval_us: SEC, ..base() };
+    let s = Settings { keyspace_cpu_quotas_millicores: [(1, 1000)].into(), ..s };
     let p = Policy::new(s, 0).unwrap();
     // max_cpu_time = 4 × 0.5 × 4 s = 8 s.
     for i in 0..=5u64 {
@@ -372,20 +285,12 @@ fn refill_is_per_interval_and_never_exceeds_capacity() {
     let p = Policy::new(s, 0).unwrap();
     // Entries are snapshots: read again after every change.
     let b = || p.keyspace(1).unwrap();
-    assert_eq!(
-        b().bucket().capacity_us(),
-        50_000,
-        "rate × 100 ms burst window"
-    );
+    assert_eq!(b().bucket().capacity_us(), 50_000, "rate × 100 ms burst window");
     let g = p.allocate(1, Some(50_000), 0).unwrap();
     p.release(g, 50_000);
     assert_eq!(p.next_refill_at_us(), 10 * MS);
     assert_eq!(p.tick(25 * MS, None).refill_intervals, 2);
-    assert_eq!(
-        p.next_refill_at_us(),
-        30 * MS,
-        "boundaries stay on the refill grid"
-    );
+    assert_eq!(p.next_refill_at_us(), 30 * MS, "boundaries stay on the refill grid");
     assert_eq!(b().bucket().available_us(), 10_000);
     assert_eq!(p.tick(29 * MS, None).refill_intervals, 0);
     assert_eq!(b().bucket().available_us(), 10_000);
@@ -429,15 +334,8 @@ fn base_settings_are_the_premium_defaults_with_optional_mechanisms_off() {
 #[test]
 fn throttle_and_resource_control_switches() {
     let quota = [(1, 100)].into(); // 1_000 µs per interval, capacity 10_000
-    let p = Policy::new(
-        Settings {
-            throttle_enabled: false,
-            keyspace_cpu_quotas_millicores: quota,
-            ..base()
-        },
-        0,
-    )
-    .unwrap();
+    let p =
+        Policy::new(Settings { throttle_enabled: false, keyspace_cpu_quotas_millicores: quota, ..base() }, 0).unwrap();
     let g = p.allocate(1, Some(1_000_000), 0).unwrap();
     assert!(g.is_skip(), "cpu-throttle off: no tokens taken");
     p.release(g, 1_000_000);
@@ -506,12 +404,7 @@ fn a_quota_removed_and_set_again_lower_starts_within_its_new_capacity() {
     let b = p.keyspace(1).unwrap().bucket().snapshot();
     assert_eq!((b.base_refill_us, b.capacity_us), (1_000, 10_000));
     assert_eq!(b.ledger_available_us(), b.available_us);
-    assert!(
-        b.available_us <= b.capacity_us,
-        "available {} above the new capacity {}",
-        b.available_us,
-        b.capacity_us
-    );
+    assert!(b.available_us <= b.capacity_us, "available {} above the new capacity {}", b.available_us, b.capacity_us);
     assert_eq!(b.available_us, 10_000, "a fresh bucket starts full");
     // The new quota holds: 30 intervals' worth at once is refused.
     match p.allocate(1, Some(300_000), 0) {
@@ -531,7 +424,7 @@ fn best_effort_global_tracks_top_ups_of_unthrottled_grants() {
     let s = Settings {
         low_priority_dag_global_enabled: true,
         keyspace_cpu_quotas_millicores: [(2, 80_000)].into(), // large enough to drain the node
-        ..base() // global 48_000 per 10 ms, capacity 480_000, best effort
+        ..base()                                              // global 48_000 per 10 ms, capacity 480_000, best effort
     };
     let p = Policy::new(s, 0).unwrap();
     let big = p.allocate(2, Some(479_000), 0).unwrap();
@@ -559,11 +452,7 @@ fn best_effort_global_tracks_top_ups_of_unthrottled_grants() {
 /// not take the new holder's tokens when it tops up: its release could not give them back.
 #[test]
 fn a_top_up_never_touches_a_cell_given_to_another_holder() {
-    let s = Settings {
-        low_priority_dag_global_enabled: true,
-        tenant_cap_idle_ttl_us: 50 * MS,
-        ..base()
-    };
+    let s = Settings { low_priority_dag_global_enabled: true, tenant_cap_idle_ttl_us: 50 * MS, ..base() };
     let p = Policy::new(s, 0).unwrap();
     let mut lp = p.allocate_low_priority(3, Some(1_000), 0).unwrap();
     assert_eq!(lp.tenant_us(), 0);

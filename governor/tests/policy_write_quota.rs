@@ -12,25 +12,11 @@ use keyspace_governor::policy::{
 /// A global threshold of `threshold` bytes. (The configuration's floor is 1 KiB; the seed's
 /// arithmetic reads better with 1000, so the field is set directly.)
 fn policy(threshold: u64) -> Policy {
-    Policy::new(
-        Settings {
-            pending_write_threshold_bytes: threshold,
-            ..base()
-        },
-        0,
-    )
-    .unwrap()
+    Policy::new(Settings { pending_write_threshold_bytes: threshold, ..base() }, 0).unwrap()
 }
 
 fn write(p: &Policy, keyspace: u32, bytes: u64) -> Result<Grant, Refusal> {
-    p.admit(
-        keyspace,
-        &Demand {
-            write_bytes: bytes,
-            ..Demand::default()
-        },
-        0,
-    )
+    p.admit(keyspace, &Demand { write_bytes: bytes, ..Demand::default() }, 0)
 }
 
 fn global_bytes(p: &Policy) -> u64 {
@@ -128,11 +114,7 @@ fn write_quota_uses_the_request_context_keyspace_id() {
     assert_eq!(p.pending_write_bytes(8), 100);
     assert!(matches!(
         write(&p, heavy.keyspace_id, 1),
-        Err(Refusal::WriteBytesLimited {
-            keyspace: 7,
-            kind: WriteLimitKind::KeyspaceLimit,
-            ..
-        })
+        Err(Refusal::WriteBytesLimited { keyspace: 7, kind: WriteLimitKind::KeyspaceLimit, .. })
     ));
     p.release(a, 0);
     p.release(b, 0);
@@ -152,17 +134,10 @@ fn write_bytes_and_the_in_flight_place_come_back_when_cpu_refuses() {
         0,
     )
     .unwrap();
-    let demand = |est| Demand {
-        estimate_us: Some(est),
-        write_bytes: 200,
-        low_priority: false,
-    };
+    let demand = |est| Demand { estimate_us: Some(est), write_bytes: 200, low_priority: false };
     let g = p.admit(1, &demand(10_000), 0).unwrap();
     assert_eq!((g.write_bytes(), g.counted(), g.tenant_us()), (200, true, 10_000));
-    assert_eq!(
-        p.admit(1, &demand(1), 0).unwrap_err(),
-        Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 }
-    );
+    assert_eq!(p.admit(1, &demand(1), 0).unwrap_err(), Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 });
     assert_eq!(p.pending_write_bytes(1), 200, "refused request's bytes given back");
     assert_eq!(global_bytes(&p), 200);
     assert_eq!(p.inflight_requests(1), 1, "refused request's place given back");

@@ -1,7 +1,7 @@
 //! Test and demo harness: runs the real agent binary and the real workload
 //! binary as separate processes, and reads the agent over its socket.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use keyspace_governor::proto::StatusReport;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -65,7 +65,8 @@ pub fn process_tree(root: u32) -> std::collections::BTreeSet<u32> {
     }
     let mut out = std::collections::BTreeSet::from([root]);
     loop {
-        let more: Vec<u32> = parent.iter().filter(|(p, pp)| out.contains(pp) && !out.contains(p)).map(|(p, _)| *p).collect();
+        let more: Vec<u32> =
+            parent.iter().filter(|(p, pp)| out.contains(pp) && !out.contains(p)).map(|(p, _)| *p).collect();
         if more.is_empty() {
             return out;
         }
@@ -359,12 +360,8 @@ pub fn run_demo(args: &[&str], svg: &Path) -> Result<serde_json::Value> {
 
 /// Starts the workload and returns it once it printed `started`.
 pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, BufReader<std::process::ChildStdout>)> {
-    let mut child = Command::new(workload_bin())
-        .args(args)
-        .arg("--socket")
-        .arg(socket)
-        .stdout(Stdio::piped())
-        .spawn()?;
+    let mut child =
+        Command::new(workload_bin()).args(args).arg("--socket").arg(socket).stdout(Stdio::piped()).spawn()?;
     let mut out = BufReader::new(child.stdout.take().context("stdout")?);
     let mut line = String::new();
     out.read_line(&mut line)?;
@@ -590,7 +587,9 @@ pub fn process_schedstat_ns(pid: u32) -> u64 {
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok()?.split_whitespace().next()?.parse::<u64>().ok())
+        .filter_map(|t| {
+            std::fs::read_to_string(t.path().join("schedstat")).ok()?.split_whitespace().next()?.parse::<u64>().ok()
+        })
         .sum()
 }
 
@@ -619,7 +618,8 @@ pub fn stop(pids: &std::collections::BTreeSet<u32>) -> Result<()> {
                     let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
                     let state = stat.rsplit_once(')')?.1.split_whitespace().next()?.to_string();
                     // Stopped, or gone (zombie, dead): either way off the CPU for good.
-                    (!matches!(state.as_str(), "T" | "t" | "Z" | "X")).then(|| format!("{pid}/{}: {state}", t.file_name().to_string_lossy()))
+                    (!matches!(state.as_str(), "T" | "t" | "Z" | "X"))
+                        .then(|| format!("{pid}/{}: {state}", t.file_name().to_string_lossy()))
                 })
             })
             .collect();
@@ -743,8 +743,12 @@ fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, f64>
 /// schedstat and every keyspace's charge are read at both stops, so both
 /// sides count the very same span. Returns every thread's report and the
 /// charge of each keyspace between the stops (ns).
-pub fn run_threads(agent: &Agent, workloads: &[&[&str]]) -> Result<(Vec<ThreadReport>, std::collections::BTreeMap<u32, f64>)> {
-    let mut procs: Vec<ThreadsWorkload> = workloads.iter().map(|args| ThreadsWorkload::spawn(&agent.socket, args)).collect::<Result<_>>()?;
+pub fn run_threads(
+    agent: &Agent,
+    workloads: &[&[&str]],
+) -> Result<(Vec<ThreadReport>, std::collections::BTreeMap<u32, f64>)> {
+    let mut procs: Vec<ThreadsWorkload> =
+        workloads.iter().map(|args| ThreadsWorkload::spawn(&agent.socket, args)).collect::<Result<_>>()?;
     let pids: std::collections::BTreeSet<u32> = procs.iter().map(|p| p.child.id()).collect();
     stop(&pids)?;
     let charged_before = settled_charges(agent)?;
@@ -757,7 +761,11 @@ pub fn run_threads(agent: &Agent, workloads: &[&[&str]]) -> Result<(Vec<ThreadRe
         .iter_mut()
         .map(|p| {
             let v = read_json(&mut p.out)?;
-            v["worked"].as_array().cloned().map(serde_json::Value::Array).with_context(|| format!("expected worked, got {v}"))
+            v["worked"]
+                .as_array()
+                .cloned()
+                .map(serde_json::Value::Array)
+                .with_context(|| format!("expected worked, got {v}"))
         })
         .collect::<Result<_>>()?;
     stop(&pids)?;
@@ -767,7 +775,12 @@ pub fn run_threads(agent: &Agent, workloads: &[&[&str]]) -> Result<(Vec<ThreadRe
     let mut reports = Vec::new();
     for (p, ((w, b), a)) in procs.iter().zip(worked.iter().zip(&before).zip(&after)) {
         for (i, (tid, keyspace, kind)) in p.ready.iter().enumerate() {
-            let w = w.as_array().into_iter().flatten().find(|w| w["tid"].as_u64() == Some(*tid as u64)).context("thread result")?;
+            let w = w
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|w| w["tid"].as_u64() == Some(*tid as u64))
+                .context("thread result")?;
             reports.push(ThreadReport {
                 tid: *tid,
                 keyspace: *keyspace,

@@ -3,12 +3,17 @@
 //! (`SO_PEERCRED` and the peer's groups). Peers are real processes run as
 //! other accounts (`setpriv`).
 
-use governor_tests::{governor_bin, workload_bin, Agent};
+use governor_tests::{Agent, governor_bin, workload_bin};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Output};
 
 fn text(o: &Output) -> String {
-    format!("exit {:?}\nstdout:\n{}\nstderr:\n{}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// `program args` as uid and gid `id`, no groups, no capabilities.
@@ -53,10 +58,18 @@ fn each_request_needs_its_role_and_a_refusal_names_who_holds_it() {
     let o = governor_as(NOBODY, &agent, &["status", "--json"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     // ... but cannot register a thread (client role) ...
-    let o = run_as(NOBODY, &workload_bin(), &["busy", "--keyspace", "3", "--seconds", "0.1", "--socket", agent.socket.to_str().unwrap()]);
+    let o = run_as(
+        NOBODY,
+        &workload_bin(),
+        &["busy", "--keyspace", "3", "--seconds", "0.1", "--socket", agent.socket.to_str().unwrap()],
+    );
     assert!(!o.status.success(), "{}", text(&o));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("not permitted") && err.contains("client role") && err.contains("agent.access.clients"), "{}", text(&o));
+    assert!(
+        err.contains("not permitted") && err.contains("client role") && err.contains("agent.access.clients"),
+        "{}",
+        text(&o)
+    );
     // ... nor change the configuration (admin role): exit 77.
     let o = governor_as(NOBODY, &agent, &["config", "set", "resource-control.max-read-cpu-ratio=0.5"]);
     assert_eq!(o.status.code(), Some(77), "{}", text(&o));
@@ -79,7 +92,11 @@ fn each_request_needs_its_role_and_a_refusal_names_who_holds_it() {
     root(&["config", "set", "agent.access.readers=[\"nobody\", \"1\"]"]);
     assert_eq!(governor_as(OTHER, &agent, &["status", "--json"]).status.code(), Some(0));
     root(&["config", "set", "agent.access.clients=[]"]);
-    let o = run_as(NOBODY, &workload_bin(), &["busy", "--keyspace", "3", "--seconds", "0.1", "--socket", agent.socket.to_str().unwrap()]);
+    let o = run_as(
+        NOBODY,
+        &workload_bin(),
+        &["busy", "--keyspace", "3", "--seconds", "0.1", "--socket", agent.socket.to_str().unwrap()],
+    );
     assert!(o.status.success(), "an empty clients list lets every peer register: {}", text(&o));
     root(&["config", "set", "agent.access.socket-mode=0600"]);
     assert_eq!(std::fs::metadata(&agent.socket).unwrap().permissions().mode() & 0o777, 0o600);
@@ -100,7 +117,8 @@ fn unknown_accounts_and_bad_modes_are_refused_naming_the_key() {
     assert_eq!(o.status.code(), Some(64), "{}", text(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let keys: Vec<&str> = v["errors"].as_array().unwrap().iter().filter_map(|e| e["key"].as_str()).collect();
-    for want in ["agent.access.socket-mode", "agent.access.socket-group", "agent.access.clients", "agent.access.admins"] {
+    for want in ["agent.access.socket-mode", "agent.access.socket-group", "agent.access.clients", "agent.access.admins"]
+    {
         assert!(keys.contains(&want), "no error for {want}: {keys:?}");
     }
 }

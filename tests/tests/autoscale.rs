@@ -3,7 +3,7 @@
 //! unhelpful only when one keyspace owns most of the load *and* is held
 //! back. Read from `governor status --json` and from `/metrics`.
 
-use governor_tests::{essential_config, eventually, governor_bin, run_workload, Agent, Holder};
+use governor_tests::{Agent, Holder, essential_config, eventually, governor_bin, run_workload};
 use std::process::Command;
 
 fn signals(agent: &Agent) -> serde_json::Value {
@@ -37,7 +37,11 @@ fn scale_down_is_unsafe_while_admission_control_refuses_work() {
 fn scale_up_is_unhelpful_only_for_a_dominant_tenant_that_is_held_back() {
     // Held back: a cap of 5 % of the node, two threads asking for far more.
     let capped = Agent::start("ebpf", &essential_config(0.05)).unwrap();
-    run_workload(&capped.socket, &["tickets", "--keyspace", "6", "--threads", "2", "--seconds", "2", "--work-us", "2000"]).unwrap();
+    run_workload(
+        &capped.socket,
+        &["tickets", "--keyspace", "6", "--threads", "2", "--seconds", "2", "--work-us", "2000"],
+    )
+    .unwrap();
     let s = signals(&capped);
     assert_eq!(s["dominant_keyspace"], 6, "{s}");
     assert!(s["dominant_share"].as_f64().unwrap() > 0.99, "{s}");
@@ -48,7 +52,11 @@ fn scale_up_is_unhelpful_only_for_a_dominant_tenant_that_is_held_back() {
     // The same load with nothing holding it back: dominant, but more
     // capacity would help.
     let free = Agent::start("ebpf", "").unwrap();
-    run_workload(&free.socket, &["tickets", "--keyspace", "6", "--threads", "2", "--seconds", "2", "--work-us", "2000"]).unwrap();
+    run_workload(
+        &free.socket,
+        &["tickets", "--keyspace", "6", "--threads", "2", "--seconds", "2", "--work-us", "2000"],
+    )
+    .unwrap();
     let s = signals(&free);
     assert_eq!(s["dominant_keyspace"], 6, "{s}");
     assert_eq!((s["dominant_throttled"].clone(), s["scale_up_unhelpful"].clone()), (false.into(), false.into()), "{s}");
@@ -74,7 +82,11 @@ fn thread_pool_rejections_are_counted_apart_and_feed_no_rule() {
     assert_eq!(counts(), (7, 0));
     // Not admission control: scale-down stays safe, nothing is held back.
     let s = signals(&agent);
-    assert_eq!((s["scale_down_unsafe"].clone(), s["admission_refusals_recent"].clone()), (false.into(), 0.into()), "{s}");
+    assert_eq!(
+        (s["scale_down_unsafe"].clone(), s["admission_refusals_recent"].clone()),
+        (false.into(), 0.into()),
+        "{s}"
+    );
     let text = scrape(&agent);
     assert!(text.lines().any(|l| l == "governor_thread_pool_rejections_total{keyspace_id=\"9\"} 7"), "{text}");
     assert!(!text.lines().any(|l| l.starts_with("governor_keyspace_tickets_refused_total{keyspace_id=\"9\"} ") && !l.ends_with(" 0")));

@@ -1,6 +1,6 @@
 //! The `governor` binary's operator verbs, run as a real process.
 
-use governor_tests::{governor_bin, Agent, Scratch};
+use governor_tests::{Agent, Scratch, governor_bin};
 use std::process::Command;
 
 fn governor(args: &[&str]) -> (i32, String, String) {

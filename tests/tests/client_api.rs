@@ -2,9 +2,9 @@
 //! restore the previous tag, the `Tagged` future charges exactly its polls,
 //! and the thread clock follows CLOCK_THREAD_CPUTIME_ID.
 
+use governor_tests::Agent;
 use keyspace_governor::client::{self, Client, TaggedExt};
 use keyspace_governor::sys;
-use governor_tests::Agent;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
@@ -100,7 +100,9 @@ fn nested_guards_restore_the_previous_tag(measure: &str) {
     .join()
     .unwrap();
     let (k11, k12) = (charged(&c, 11), charged(&c, 12));
-    eprintln!("{measure}: ks11 {k11} (work {outer}, span {span_a}), ks12 {k12} (work {inner}, span {span_b}), untagged {untagged}");
+    eprintln!(
+        "{measure}: ks11 {k11} (work {outer}, span {span_a}), ks12 {k12} (work {inner}, span {span_b}), untagged {untagged}"
+    );
     // 11's span holds 12's: at most what of it is not 12's work.
     assert!(within(k11, outer, span_a - inner), "ks 11: {k11} vs {outer}..{}", span_a - inner);
     assert!(within(k12, inner, span_b), "ks 12: {k12} vs {inner}..{span_b}");
@@ -208,7 +210,9 @@ fn agent_publishes_the_tsc_clock_where_the_kernel_keeps_time_on_it() {
     let agent = Agent::start("ebpf", "").unwrap();
     // Published once the agent has two calibration anchors (100 ms apart).
     let want = if keyspace_governor::tsc::usable() { "tsc" } else { "vdso" };
-    governor_tests::eventually(&format!("thread clock source {want}"), || agent.status().unwrap().thread_clock_source == want);
+    governor_tests::eventually(&format!("thread clock source {want}"), || {
+        agent.status().unwrap().thread_clock_source == want
+    });
     let fallback = Agent::start("thread-clock", "").unwrap();
     assert_eq!(fallback.status().unwrap().thread_clock_source, "thread-cputime");
 }
@@ -239,7 +243,9 @@ fn a_forked_child_leaves_the_parents_registration_alone() {
         let mut status = 0;
         #[allow(unsafe_code)]
         // SAFETY: waits for the child just forked.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
+        unsafe {
+            libc::waitpid(pid, &mut status, 0)
+        };
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status}");
         // The parent is still registered and still charged.
         let before = c2.keyspace_cpu_ns(31).unwrap_or(0);
@@ -247,10 +253,7 @@ fn a_forked_child_leaves_the_parents_registration_alone() {
         drop(_g);
         let charged = c2.keyspace_cpu_ns(31).unwrap() - before;
         // All of the burn, plus the few µs around it that were tagged too.
-        assert!(
-            charged >= spent && charged <= spent + 2_000_000,
-            "charged {charged} ns for {spent} ns of CPU"
-        );
+        assert!(charged >= spent && charged <= spent + 2_000_000, "charged {charged} ns for {spent} ns of CPU");
         assert_eq!(c2.keyspace_cpu_ns(32), None, "the child created keyspace 32");
         let status = keyspace_governor::cli::status::run(&socket).unwrap();
         assert_eq!(status.threads.registered, 1, "the parent's slot was given back");

@@ -7,7 +7,7 @@
 //! tenant. Latency ratios are timing figures, not mechanism: `cargo xtask
 //! bench` reports them.
 
-use governor_tests::{run_demo, Scratch};
+use governor_tests::{Scratch, run_demo};
 use serde_json::Value;
 
 /// How far a tenant's charge may stray outside the kernel's counts of its
@@ -47,7 +47,12 @@ fn summary(r: &Value) -> String {
             p["light_p99_per_second_us"]
         );
         if let Some(n) = p["noisy"].as_object() {
-            s += &format!("; noisy {:.3} cores against a cap of {}, windows {}", f(&n["cpu_cores"]), n["cap_cores"], n["windows_cores"]);
+            s += &format!(
+                "; noisy {:.3} cores against a cap of {}, windows {}",
+                f(&n["cpu_cores"]),
+                n["cap_cores"],
+                n["windows_cores"]
+            );
             let t = &p["tenants"]["noisy"];
             s += &format!(
                 "\n    noisy by thread clock inside the tags {}, of the polls {}, waiting % {}",
@@ -94,7 +99,8 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
     // that is no failure of the governor.
     let cap = f(&enforcing["noisy"]["cap_cores"]);
     let noisy = &enforcing["tenants"]["noisy"];
-    let series = |key: &str| -> Vec<f64> { noisy[key].as_array().unwrap_or_else(|| panic!("{key}")).iter().map(f).collect() };
+    let series =
+        |key: &str| -> Vec<f64> { noisy[key].as_array().unwrap_or_else(|| panic!("{key}")).iter().map(f).collect() };
     // By the kernel's count: the work inside its tickets' tags (the least
     // it used) never over the cap, the tickets' whole polls (the most) not
     // under it.
@@ -106,7 +112,10 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
     );
     let steal: Vec<f64> = enforcing["windows_steal_pct"].as_array().expect("steal").iter().map(f).collect();
     let n = by_agent.len();
-    assert!(n >= 5 && inside.len() == n && polls.len() == n && waiting.len() == n && steal.len() == n, "windows\n{numbers}");
+    assert!(
+        n >= 5 && inside.len() == n && polls.len() == n && waiting.len() == n && steal.len() == n,
+        "windows\n{numbers}"
+    );
     let mut held = 0;
     for i in 1..n {
         let err = |w: f64| (w - cap) / cap * 100.0;
@@ -154,7 +163,10 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
     let (governed, unthrottled) = (clean_p99s(enforcing), clean_p99s(monitor));
     if governed.len() >= 3 && unthrottled.len() >= 3 {
         let (g, u) = (governed[governed.len() / 2], unthrottled[unthrottled.len() / 2]);
-        assert!(g < u, "light p99 governed {g} µs, unthrottled {u} µs (medians of the seconds without steal)\n{numbers}");
+        assert!(
+            g < u,
+            "light p99 governed {g} µs, unthrottled {u} µs (medians of the seconds without steal)\n{numbers}"
+        );
     } else {
         eprintln!(
             "the host stole from this machine in all but {} governed and {} unthrottled seconds: no latency comparison this run",
@@ -167,7 +179,10 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
     // takes well over its cap.
     let noisy_unthrottled = f(&monitor["noisy"]["cpu_cores"]);
     let cores = f(&r["cores"]);
-    assert!(noisy_unthrottled > 1.5 * cap && noisy_unthrottled <= cores * 1.02, "monitor: noisy {noisy_unthrottled:.3} cores\n{numbers}");
+    assert!(
+        noisy_unthrottled > 1.5 * cap && noisy_unthrottled <= cores * 1.02,
+        "monitor: noisy {noisy_unthrottled:.3} cores\n{numbers}"
+    );
 
     // Every light request answered, none refused; the noisy tenant waited
     // in line under the cap, and never before it.
@@ -191,7 +206,8 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
             let (inside, polls) = (f(&t["cross_check_error_pct"]), f(&t["cross_check_polls_error_pct"]));
             // The split can also be off by what the hypervisor stole within
             // a slice (the thread clock counts it, the kernel does not).
-            let tolerance = if t["role"] == "light" { CROSS_CHECK_LIGHT_PCT } else { CROSS_CHECK_PCT } + f(&p["steal_pct"]);
+            let tolerance =
+                if t["role"] == "light" { CROSS_CHECK_LIGHT_PCT } else { CROSS_CHECK_PCT } + f(&p["steal_pct"]);
             assert!(
                 inside >= -tolerance && polls <= tolerance,
                 "{name} in {}: agent {inside:+.2} % against the work inside its tags, {polls:+.2} % against the tickets' polls\n{numbers}",
@@ -220,7 +236,10 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
         // CPU for every tenant; p99 too for the light ones.
         let expected = if tenant == "noisy" { 1 } else { 2 };
         assert_eq!(lines.len(), expected, "{tenant} ({color}): series of {lines:?} points");
-        assert!(lines.iter().all(|&p| p <= points_per_tenant + 3), "{tenant}: {lines:?} points for {points_per_tenant} seconds");
+        assert!(
+            lines.iter().all(|&p| p <= points_per_tenant + 3),
+            "{tenant}: {lines:?} points for {points_per_tenant} seconds"
+        );
         assert!(
             doc.descendants().any(|n| n.has_tag_name("text") && n.text().is_some_and(|t| t.trim() == tenant)),
             "no legend names {tenant}"

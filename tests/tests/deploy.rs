@@ -2,7 +2,7 @@
 //! and every metric the Grafana dashboard queries is in a real scrape of an
 //! agent doing the work those metrics describe.
 
-use governor_tests::{essential_config, governor_bin, run_workload, Agent, Scratch};
+use governor_tests::{Agent, Scratch, essential_config, governor_bin, run_workload};
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Command;
@@ -49,7 +49,8 @@ fn the_systemd_unit_verifies_against_an_installed_binary() {
 #[test]
 fn every_metric_the_dashboard_queries_is_in_a_scrape() {
     let dash: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repo().join("deploy/grafana/governor-dashboard.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(repo().join("deploy/grafana/governor-dashboard.json")).unwrap())
+            .unwrap();
     let mut wanted = BTreeSet::new();
     for panel in dash["panels"].as_array().expect("panels") {
         for t in panel["targets"].as_array().expect("targets") {
@@ -70,24 +71,23 @@ fn every_metric_the_dashboard_queries_is_in_a_scrape() {
     }
     assert!(wanted.len() >= 15, "{wanted:?}");
     // An agent with buckets, tickets, refusals, a rule and eBPF statistics.
-    let config = format!(
-        "{}\n[[rules]]\nname = \"sleepers\"\nkeyspace = 77\ncomm-prefix = \"sleep\"\n",
-        essential_config(0.05)
-    );
+    let config =
+        format!("{}\n[[rules]]\nname = \"sleepers\"\nkeyspace = 77\ncomm-prefix = \"sleep\"\n", essential_config(0.05));
     let agent = Agent::start("ebpf", &config).unwrap();
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
     let mut sleeper = Command::new("sleep").arg("5").spawn().unwrap();
-    run_workload(&agent.socket, &["tickets", "--keyspace", "5", "--threads", "2", "--seconds", "1", "--work-us", "2000"]).unwrap();
+    run_workload(
+        &agent.socket,
+        &["tickets", "--keyspace", "5", "--threads", "2", "--seconds", "1", "--work-us", "2000"],
+    )
+    .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
     let addr = agent.status().unwrap().metrics_addr.unwrap();
     let text = governor_tests::scrape_metrics(&addr);
     let _ = sleeper.kill();
     let _ = sleeper.wait();
-    let present: BTreeSet<&str> = text
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split(|c| c == '{' || c == ' ').next())
-        .collect();
+    let present: BTreeSet<&str> =
+        text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
     let missing: Vec<&String> = wanted.iter().filter(|m| !present.contains(m.as_str())).collect();
     assert!(missing.is_empty(), "the dashboard queries metrics no scrape has: {missing:?}");
 }

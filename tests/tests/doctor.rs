@@ -3,12 +3,17 @@
 //! root with a running agent passes and names the agent's backend; an
 //! account without capabilities fails the capabilities check (exit 1).
 
-use governor_tests::{governor_bin, Agent};
+use governor_tests::{Agent, governor_bin};
 use serde_json::Value;
 use std::process::Command;
 
 fn check<'a>(r: &'a Value, name: &str) -> &'a Value {
-    r["checks"].as_array().expect("checks").iter().find(|c| c["check"] == name).unwrap_or_else(|| panic!("no {name} check in {r:#}"))
+    r["checks"]
+        .as_array()
+        .expect("checks")
+        .iter()
+        .find(|c| c["check"] == name)
+        .unwrap_or_else(|| panic!("no {name} check in {r:#}"))
 }
 
 fn read(path: &str) -> String {
@@ -39,7 +44,9 @@ fn root_with_a_running_agent_can_run_the_ebpf_backend() {
     }
     // Facts from the kernel's own files.
     assert!(check(&r, "kernel")["detail"].as_str().unwrap().starts_with(&read("/proc/sys/kernel/osrelease")));
-    assert!(check(&r, "pid-max")["detail"].as_str().unwrap().contains(&format!("= {}:", read("/proc/sys/kernel/pid_max"))));
+    assert!(
+        check(&r, "pid-max")["detail"].as_str().unwrap().contains(&format!("= {}:", read("/proc/sys/kernel/pid_max")))
+    );
     let stats_on = read("/proc/sys/kernel/bpf_stats_enabled") == "1";
     assert_eq!(check(&r, "bpf-stats")["status"], if stats_on { "ok" } else { "warn" });
     let source = read("/sys/devices/system/clocksource/clocksource0/current_clocksource");
@@ -64,7 +71,10 @@ fn an_account_without_capabilities_fails_with_the_fix() {
     assert_eq!(r["ebpf_backend"], false);
     let caps = check(&r, "capabilities");
     assert_eq!(caps["status"], "fail");
-    assert!(caps["detail"].as_str().unwrap().contains("CAP_BPF") && caps["fix"].as_str().unwrap().contains("CAP_PERFMON"), "{caps}");
+    assert!(
+        caps["detail"].as_str().unwrap().contains("CAP_BPF") && caps["fix"].as_str().unwrap().contains("CAP_PERFMON"),
+        "{caps}"
+    );
     assert_eq!(check(&r, "agent")["status"], "warn");
     // The table says the same.
     let text = Command::new("setpriv")

@@ -5,13 +5,13 @@
 //! light one is never refused; both are charged the CPU their requests ran.
 //! And the README's Rust is the examples' code, so it runs as written.
 
-use anyhow::{bail, Context, Result};
-use governor_tests::{essential_config, example_bin, Agent};
+use anyhow::{Context, Result, bail};
+use governor_tests::{Agent, essential_config, example_bin};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 const HEAVY: u32 = 81;
@@ -38,7 +38,8 @@ fn start(example: &str, agent: &Agent) -> Result<(Server, String)> {
     let mut child = Command::new(&bin).arg(&agent.socket).arg("127.0.0.1:0").stdout(Stdio::piped()).spawn()?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
-    let addr = line.trim().strip_prefix("listening on ").with_context(|| format!("{example} said {line:?}"))?.to_string();
+    let addr =
+        line.trim().strip_prefix("listening on ").with_context(|| format!("{example} said {line:?}"))?.to_string();
     Ok((Server(child), addr))
 }
 
@@ -51,7 +52,13 @@ struct Tally {
 
 /// A connection sending `keyspace cpu_us` requests, one at a time, `pause`
 /// apart, until `stop`.
-fn client(addr: String, keyspace: u32, cpu_us: u64, pause: Duration, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Result<Tally>> {
+fn client(
+    addr: String,
+    keyspace: u32,
+    cpu_us: u64,
+    pause: Duration,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<Result<Tally>> {
     std::thread::spawn(move || {
         let stream = TcpStream::connect(&addr)?;
         stream.set_nodelay(true)?;
@@ -96,10 +103,16 @@ fn governs(example: &str) {
     let heavy_busy: u64 = heavy.iter().map(|t| t.busy).sum();
     let heavy_ran = heavy_ok as f64 * HEAVY_US as f64 / 1e6;
     let light_ran = light.ok as f64 * LIGHT_US as f64 / 1e6;
-    eprintln!("{example}: heavy ok {heavy_ok} (waited {heavy_waited}) busy {heavy_busy}, charged {:.3} s for {heavy_ran:.3} s of work", h1 - h0);
+    eprintln!(
+        "{example}: heavy ok {heavy_ok} (waited {heavy_waited}) busy {heavy_busy}, charged {:.3} s for {heavy_ran:.3} s of work",
+        h1 - h0
+    );
     eprintln!("{example}: light {light:?}, charged {:.4} s for {light_ran:.4} s of work", l1 - l0);
     for (i, w) in windows.iter().enumerate() {
-        eprintln!("window {i}: {:.3} cores (process {:.3}), granted {} waited {}, steal {:.1} %", w.cores, w.process_cores, w.granted, w.waited, w.steal_pct);
+        eprintln!(
+            "window {i}: {:.3} cores (process {:.3}), granted {} waited {}, steal {:.1} %",
+            w.cores, w.process_cores, w.granted, w.waited, w.steal_pct
+        );
     }
     assert!(heavy_ok >= 100, "the heavy keyspace still completes requests at its cap: {heavy_ok}");
     assert!(heavy_waited > 0, "heavy requests waited in line: the cap held them");
@@ -113,11 +126,17 @@ fn governs(example: &str) {
     // falls short of it by up to the steal share.
     let steal = windows.iter().map(|w| w.steal_pct).fold(0.0, f64::max) / 100.0;
     let ratio = (h1 - h0) / heavy_ran;
-    assert!((0.98 - steal..=1.10).contains(&ratio), "heavy charged / its completed work: {ratio:.3} (steal up to {steal:.3})");
+    assert!(
+        (0.98 - steal..=1.10).contains(&ratio),
+        "heavy charged / its completed work: {ratio:.3} (steal up to {steal:.3})"
+    );
     // A light request of 300 µs carries its admission and its polls' own
     // cost (on tokio, up to a quarter of it here).
     let ratio = (l1 - l0) / light_ran;
-    assert!((0.98 - steal..=1.50).contains(&ratio), "light charged / its completed work: {ratio:.3} (steal up to {steal:.3})");
+    assert!(
+        (0.98 - steal..=1.50).contains(&ratio),
+        "light charged / its completed work: {ratio:.3} (steal up to {steal:.3})"
+    );
     // The cap in every window after the first, from below only where the
     // cap (not the machine) held the keyspace back.
     for (i, w) in windows.iter().enumerate().skip(1) {
@@ -151,7 +170,10 @@ fn the_readme_rust_is_the_examples_code() {
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "rs") {
-            sources.push((path.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read_to_string(&path).unwrap()));
+            sources.push((
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read_to_string(&path).unwrap(),
+            ));
         }
     }
     let norm = |text: &str| text.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("\n");

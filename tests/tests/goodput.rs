@@ -5,7 +5,7 @@
 //! kernel's count of the worker threads.
 
 use anyhow::{Context, Result};
-use governor_tests::{essential_config, resume, schedstat_ns, stop, workload_bin, Agent};
+use governor_tests::{Agent, essential_config, resume, schedstat_ns, stop, workload_bin};
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -24,7 +24,18 @@ impl Server {
     fn start(agent: &Agent, mode: &str, seconds: u32) -> Result<Server> {
         let mut child = Command::new(workload_bin())
             .args(["async-server", "--keyspace", &KEYSPACE.to_string(), "--tasks", "8", "--workers", "2"])
-            .args(["--seconds", &seconds.to_string(), "--deadline-ms", "50", "--min-ms", "1", "--max-ms", "20", "--mode", mode])
+            .args([
+                "--seconds",
+                &seconds.to_string(),
+                "--deadline-ms",
+                "50",
+                "--min-ms",
+                "1",
+                "--max-ms",
+                "20",
+                "--mode",
+                mode,
+            ])
             .arg("--socket")
             .arg(&agent.socket)
             .stdin(Stdio::piped())
@@ -33,7 +44,13 @@ impl Server {
         let stdin = child.stdin.take().context("stdin")?;
         let mut out = BufReader::new(child.stdout.take().context("stdout")?);
         let started = read_json(&mut out)?;
-        let workers = started["workers"].as_array().context("workers")?.iter().filter_map(|t| t.as_u64()).map(|t| t as u32).collect();
+        let workers = started["workers"]
+            .as_array()
+            .context("workers")?
+            .iter()
+            .filter_map(|t| t.as_u64())
+            .map(|t| t as u32)
+            .collect();
         Ok(Server { child, stdin, out, workers })
     }
 
@@ -97,7 +114,10 @@ fn admitted_work_finishes_under_the_cap() {
     let rep = &r.report;
     eprintln!("report {rep}\ncharged {:.3} s, workers {:.3} s", r.charged_ns / 1e9, r.workers_ns / 1e9);
     for (i, w) in r.windows.iter().enumerate() {
-        eprintln!("window {i}: {:.3} cores (process {:.3}), granted {} waited {}, steal {:.1} %", w.cores, w.process_cores, w.granted, w.waited, w.steal_pct);
+        eprintln!(
+            "window {i}: {:.3} cores (process {:.3}), granted {} waited {}, steal {:.1} %",
+            w.cores, w.process_cores, w.granted, w.waited, w.steal_pct
+        );
     }
     let n = |k: &str| rep[k].as_u64().unwrap_or_else(|| panic!("{k} in {rep}"));
     assert_eq!(n("admitted"), n("completed"), "every admitted request completed");
@@ -120,12 +140,20 @@ fn admitted_work_finishes_under_the_cap() {
     // run's steal.
     let steal = later.iter().map(|w| w.steal_pct).sum::<f64>() / later.len() as f64 / 100.0;
     let low = CAP_CORES * (0.97 - steal);
-    assert!((low..=CAP_CORES * 1.03).contains(&mean), "mean of the windows: {mean:.3} cores (floor {low:.3}, steal {steal:.3})");
+    assert!(
+        (low..=CAP_CORES * 1.03).contains(&mean),
+        "mean of the windows: {mean:.3} cores (floor {low:.3}, steal {steal:.3})"
+    );
     for (i, w) in later.iter().enumerate() {
         assert!(w.cores <= CAP_CORES * 1.10, "window {}: charged {:.3} cores over the cap", i + 1, w.cores);
         // The process's schedstat adds the runtime's own CPU between polls
         // (below, the books) and its helper threads'.
-        assert!(w.process_cores <= CAP_CORES * 1.15, "window {}: the process ran {:.3} cores by schedstat", i + 1, w.process_cores);
+        assert!(
+            w.process_cores <= CAP_CORES * 1.15,
+            "window {}: the process ran {:.3} cores by schedstat",
+            i + 1,
+            w.process_cores
+        );
         if w.waited * 2 >= w.granted && w.granted > 0 {
             let floor = CAP_CORES * (0.90 - w.steal_pct / 100.0);
             assert!(w.cores >= floor, "window {}: {:.3} cores, held below the cap ({floor:.3})", i + 1, w.cores);
@@ -158,6 +186,9 @@ fn the_books_agree_with_the_kernel() {
     // between polls (scheduling, parking, waking: untagged), 2.3 % in this
     // workload of 1 ms stretches: not yet within 1 %.
     for (what, e) in [("charge", err(r.charged_ns)), ("tickets' consumed", err(consumed))] {
-        assert!((-4.0 - steal_pct..=0.5).contains(&e), "{what} vs the workers' schedstat: {e:+.3} % (steal {steal_pct:.1} %)");
+        assert!(
+            (-4.0 - steal_pct..=0.5).contains(&e),
+            "{what} vs the workers' schedstat: {e:+.3} % (steal {steal_pct:.1} %)"
+        );
     }
 }

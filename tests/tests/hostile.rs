@@ -11,16 +11,16 @@
 //! After every attack the agent must still run, answer status within 1 s,
 //! and serve a new legitimate client (register, tag, ticket) within 1 s.
 
+use governor_tests::{Agent, Stretch, essential_config, governor_bin, schedstat_ns, steal_tick_ns, workload_bin};
 use keyspace_governor::client::{self, Client, Demand};
 use keyspace_governor::proto::{Reply, Request, StatusReport};
-use governor_tests::{essential_config, governor_bin, schedstat_ns, steal_tick_ns, workload_bin, Agent, Stretch};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
 use std::sync::Mutex;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// Every test owns the node's scheduler tracepoint and CPU: one at a time.
@@ -174,7 +174,12 @@ fn rss_kib(pid: u32) -> u64 {
 fn timed_status(agent: &Agent) -> (StatusReport, Duration) {
     let t0 = Instant::now();
     let s = agent.status().unwrap_or_else(|e| {
-        panic!("status failed after {:?}: {}; agent log:\n{}", t0.elapsed(), keyspace_governor::error_chain(e.as_ref()), tail(&agent.log_text()))
+        panic!(
+            "status failed after {:?}: {}; agent log:\n{}",
+            t0.elapsed(),
+            keyspace_governor::error_chain(e.as_ref()),
+            tail(&agent.log_text())
+        )
     });
     (s, t0.elapsed())
 }
@@ -206,7 +211,9 @@ fn legitimate_round_trip(socket: &Path, client: Option<Client>, keyspace: u32) -
     std::thread::spawn(move || {
         let t0 = Instant::now();
         let r = (|| {
-            let chain = |what: &str, e: &(dyn std::error::Error + 'static)| format!("{what}: {}", keyspace_governor::error_chain(e));
+            let chain = |what: &str, e: &(dyn std::error::Error + 'static)| {
+                format!("{what}: {}", keyspace_governor::error_chain(e))
+            };
             let c = match client {
                 Some(c) => c,
                 None => Client::connect(&socket).map_err(|e| chain("connect", &e))?,
@@ -364,8 +371,15 @@ fn overwritten_slot_keeps_its_thread_measured(write: &str) {
     );
     let repaired = agent.status().unwrap().threads;
     eprintln!("threads after: {repaired:?}");
-    assert!(looks.iter().all(|&n| n == registered), "registered went {registered} → {looks:?} after the slot was overwritten");
-    assert!(err.abs() <= 0.02, "keyspace {KS} charged {charged:.4} s for {ran:.4} s of the victim's CPU ({:+.2} %)", err * 100.0);
+    assert!(
+        looks.iter().all(|&n| n == registered),
+        "registered went {registered} → {looks:?} after the slot was overwritten"
+    );
+    assert!(
+        err.abs() <= 0.02,
+        "keyspace {KS} charged {charged:.4} s for {ran:.4} s of the victim's CPU ({:+.2} %)",
+        err * 100.0
+    );
     drop(victim);
     assert_survived(&agent, &format!("overwriting another client's slot ({write})"));
 }
@@ -491,12 +505,14 @@ fn pipelined_registrations_of_foreign_threads_do_not_hold_up_status() {
     // init, the agent, this process, a registered thread of it, tid 0, tids
     // beyond pid_max: none is the attacker's. Its 2000 idle threads make each
     // refusal look through 2000 tasks.
-    let tids = [1, agent.pid(), std::process::id(), victim.tid, 0, 4_194_305, u32::MAX].map(|t| t.to_string()).join(",");
-    let child = as_nobody(&agent.socket, &["attack", "pipeline", "--count", "50", "--tids", &tids, "--threads", "2000"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("setpriv runs");
+    let tids =
+        [1, agent.pid(), std::process::id(), victim.tid, 0, 4_194_305, u32::MAX].map(|t| t.to_string()).join(",");
+    let child =
+        as_nobody(&agent.socket, &["attack", "pipeline", "--count", "50", "--tids", &tids, "--threads", "2000"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("setpriv runs");
     let (t0, mut slowest, mut looks) = (Instant::now(), Duration::ZERO, 0);
     let watcher = std::thread::spawn(move || finish(child, Duration::from_secs(120)));
     while !watcher.is_finished() {
@@ -507,7 +523,10 @@ fn pipelined_registrations_of_foreign_threads_do_not_hold_up_status() {
     let (status, out, err) = watcher.join().expect("watcher");
     let r = report(status, &out, &err);
     let after = agent.status().unwrap().threads;
-    eprintln!("pipelined: {r}; {looks} status calls over {:?}, slowest {slowest:?}; threads after {after:?}", t0.elapsed());
+    eprintln!(
+        "pipelined: {r}; {looks} status calls over {:?}, slowest {slowest:?}; threads after {after:?}",
+        t0.elapsed()
+    );
     assert_eq!(r["uid"], NOBODY);
     assert_eq!((r["registered"].as_u64(), r["refused"].as_u64()), (Some(0), Some(50)), "{r}");
     assert!(slowest < SECOND, "status took {slowest:?} while 50 foreign registrations were pending");

@@ -4,7 +4,7 @@
 //! with the processes stopped at both ends of the tagged span, and inside,
 //! through `CLOCK_THREAD_CPUTIME_ID`), in one process and across several.
 
-use governor_tests::{run_threads, Agent, ThreadReport};
+use governor_tests::{Agent, ThreadReport, run_threads};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -73,7 +73,16 @@ fn several_processes_each_keyspace_matches_its_threads_schedstat() {
     let (reports, charged) = run(
         &agent,
         &[
-            &["--kinds", "sleepy,blocking,spinner,sleepy", "--keyspace-base", "200", "--keyspaces", "2", "--seconds", "1.5"],
+            &[
+                "--kinds",
+                "sleepy,blocking,spinner,sleepy",
+                "--keyspace-base",
+                "200",
+                "--keyspaces",
+                "2",
+                "--seconds",
+                "1.5",
+            ],
             &["--kinds", "blocking,sleepy,waker", "--keyspace-base", "300", "--keyspaces", "2", "--seconds", "1.5"],
             &["--kinds", "spinner,blocking", "--keyspace-base", "400", "--keyspaces", "1", "--seconds", "1.5"],
         ],

@@ -2,13 +2,18 @@
 //! the cap it comes from, the bucket's state, and an unknown keyspace
 //! (exit 1); with the throttle off, it says nothing is throttled.
 
-use governor_tests::{governor_bin, spawn_workload_started, Agent};
+use governor_tests::{Agent, governor_bin, spawn_workload_started};
 use serde_json::Value;
 use std::process::Command;
 
 fn explain(agent: &Agent, id: &str) -> (Option<i32>, Value) {
-    let o = Command::new(governor_bin()).args(["keyspace", id, "--json", "--socket"]).arg(&agent.socket).output().unwrap();
-    (o.status.code(), serde_json::from_slice(&o.stdout).unwrap_or_else(|_| panic!("not json: {}", String::from_utf8_lossy(&o.stdout))))
+    let o =
+        Command::new(governor_bin()).args(["keyspace", id, "--json", "--socket"]).arg(&agent.socket).output().unwrap();
+    (
+        o.status.code(),
+        serde_json::from_slice(&o.stdout)
+            .unwrap_or_else(|_| panic!("not json: {}", String::from_utf8_lossy(&o.stdout))),
+    )
 }
 
 fn why(v: &Value) -> String {
@@ -23,7 +28,8 @@ fn a_capped_keyspace_names_its_cap_and_its_bucket() {
          enable-burst = false\nenable-fair-allocation = false\nenable-dynamic-adjustment = false\n",
     )
     .unwrap();
-    let (mut child, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "31", "--seconds", "0.5"]).unwrap();
+    let (mut child, _out) =
+        spawn_workload_started(&agent.socket, &["busy", "--keyspace", "31", "--seconds", "0.5"]).unwrap();
     let (code, v) = explain(&agent, "31");
     assert_eq!(code, Some(0), "{v:#}");
     assert_eq!(v["quota_source"], "tenant_cap", "{v:#}");
@@ -47,7 +53,8 @@ fn a_capped_keyspace_names_its_cap_and_its_bucket() {
 #[test]
 fn with_the_throttle_off_nothing_is_throttled() {
     let agent = Agent::start_default("ebpf").unwrap();
-    let (mut child, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "33", "--seconds", "0.3"]).unwrap();
+    let (mut child, _out) =
+        spawn_workload_started(&agent.socket, &["busy", "--keyspace", "33", "--seconds", "0.3"]).unwrap();
     let (code, v) = explain(&agent, "33");
     assert_eq!(code, Some(0), "{v:#}");
     assert_eq!(v["throttled_now"], false);

@@ -2,7 +2,7 @@
 //! while no agent answers, and is attached and governed within a second of
 //! the agent's start, without a restart.
 
-use governor_tests::{essential_config, spawn_workload_started, Agent, Scratch};
+use governor_tests::{Agent, Scratch, essential_config, spawn_workload_started};
 use std::io::BufRead;
 use std::time::Duration;
 
@@ -10,8 +10,11 @@ use std::time::Duration;
 fn a_server_started_before_the_agent_is_governed_once_it_answers() {
     let dir = Scratch::new("late-agent");
     let socket = dir.0.join("governor.sock");
-    let (mut child, mut out) =
-        spawn_workload_started(&socket, &["late", "--keyspace", "9", "--threads", "4", "--seconds", "7", "--work-us", "1000"]).unwrap();
+    let (mut child, mut out) = spawn_workload_started(
+        &socket,
+        &["late", "--keyspace", "9", "--threads", "4", "--seconds", "7", "--work-us", "1000"],
+    )
+    .unwrap();
     std::thread::sleep(Duration::from_secs(2));
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     let agent = Agent::start_on("ebpf", &essential_config(0.5 / cores), &socket).unwrap();
@@ -28,8 +31,13 @@ fn a_server_started_before_the_agent_is_governed_once_it_answers() {
     assert!(n("fail_open_before_attach") > 100, "admissions before the agent were fail-open and counted: {r}");
     let attached_after_ms = n("attached_ns").saturating_sub(answered_ns) as f64 / 1e6;
     let governed_after_ms = n("first_checked_ns").saturating_sub(answered_ns) as f64 / 1e6;
-    eprintln!("attached {attached_after_ms:.1} ms, first checked ticket {governed_after_ms:.1} ms after the agent answered (0: before start_on returned)");
-    assert!(n("attached_ns") > 0 && attached_after_ms <= 1000.0, "attached {attached_after_ms:.1} ms after the agent answered");
+    eprintln!(
+        "attached {attached_after_ms:.1} ms, first checked ticket {governed_after_ms:.1} ms after the agent answered (0: before start_on returned)"
+    );
+    assert!(
+        n("attached_ns") > 0 && attached_after_ms <= 1000.0,
+        "attached {attached_after_ms:.1} ms after the agent answered"
+    );
     assert!(governed_after_ms <= 1000.0, "the first checked ticket {governed_after_ms:.1} ms after the agent answered");
     assert!(n("checked") > 100, "tickets checked by the agent once attached: {r}");
     // Governed: the threads registered in the background are charged, and

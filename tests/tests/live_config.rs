@@ -5,7 +5,7 @@
 //! running configuration stays; the log and the counters record both; only
 //! root or the agent's uid may change it.
 
-use governor_tests::{governor_bin, Agent};
+use governor_tests::{Agent, governor_bin};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,12 @@ fn governor(agent: &Agent, args: &[&str]) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!("exit {:?}\nstdout:\n{}\nstderr:\n{}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn cap_ratio(agent: &Agent) -> f64 {
@@ -70,7 +75,8 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     let o = governor(&agent, &["config", "reload", "--json"]);
     assert_eq!(o.status.code(), Some(64), "{}", text(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    let errors: Vec<String> = v["errors"].as_array().expect("errors").iter().map(|e| e.as_str().unwrap().to_string()).collect();
+    let errors: Vec<String> =
+        v["errors"].as_array().expect("errors").iter().map(|e| e.as_str().unwrap().to_string()).collect();
     for part in ["enable-burst", "max-read-cpu-ratio", "max-keyspaces"] {
         assert!(errors.iter().any(|e| e.contains(part)), "no reason about {part}: {errors:#?}");
     }
@@ -104,7 +110,8 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
 fn only_root_or_the_agents_uid_may_change_the_configuration() {
     // A socket every local account can reach (clients register through
     // it): the change itself checks the peer.
-    let agent = Agent::start("auto", &format!("{}[agent.access]\nsocket-mode = \"0666\"\n", capped(0.25))).expect("agent");
+    let agent =
+        Agent::start("auto", &format!("{}[agent.access]\nsocket-mode = \"0666\"\n", capped(0.25))).expect("agent");
     let o = Command::new("setpriv")
         .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
         .arg(governor_bin())
@@ -136,7 +143,11 @@ fn one_step_to_the_essential_profile_and_back() {
     for key in ["enforce-global-limit", "enable-burst", "enable-fair-allocation", "enable-dynamic-adjustment"] {
         assert!(err.contains(&format!("cpu-throttle.{key}: must be")), "{key} named: {}", text(&o));
     }
-    assert!(err.contains("profile = \"essential\" sets every such key"), "the refusal names the one step: {}", text(&o));
+    assert!(
+        err.contains("profile = \"essential\" sets every such key"),
+        "the refusal names the one step: {}",
+        text(&o)
+    );
     assert_eq!(cap_ratio(&agent), 0.0, "refused whole");
 
     let o = governor(&agent, &["config", "set", "resource-control.cpu-throttle.profile=essential", "--json"]);
@@ -144,7 +155,15 @@ fn one_step_to_the_essential_profile_and_back() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     let changed: Vec<&str> = v["changes"].as_array().unwrap().iter().filter_map(|c| c["key"].as_str()).collect();
     eprintln!("profile=essential changed {changed:?}");
-    for key in ["profile", "enabled", "enforce-global-limit", "enable-burst", "enable-fair-allocation", "enable-dynamic-adjustment", "tenant-max-cpu-ratio"] {
+    for key in [
+        "profile",
+        "enabled",
+        "enforce-global-limit",
+        "enable-burst",
+        "enable-fair-allocation",
+        "enable-dynamic-adjustment",
+        "tenant-max-cpu-ratio",
+    ] {
         assert!(changed.contains(&format!("resource-control.cpu-throttle.{key}").as_str()), "{key} in {changed:?}");
     }
     assert_eq!(changed.len(), 7, "only the profile's keys that differed: {changed:?}");
@@ -170,7 +189,11 @@ fn one_step_to_the_essential_profile_and_back() {
     for (i, w) in windows.iter().enumerate() {
         eprintln!("window {i}: {:.3} cores (cap {want:.3}), steal {:.1} %", w.cores, w.steal_pct);
         assert!(w.cores <= want * 1.10, "window {i}: {:.3} cores over the cap {want:.3}", w.cores);
-        assert!(w.cores >= want * (0.85 - w.steal_pct / 100.0), "window {i}: {:.3} cores, held below the cap {want:.3}", w.cores);
+        assert!(
+            w.cores >= want * (0.85 - w.steal_pct / 100.0),
+            "window {i}: {:.3} cores, held below the cap {want:.3}",
+            w.cores
+        );
     }
 
     // A tenant cap and premium do not mix; premium restores its defaults.
@@ -214,7 +237,10 @@ fn fifty_invalid_changes_are_each_refused_naming_the_key_and_change_nothing() {
         ("resource-control.cpu-throttle.enable-dynamic-adjustment=true".into(), "enable-dynamic-adjustment"),
         ("resource-control.cpu-throttle.keyspace-cpu-quotas=1:x".into(), "keyspace-cpu-quotas"),
         ("resource-control.cpu-throttle.keyspace-cpu-quotas=1:100,1:200".into(), "keyspace-cpu-quotas"),
-        ("resource-control.cpu-throttle.keyspace-estimated-cpu-per-request-us=7:0".into(), "keyspace-estimated-cpu-per-request-us"),
+        (
+            "resource-control.cpu-throttle.keyspace-estimated-cpu-per-request-us=7:0".into(),
+            "keyspace-estimated-cpu-per-request-us",
+        ),
         ("resource-control.cpu-throttle.keyspace-burst-enabled=3:maybe".into(), "keyspace-burst-enabled"),
         ("resource-control.cpu-throttle.refill-interval=50ms".into(), "refill-interval"),
         ("resource-control.cpu-throttle.burst-window=5s".into(), "burst-window"),
@@ -244,7 +270,11 @@ fn fifty_invalid_changes_are_each_refused_naming_the_key_and_change_nothing() {
     for (set, key) in &sets {
         let o = governor(&agent, &["config", "set", set, "--json"]);
         assert_eq!(o.status.code(), Some(64), "{set}: {}", text(&o));
-        assert!(String::from_utf8_lossy(&o.stdout).contains(key), "{set}: the refusal does not name {key}: {}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(key),
+            "{set}: the refusal does not name {key}: {}",
+            text(&o)
+        );
         assert_eq!(cap_ratio(&agent), 0.25, "{set} changed the running configuration");
         refused += 1;
     }

@@ -1,7 +1,7 @@
 //! End-to-end measurement: the real agent (real eBPF on this kernel, or the
 //! thread-clock fallback) and real client processes.
 
-use governor_tests::{eventually, run_workload, schedstat_ns, spawn_workload_started, Agent};
+use governor_tests::{Agent, eventually, run_workload, schedstat_ns, spawn_workload_started};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -29,7 +29,17 @@ fn exactly_once(measure: &str, switches: u64) -> (f64, f64, f64) {
     let threads = (3 * cores()).to_string();
     let out = run_workload(
         &agent.socket,
-        &["exactly-once", "--threads", &threads, "--keyspaces", "8", "--switches", &switches.to_string(), "--base", "1000"],
+        &[
+            "exactly-once",
+            "--threads",
+            &threads,
+            "--keyspaces",
+            "8",
+            "--switches",
+            &switches.to_string(),
+            "--base",
+            "1000",
+        ],
     )
     .expect("workload runs");
     assert_eq!(out["backend"], measure);
@@ -44,17 +54,14 @@ fn exactly_once(measure: &str, switches: u64) -> (f64, f64, f64) {
     assert_eq!(own.len(), 8);
     let steal = (governor_tests::steal_ns() - steal_before) as f64;
     let status = agent.status().unwrap();
-    let charged: BTreeMap<u32, f64> =
-        status.keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds * 1e9)).collect();
+    let charged: BTreeMap<u32, f64> = status.keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds * 1e9)).collect();
     assert_eq!(charged.keys().collect::<Vec<_>>(), own.keys().collect::<Vec<_>>());
     let charged_total: f64 = charged.values().sum();
     let own_total: f64 = own.values().sum();
     // Signed: positive is over-charging.
     let err_pct = (charged_total - truth) / truth * 100.0;
-    let worst_share_pp = own
-        .iter()
-        .map(|(k, v)| ((v / own_total) - (charged[k] / charged_total)).abs() * 100.0)
-        .fold(0.0, f64::max);
+    let worst_share_pp =
+        own.iter().map(|(k, v)| ((v / own_total) - (charged[k] / charged_total)).abs() * 100.0).fold(0.0, f64::max);
     let steal_pct = steal / truth * 100.0;
     eprintln!(
         "{measure}: charged {:.4} s vs thread clocks {:.4} s: error {err_pct:.3} %, worst share diff \
@@ -117,8 +124,15 @@ fn long_slice_is_charged_while_it_runs() {
     let ran = serde_json::from_str::<serde_json::Value>(&last).unwrap()["thread_cpu_ns"].as_u64().unwrap() as f64 / 1e9;
     let total = agent.keyspace_seconds(77).unwrap();
     let steal = steal.share();
-    eprintln!("charged {total:.4} s in all for {ran:.4} s of thread CPU: {:+.3} % (steal {:.2} %)", (total / ran - 1.0) * 100.0, steal * 100.0);
-    assert!(total >= ran * 0.997 && total <= ran * (1.003 + steal), "{total:.4} s charged for {ran:.4} s of work, steal {steal:.4}");
+    eprintln!(
+        "charged {total:.4} s in all for {ran:.4} s of thread CPU: {:+.3} % (steal {:.2} %)",
+        (total / ran - 1.0) * 100.0,
+        steal * 100.0
+    );
+    assert!(
+        total >= ran * 0.997 && total <= ran * (1.003 + steal),
+        "{total:.4} s charged for {ran:.4} s of work, steal {steal:.4}"
+    );
 }
 
 #[test]
@@ -143,7 +157,8 @@ fn untagged_and_unregistered_time_is_charged_to_no_keyspace() {
 fn ten_thousand_short_lived_threads_reuse_slots() {
     let _s = serial();
     let agent = Agent::start("ebpf", "[agent]\nmax-threads = 64\n").unwrap();
-    let out = run_workload(&agent.socket, &["churn", "--threads", "10000", "--parallel", "4", "--keyspace", "5"]).unwrap();
+    let out =
+        run_workload(&agent.socket, &["churn", "--threads", "10000", "--parallel", "4", "--keyspace", "5"]).unwrap();
     assert_eq!(out["failures"], 0, "{out}");
     assert_eq!(out["abrupt_exits"], 5000);
     let status = agent.status().unwrap();

@@ -4,8 +4,8 @@
 //! `governor status` reports; past `agent.metrics-max-keyspaces` the
 //! smallest keyspaces fold into `keyspace_id="other"`.
 
+use governor_tests::{Agent, Scratch, essential_config, run_workload};
 use keyspace_governor::client::{self, Client};
-use governor_tests::{essential_config, run_workload, Agent, Scratch};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -166,8 +166,11 @@ fn a_real_prometheus_scrapes_what_status_reports() {
     let agent = Agent::start("ebpf", &essential_config(ratio)).unwrap();
     // Two tenants, capped: grants, waits, CPU.
     for ks in ["1", "2"] {
-        run_workload(&agent.socket, &["tickets", "--keyspace", ks, "--threads", "2", "--seconds", "1", "--work-us", "500"])
-            .unwrap();
+        run_workload(
+            &agent.socket,
+            &["tickets", "--keyspace", ks, "--threads", "2", "--seconds", "1", "--work-us", "500"],
+        )
+        .unwrap();
     }
     let addr = metrics_addr(&agent);
     let (status_line, headers, body) = get(&addr, "/metrics");

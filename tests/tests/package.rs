@@ -24,7 +24,9 @@ fn the_deb_installs_and_the_installed_doctor_runs() {
     }
     let deb = deb();
     assert!(deb.exists(), "{} is missing: run `cargo xtask dist --arch x86_64` (cargo xtask test does)", deb.display());
-    if std::path::Path::new("/usr/bin/governor").exists() && Command::new("dpkg").args(["-s", "governor"]).output().unwrap().status.success() {
+    if std::path::Path::new("/usr/bin/governor").exists()
+        && Command::new("dpkg").args(["-s", "governor"]).output().unwrap().status.success()
+    {
         let _ = Command::new("dpkg").args(["--purge", "governor"]).output();
     }
     let o = Command::new("dpkg").arg("-i").arg(&deb).output().unwrap();
@@ -40,7 +42,10 @@ fn the_deb_installs_and_the_installed_doctor_runs() {
         if !user.status.success() {
             return Err("no governor user".into());
         }
-        let v = Command::new("/usr/bin/governor").args(["config", "validate", "/etc/governor/governor.toml"]).output().unwrap();
+        let v = Command::new("/usr/bin/governor")
+            .args(["config", "validate", "/etc/governor/governor.toml"])
+            .output()
+            .unwrap();
         if !v.status.success() {
             return Err(format!("the installed configuration: {}", text(&v)));
         }
@@ -48,7 +53,8 @@ fn the_deb_installs_and_the_installed_doctor_runs() {
             .args(["doctor", "--json", "--socket", "/run/governor-package-test/none.sock"])
             .output()
             .unwrap();
-        let r: serde_json::Value = serde_json::from_slice(&d.stdout).map_err(|e| format!("doctor --json: {e}: {}", text(&d)))?;
+        let r: serde_json::Value =
+            serde_json::from_slice(&d.stdout).map_err(|e| format!("doctor --json: {e}: {}", text(&d)))?;
         // Root here: the eBPF backend can run (exit 0); the agent is not running (a warning).
         if d.status.code() != Some(0) || r["ebpf_backend"] != true {
             return Err(format!("doctor: {}", text(&d)));

@@ -4,9 +4,9 @@
 //! TTL, and `governor status` and the `tikv_service_limit_*` metrics say
 //! what happened.
 
-use keyspace_governor::proto::{PdKeyspaceStatus, PdStatus, StatusReport};
 use governor_tests::fake_pd::{FakePd, Reply};
-use governor_tests::{governor_bin, scrape_metrics, Agent, Scratch};
+use governor_tests::{Agent, Scratch, governor_bin, scrape_metrics};
+use keyspace_governor::proto::{PdKeyspaceStatus, PdStatus, StatusReport};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -97,11 +97,16 @@ fn quotas_follow_pd_and_faults_never_drop_them_before_the_ttl() {
     let p = pd_of(&s);
     assert!(p.reachable && p.rounds >= 1);
     assert_eq!(p.endpoints, vec![format!("http://127.0.0.1:{dead_port}"), format!("http://{}", pd.addr)]);
-    assert!(pd.asked().iter().any(|p| p == "/resource-manager/api/v1/config/keyspace/service-limit/tenant%20two"), "names are escaped");
+    assert!(
+        pd.asked().iter().any(|p| p == "/resource-manager/api/v1/config/keyspace/service-limit/tenant%20two"),
+        "names are escaped"
+    );
 
     let o = Command::new(governor_bin()).args(["status", "--socket"]).arg(&agent.socket).output().unwrap();
     let text = String::from_utf8_lossy(&o.stdout);
-    let line = |needle: &str| text.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("no {needle:?} in\n{text}")).to_string();
+    let line = |needle: &str| {
+        text.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("no {needle:?} in\n{text}")).to_string()
+    };
     let pd_line = text.lines().find(|l| l.starts_with("pd ")).unwrap_or_default();
     assert!(pd_line.contains(&format!("http://{}", pd.addr)) && pd_line.contains("(reachable,"), "{text}");
     let two: Vec<String> = line("tenant two").split_whitespace().map(str::to_string).collect();
@@ -109,7 +114,11 @@ fn quotas_follow_pd_and_faults_never_drop_them_before_the_ttl() {
     assert!(line(" t3 ").contains("unlimited"), "{text}");
 
     let explain = |id: u32| {
-        let o = Command::new(governor_bin()).args(["keyspace", &id.to_string(), "--socket"]).arg(&agent.socket).output().unwrap();
+        let o = Command::new(governor_bin())
+            .args(["keyspace", &id.to_string(), "--socket"])
+            .arg(&agent.socket)
+            .output()
+            .unwrap();
         String::from_utf8_lossy(&o.stdout).to_string()
     };
     assert!(explain(1).contains("keyspace \"tenant-one\" has service_limit 300 RU/s of 400"), "{}", explain(1));
@@ -118,7 +127,12 @@ fn quotas_follow_pd_and_faults_never_drop_them_before_the_ttl() {
     // The seed's metrics, scraped.
     let text = scrape_metrics(&s.metrics_addr.clone().unwrap());
     let value = |line: &str| -> f64 {
-        text.lines().find_map(|l| l.strip_prefix(line)).unwrap_or_else(|| panic!("no {line} in\n{text}")).trim().parse().unwrap()
+        text.lines()
+            .find_map(|l| l.strip_prefix(line))
+            .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+            .trim()
+            .parse()
+            .unwrap()
     };
     assert_eq!(value("tikv_service_limit_keyspace_value{keyspace_id=\"1\"}"), 300.0);
     assert_eq!(value("tikv_service_limit_keyspace_value{keyspace_id=\"3\"}"), 0.0);
@@ -161,8 +175,12 @@ fn quotas_follow_pd_and_faults_never_drop_them_before_the_ttl() {
     pd.start_again();
     wait(&agent, Duration::from_secs(3), "PD reachable again", |s| pd_of(s).reachable && row(s, 2).last_result == "ok");
     pd.reply("tenant two", Reply::ServerError);
-    let (s, took) = wait(&agent, TTL + Duration::from_secs(3), "TTL expiry", |s| bucket(s, 2).is_some_and(|b| b.0 == "config"));
-    assert!(took >= TTL - Duration::from_millis(600) && took <= TTL + Duration::from_millis(1500), "expired after {took:?}");
+    let (s, took) =
+        wait(&agent, TTL + Duration::from_secs(3), "TTL expiry", |s| bucket(s, 2).is_some_and(|b| b.0 == "config"));
+    assert!(
+        took >= TTL - Duration::from_millis(600) && took <= TTL + Duration::from_millis(1500),
+        "expired after {took:?}"
+    );
     assert_eq!(bucket(&s, 1), Some(("pd".into(), global)));
     assert_eq!(bucket(&s, 2), Some(("config".into(), 2_000)), "200 millicores per 10 ms");
 
@@ -209,7 +227,10 @@ fn quotas_follow_pd_and_faults_never_drop_them_before_the_ttl() {
 fn pd_settings_are_checked() {
     let dir = Scratch::new("pd-config");
     let cases = [
-        ("[resource-control.cpu-throttle]\nenable-pd-service-limit = true\n", "enable-pd-service-limit: needs pd.endpoints"),
+        (
+            "[resource-control.cpu-throttle]\nenable-pd-service-limit = true\n",
+            "enable-pd-service-limit: needs pd.endpoints",
+        ),
         ("[pd]\nendpoints = [\"https://pd:2379\"]\n", "https is not supported"),
         ("[pd]\nendpoints = [\"pd\"]\n", "missing the port"),
         ("[pd]\nendpoint = \"pd:2379\"\n", "pd.endpoint: unknown key"),

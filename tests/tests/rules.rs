@@ -5,7 +5,10 @@
 //! a matched process stays its tags'; bad rules are refused naming the rule
 //! and the key.
 
-use governor_tests::{eventually, governor_bin, process_schedstat_ns, process_tree as tree, resume, spawn_workload_started, stop, workload_bin, Agent, Scratch};
+use governor_tests::{
+    Agent, Scratch, eventually, governor_bin, process_schedstat_ns, process_tree as tree, resume,
+    spawn_workload_started, stop, workload_bin,
+};
 use std::collections::BTreeSet;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
@@ -22,7 +25,12 @@ fn governor(agent: &Agent, args: &[&str]) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!("exit {:?}\nstdout:\n{}\nstderr:\n{}", o.status.code(), String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// Σ schedstat run time of every thread of every process in `pids`.
@@ -146,7 +154,12 @@ fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
     // (its workers inherit).
     let mut a = Group {
         keyspace: 901,
-        root: Command::new("stress-ng").args(["--cpu", "2", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap(),
+        root: Command::new("stress-ng")
+            .args(["--cpu", "2", "--timeout", "60"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
     };
     let _reap_a = KillTree(a.root.id());
     std::thread::sleep(Duration::from_millis(300));
@@ -160,7 +173,8 @@ fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
     // Started after the rules: stress-ng matched by command name, and a
     // two-thread xz matched by executable, started from a shell.
     let scratch = Scratch::new("rules-real");
-    let mut b = Group { keyspace: 902, root: stress_named(&scratch, "govtest-late", &["--cpu", "1", "--timeout", "60"]) };
+    let mut b =
+        Group { keyspace: 902, root: stress_named(&scratch, "govtest-late", &["--cpu", "1", "--timeout", "60"]) };
     let mut c = Group {
         keyspace: 903,
         root: Command::new("sh").args(["-c", "xz -T2 -3 -c < /dev/urandom > /dev/null"]).spawn().unwrap(),
@@ -187,7 +201,8 @@ fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
     assert!(before[0].2 >= 3, "stress-ng --cpu 2 is a parent and two workers: {:?}", before[0]);
     assert!(before[2].3 >= 3, "xz -T2 runs a thread per block beside its main thread: {:?}", before[2]);
     let listed = governor(&agent, &["rules", "list", "--json"]);
-    let list: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
+    let list: serde_json::Value =
+        serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
     assert_eq!(list["rules"].as_array().map(Vec::len), Some(3), "{list}");
     assert_eq!(list["events_dropped"], 0, "{list}");
 }
@@ -219,6 +234,7 @@ fn a_thousand_short_lived_processes_are_all_counted() {
     let mut status = 0;
     // SAFETY: an all-zero rusage is valid; wait4 on our own child.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: status and ru are valid and writable for the call.
     let r = unsafe { libc::wait4(pid as i32, &mut status, 0, &mut ru) };
     assert_eq!(r, pid as i32);
     let elapsed = t0.elapsed();
@@ -278,7 +294,15 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let keys: Vec<&str> = v["errors"].as_array().unwrap().iter().filter_map(|e| e["key"].as_str()).collect();
-    for want in ["rules.a.cgroup", "rules.b.keyspace", "rules.b.comm-prefix", "rules.a.name", "rules.c", "rules.d.exe", "rules.e.thread-name-prefix"] {
+    for want in [
+        "rules.a.cgroup",
+        "rules.b.keyspace",
+        "rules.b.comm-prefix",
+        "rules.a.name",
+        "rules.c",
+        "rules.d.exe",
+        "rules.e.thread-name-prefix",
+    ] {
         assert!(keys.contains(&want), "no error for {want}: {keys:?}");
     }
     // Online: refused whole with exit 64; the rules in force stay.
@@ -342,7 +366,8 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     let scratch = Scratch::new("rules-capped");
     let mut agent = Agent::start("ebpf", config).unwrap();
     let listed = governor(&agent, &["rules", "list", "--json"]);
-    let list: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
+    let list: serde_json::Value =
+        serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
     if list["enforcement"].as_str().unwrap_or("").starts_with("unavailable") {
         panic!("this host must offer a cpu controller: {list}");
     }
@@ -361,11 +386,15 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     let cgdir = |rel: &str| cpu_hierarchy().join(rel.trim_start_matches('/'));
     let ks_dir = cgdir(&inside);
     for i in 0..2 {
-        assert_held_to_half_a_core(&held_for(&agent, 960, root, &ks_dir, 3.0), &format!("moved into ks-960, stretch {i}"));
+        assert_held_to_half_a_core(
+            &held_for(&agent, 960, root, &ks_dir, 3.0),
+            &format!("moved into ks-960, stretch {i}"),
+        );
     }
     // Stopped politely: every process back where it was, no cgroup left.
     assert!(ks_dir.is_dir());
-    let quota = std::fs::read_to_string(ks_dir.join("cpu.cfs_quota_us")).or_else(|_| std::fs::read_to_string(ks_dir.join("cpu.max")));
+    let quota = std::fs::read_to_string(ks_dir.join("cpu.cfs_quota_us"))
+        .or_else(|_| std::fs::read_to_string(ks_dir.join("cpu.max")));
     assert!(quota.as_deref().unwrap_or("").starts_with("50000"), "{quota:?}");
     agent.restart_with_config("").unwrap();
     for p in tree(root) {
@@ -392,7 +421,12 @@ fn schedstat_by_name(pid: u32, prefix: &str) -> (f64, f64, usize) {
     let (mut named, mut rest, mut n) = (0u64, 0u64, 0);
     for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
         let name = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-        let ns: u64 = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default().split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let ns: u64 = std::fs::read_to_string(t.path().join("schedstat"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         if name.starts_with(prefix) {
             named += ns;
             n += 1;
@@ -447,11 +481,17 @@ fn a_thread_rule_charges_redis_io_threads_apart_from_the_rest_of_redis() {
     let check = |phase: &str, before: [f64; 4], after: [f64; 4], split: bool| {
         let d: Vec<f64> = (0..4).map(|i| after[i] - before[i]).collect();
         let (k700, k701, io, rest) = (d[0], d[1], d[2], d[3]);
-        eprintln!("{phase}: keyspace 700 {k700:.4} s, 701 {k701:.4} s; schedstat io_thd_* {io:.4} s, other threads {rest:.4} s");
+        eprintln!(
+            "{phase}: keyspace 700 {k700:.4} s, 701 {k701:.4} s; schedstat io_thd_* {io:.4} s, other threads {rest:.4} s"
+        );
         assert!(io > 0.3 && rest > 0.3, "{phase}: redis hardly ran (io {io:.3} s, rest {rest:.3} s)");
         let (want700, want701) = if split { (io, rest) } else { (0.0, io + rest) };
         for (ks, got, want) in [(700, k700, want700), (701, k701, want701)] {
-            assert!((got - want).abs() <= 0.005 * want + 0.002, "{phase}: keyspace {ks} charged {got:.4} s, schedstat {want:.4} s\n{}", agent.log_text());
+            assert!(
+                (got - want).abs() <= 0.005 * want + 0.002,
+                "{phase}: keyspace {ks} charged {got:.4} s, schedstat {want:.4} s\n{}",
+                agent.log_text()
+            );
         }
     };
     // Named after the rules: the rename reports.
@@ -461,7 +501,8 @@ fn a_thread_rule_charges_redis_io_threads_apart_from_the_rest_of_redis() {
     check("renamed under the rule", start, loaded, true);
     let (_, _, io_threads) = schedstat_by_name(pid, "io_thd_");
     let listed = governor(&agent, &["rules", "list", "--json"]);
-    let list: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
+    let list: serde_json::Value =
+        serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)));
     assert_eq!((io_threads, list["rules"][0]["threads_matched"].as_u64()), (2, Some(2)), "{list}");
     assert_eq!(list["rules"][1]["processes_matched"], 1, "{list}");
     // Without the thread rule its threads go back to the process's keyspace...
@@ -474,7 +515,19 @@ fn a_thread_rule_charges_redis_io_threads_apart_from_the_rest_of_redis() {
     // ...and with it back, the scan finds the named threads again.
     let o = governor(
         &agent,
-        &["rules", "add", "redis-io", "--keyspace", "700", "--comm-prefix", "redis-server", "--thread-name-prefix", "io_thd_", "--position", "0"],
+        &[
+            "rules",
+            "add",
+            "redis-io",
+            "--keyspace",
+            "700",
+            "--comm-prefix",
+            "redis-server",
+            "--thread-name-prefix",
+            "io_thd_",
+            "--position",
+            "0",
+        ],
     );
     assert!(o.status.success(), "{}", text(&o));
     let start = redis_reading(&agent, pid);
@@ -492,7 +545,14 @@ fn with_fair_allocation_capped_keyspaces_split_a_saturated_node_by_their_caps() 
     // (more than the node together). By weight alone the kernel splits what
     // they get evenly, as far as the 0.8 cap lets it (1.2 : 0.8 of the whole
     // node); weighing the caps, it splits 2 : 1.
-    let spawn = || Command::new("stress-ng").args(["--cpu", "2", "--timeout", "60"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let spawn = || {
+        Command::new("stress-ng")
+            .args(["--cpu", "2", "--timeout", "60"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
     let (mut big, mut small) = (spawn(), spawn());
     let (_reap_big, _reap_small) = (KillTree(big.id()), KillTree(small.id()));
     let config = |fair: bool| {
@@ -563,7 +623,10 @@ fn with_fair_allocation_capped_keyspaces_split_a_saturated_node_by_their_caps() 
         eprintln!("{what} {w:?}: {b:.3} and {s:.3} cores (ratio {:.2}); {expected:.3} expected of {:.3}", b / s, b + s);
         assert!(b + s > 0.9, "the two hardly ran: {b:.3} + {s:.3} cores");
         let off = (b - expected) / (b + s) * 100.0;
-        assert!(off.abs() <= 4.0, "{what}: {b:.3} : {s:.3}, the bigger {off:+.1} points of the share off {expected:.3}");
+        assert!(
+            off.abs() <= 4.0,
+            "{what}: {b:.3} : {s:.3}, the bigger {off:+.1} points of the share off {expected:.3}"
+        );
     }
     for c in [&mut big, &mut small] {
         signal_all(&tree(c.id()), libc::SIGKILL);

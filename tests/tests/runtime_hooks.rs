@@ -3,9 +3,9 @@
 //! ticket moved into `spawn_blocking` charges the kernel's count of that
 //! work to its keyspace.
 
+use governor_tests::{Agent, essential_config};
 use keyspace_governor::client::{self, Client, Demand};
 use keyspace_governor::sys;
-use governor_tests::{essential_config, Agent};
 use std::time::Duration;
 
 fn burn(ns: u64) -> u64 {

@@ -2,7 +2,7 @@
 //! process with its kernel tid, names from /proc, the keyspace its tag names
 //! and its CPU; once the client exits, it is gone.
 
-use governor_tests::{governor_bin, spawn_workload_started, Agent};
+use governor_tests::{Agent, governor_bin, spawn_workload_started};
 use serde_json::Value;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -21,7 +21,8 @@ fn threads(agent: &Agent, json: bool) -> (Option<i32>, String) {
 fn a_registered_thread_is_listed_with_its_keyspace_until_it_exits() {
     let agent = Agent::start_default("ebpf").expect("agent");
     let t0 = Instant::now();
-    let (mut child, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "4242", "--seconds", "1.5"]).unwrap();
+    let (mut child, _out) =
+        spawn_workload_started(&agent.socket, &["busy", "--keyspace", "4242", "--seconds", "1.5"]).unwrap();
     let pid = child.id();
     let (code, out) = threads(&agent, true);
     assert_eq!(code, Some(0), "{out}");

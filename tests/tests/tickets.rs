@@ -2,8 +2,10 @@
 //! quotas split a saturated node, burst fills an idle one, waiters are woken
 //! by refunds in arrival order and leave at their deadline.
 
+use governor_tests::{
+    Agent, Stretch, blocked_in_futex, essential_config, eventually, spawn_workload_started, thread_schedstat,
+};
 use keyspace_governor::client::{Client, Demand};
-use governor_tests::{blocked_in_futex, essential_config, eventually, spawn_workload_started, thread_schedstat, Agent, Stretch};
 use std::io::BufRead;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -39,13 +41,19 @@ fn a_greedy_tenant_is_held_to_its_cap_in_every_second() {
     let report: serde_json::Value = serde_json::from_str(&last).unwrap();
     let cap = ratio * cores();
     let rates: Vec<f64> = windows.iter().map(|w| w.cores).collect();
-    eprintln!("cap {cap:.3} cores; per-second CPU {rates:.3?}; waited {:?}; workload {report}", windows.iter().map(|w| w.waited).collect::<Vec<_>>());
+    eprintln!(
+        "cap {cap:.3} cores; per-second CPU {rates:.3?}; waited {:?}; workload {report}",
+        windows.iter().map(|w| w.waited).collect::<Vec<_>>()
+    );
     // Never over the cap; and not under it in a window where its requests
     // waited in line (the cap held it back, not a machine busy elsewhere),
     // less what the hypervisor stole then (`Window::steal_pct`).
     for w in &windows {
         let err = (w.cores - cap) / cap * 100.0;
-        assert!(err <= 5.0 && (w.waited == 0 || err >= -5.0 - w.steal_pct), "a 1 s window off the cap by {err:+.2} %: {windows:.3?}");
+        assert!(
+            err <= 5.0 && (w.waited == 0 || err >= -5.0 - w.steal_pct),
+            "a 1 s window off the cap by {err:+.2} %: {windows:.3?}"
+        );
     }
     assert!(windows.iter().any(|w| w.waited > 0), "nothing waited: the cap never held: {windows:?}");
     // The workers' own CPU clocks, read around the work inside each ticket,
@@ -58,13 +66,22 @@ fn a_greedy_tenant_is_held_to_its_cap_in_every_second() {
     let charged = agent.keyspace_seconds(1).unwrap();
     let tickets = report["ticket_consumed_ns"].as_f64().unwrap() / 1e9;
     let ran = report["work_cpu_ns"].as_f64().unwrap() / 1e9;
-    eprintln!("keyspace charged {charged:.4} s, tickets consumed {tickets:.4} s, work by the thread clocks {ran:.4} s; steal {:.2} %", steal * 100.0);
+    eprintln!(
+        "keyspace charged {charged:.4} s, tickets consumed {tickets:.4} s, work by the thread clocks {ran:.4} s; steal {:.2} %",
+        steal * 100.0
+    );
     // The keyspace is also charged the CPU its requests spent waiting in
     // line (admission is the tenant's work too): 3 % here, where eight
     // threads sleep on one futex word and every move of the head wakes them
     // all (the async waiter wakes only the one served).
-    assert!(charged >= ran * 0.99 && charged <= ran * (1.05 + steal), "charged {charged:.4} s, workers ran {ran:.4} s, steal {steal:.4}");
-    assert!(tickets >= charged * 0.995 && tickets <= charged * (1.005 + steal), "tickets {tickets:.4} s, keyspace {charged:.4} s, steal {steal:.4}");
+    assert!(
+        charged >= ran * 0.99 && charged <= ran * (1.05 + steal),
+        "charged {charged:.4} s, workers ran {ran:.4} s, steal {steal:.4}"
+    );
+    assert!(
+        tickets >= charged * 0.995 && tickets <= charged * (1.005 + steal),
+        "tickets {tickets:.4} s, keyspace {charged:.4} s, steal {steal:.4}"
+    );
     assert!(report["granted"].as_u64().unwrap() > 1000, "{report}");
     assert_eq!(report["fail_open"], 0);
 }
@@ -89,7 +106,8 @@ fn quotas_split_a_saturated_node_in_proportion() {
     std::thread::sleep(Duration::from_secs(1));
     let read = || {
         let s = agent.status().unwrap();
-        let k = |ks: u32| s.keyspaces.iter().find(|k| k.keyspace_id == ks).map_or((0.0, 0), |k| (k.cpu_seconds, k.waited));
+        let k =
+            |ks: u32| s.keyspaces.iter().find(|k| k.keyspace_id == ks).map_or((0.0, 0), |k| (k.cpu_seconds, k.waited));
         (s.counters_read_at_ns as f64 / 1e9, [k(1), k(2), k(3)], governor_tests::steal_ns() as f64 / 1e9)
     };
     let before = read();
@@ -102,7 +120,9 @@ fn quotas_split_a_saturated_node_in_proportion() {
     let steal_pct = (after.2 - before.2) / (secs * cores()) * 100.0;
     let rates: Vec<f64> = before.1.iter().zip(&after.1).map(|(b, a)| (a.0 - b.0) / secs).collect();
     let waited: Vec<u64> = before.1.iter().zip(&after.1).map(|(b, a)| a.1 - b.1).collect();
-    eprintln!("CPU per second of keyspaces 1..3 (quotas 0.2, 0.4, 0.6 cores): {rates:.3?}, waited {waited:?}, steal {steal_pct:.1} %");
+    eprintln!(
+        "CPU per second of keyspaces 1..3 (quotas 0.2, 0.4, 0.6 cores): {rates:.3?}, waited {waited:?}, steal {steal_pct:.1} %"
+    );
     // Each at its quota: never over it, and not under it while its
     // requests waited in line for tokens (every keyspace wants more than
     // its quota, so they do unless the machine is busy elsewhere), less
@@ -127,7 +147,19 @@ fn burst_gives_an_idle_node_to_one_keyspace() {
     let threads = (cores() as usize).to_string();
     let (mut child, mut out) = spawn_workload_started(
         &agent.socket,
-        &["tickets", "--keyspace", "9", "--threads", &threads, "--seconds", "4", "--work-us", "500", "--timeout-ms", "100"],
+        &[
+            "tickets",
+            "--keyspace",
+            "9",
+            "--threads",
+            &threads,
+            "--seconds",
+            "4",
+            "--work-us",
+            "500",
+            "--timeout-ms",
+            "100",
+        ],
     )
     .unwrap();
     std::thread::sleep(Duration::from_millis(500));
@@ -138,13 +170,22 @@ fn burst_gives_an_idle_node_to_one_keyspace() {
     let report: serde_json::Value = serde_json::from_str(&last).unwrap();
     let status = agent.status().unwrap();
     let k = status.keyspaces.iter().find(|k| k.keyspace_id == 9).unwrap().clone();
-    eprintln!("quota 0.1 core, burst on, a node with nothing else to serve: {windows:.3?}; {report}; waited {} of {}", k.waited, k.granted);
+    eprintln!(
+        "quota 0.1 core, burst on, a node with nothing else to serve: {windows:.3?}; {report}; waited {} of {}",
+        k.waited, k.granted
+    );
     // Far above its quota: all the CPU its threads got (by schedstat; less
     // what the work loop spends outside tickets), whatever else the machine
     // runs. At most the whole node.
     for w in &windows {
-        assert!(w.cores >= 5.0 * 0.1 && w.cores <= cores() * 1.02, "not far above its quota of 0.1 core: {windows:.3?}");
-        assert!(w.cores >= 0.93 * w.process_cores && w.cores <= 1.03 * w.process_cores, "not what its threads ran: {windows:.3?}");
+        assert!(
+            w.cores >= 5.0 * 0.1 && w.cores <= cores() * 1.02,
+            "not far above its quota of 0.1 core: {windows:.3?}"
+        );
+        assert!(
+            w.cores >= 0.93 * w.process_cores && w.cores <= 1.03 * w.process_cores,
+            "not what its threads ran: {windows:.3?}"
+        );
     }
     assert_eq!(report["refused"], 0, "{report}");
     // At full use of the node a request may meet an empty burst budget just
@@ -199,7 +240,10 @@ fn a_refund_wakes_a_waiter_long_before_the_next_refill() {
         // was runnable with no CPU to run on (a busy machine's, not ours).
         let after = (served_at - refunded_at).saturating_sub(runnable);
         attempts.push(Some(after));
-        eprintln!("waiter served {after:?} after the refund ({:?} in all, {runnable:?} of it waiting for a CPU)", served_at - refunded_at);
+        eprintln!(
+            "waiter served {after:?} after the refund ({:?} in all, {runnable:?} of it waiting for a CPU)",
+            served_at - refunded_at
+        );
         assert!(after < Duration::from_millis(20), "served {after:?} after the refund");
         return;
     }

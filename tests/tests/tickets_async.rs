@@ -3,8 +3,8 @@
 //! order, and `Ticket::run` charges the keyspace exactly the CPU of its
 //! future's polls.
 
+use governor_tests::{Agent, essential_config};
 use keyspace_governor::client::{self, Client, Demand};
-use governor_tests::{essential_config, Agent};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -92,12 +92,20 @@ fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_pol
     let finished = finished.borrow().clone();
     let gaps: Vec<u32> = finished.windows(2).skip(2).map(|w| w[1] - w[0]).collect();
     eprintln!("ticks when the tasks finished: {finished:?}, {} in all, {elapsed:?}", ticks.get());
-    assert!(gaps.iter().sum::<u32>() >= 3 * gaps.len() as u32, "ticks between finishes {gaps:?}: the executor was blocked");
+    assert!(
+        gaps.iter().sum::<u32>() >= 3 * gaps.len() as u32,
+        "ticks between finishes {gaps:?}: the executor was blocked"
+    );
     // Charged: the CPU of the futures' polls, nothing else (the ticker's
     // and the waits' time ran untagged).
     let charged = k.cpu_seconds * 1e9;
     let burned = burned.get() as f64;
-    eprintln!("waited {elapsed:?}, {} ticks, burned {:.3} ms, charged {:.3} ms", ticks.get(), burned / 1e6, charged / 1e6);
+    eprintln!(
+        "waited {elapsed:?}, {} ticks, burned {:.3} ms, charged {:.3} ms",
+        ticks.get(),
+        burned / 1e6,
+        charged / 1e6
+    );
     // (The split of a slice between tags is on the thread clock, which
     // counts what the hypervisor stole within it.)
     let steal = steal.share();

@@ -3,8 +3,8 @@
 //! returns everything), a client scribbles on the regions (the agent keeps
 //! serving the others).
 
-use keyspace_governor::client::{self, Client, Demand};
 use governor_tests::{Agent, Holder, Stretch};
+use keyspace_governor::client::{self, Client, Demand};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,8 +39,13 @@ fn a_dead_agent_admits_everyone_within_a_second_and_a_new_one_governs_again() {
     let first_admit_after_death = Arc::new(Mutex::new(None::<Instant>));
     let workers: Vec<_> = (0..4)
         .map(|_| {
-            let (c, stop, longest, died_at, first) =
-                (c.clone(), stop.clone(), longest_after_death.clone(), died_at.clone(), first_admit_after_death.clone());
+            let (c, stop, longest, died_at, first) = (
+                c.clone(),
+                stop.clone(),
+                longest_after_death.clone(),
+                died_at.clone(),
+                first_admit_after_death.clone(),
+            );
             std::thread::spawn(move || {
                 c.register_current_thread().ok();
                 while !stop.load(Ordering::Relaxed) {
@@ -48,13 +53,14 @@ fn a_dead_agent_admits_everyone_within_a_second_and_a_new_one_governs_again() {
                     let r = c.acquire(3, Demand::new().estimate_us(5_000).timeout(Duration::from_secs(10)));
                     let done = Instant::now();
                     if let Some(d) = *died_at.lock().unwrap()
-                        && done > d {
-                            let since = done.saturating_duration_since(t0.max(d));
-                            longest.fetch_max(since.as_micros() as u64, Ordering::Relaxed);
-                            if r.is_ok() {
-                                first.lock().unwrap().get_or_insert(done);
-                            }
+                        && done > d
+                    {
+                        let since = done.saturating_duration_since(t0.max(d));
+                        longest.fetch_max(since.as_micros() as u64, Ordering::Relaxed);
+                        if r.is_ok() {
+                            first.lock().unwrap().get_or_insert(done);
                         }
+                    }
                     if let Ok(mut t) = r {
                         let _g = t.enter();
                         let end = keyspace_governor::sys::thread_cputime_ns() + 2_000_000;
@@ -85,7 +91,9 @@ fn a_dead_agent_admits_everyone_within_a_second_and_a_new_one_governs_again() {
     assert!(fail_open > 50, "only {fail_open} admitted without the agent");
     let longest = Duration::from_micros(longest_after_death.load(Ordering::Relaxed));
     let first = first_admit_after_death.lock().unwrap().unwrap() - died_at.lock().unwrap().unwrap();
-    eprintln!("after the agent's death: first admit {first:?}, longest acquire {longest:?}, {fail_open} fail-open admits");
+    eprintln!(
+        "after the agent's death: first admit {first:?}, longest acquire {longest:?}, {fail_open} fail-open admits"
+    );
     assert!(longest < Duration::from_secs(1), "an acquire waited {longest:?} after the agent died");
     // Tags report the loss instead of writing into orphaned maps.
     go.send(()).unwrap();
@@ -136,7 +144,8 @@ fn a_client_killed_holding_tickets_gets_everything_returned() {
     // holder's thread, spare.
     assert_eq!(holder.say("pass 42 500")["passed"], true);
     let before = agent.status().unwrap();
-    let spare = before.keyspaces.iter().find(|k| k.keyspace_id == 42).and_then(|k| k.bucket.as_ref()).map(|b| b.inflight_us);
+    let spare =
+        before.keyspaces.iter().find(|k| k.keyspace_id == 42).and_then(|k| k.bucket.as_ref()).map(|b| b.inflight_us);
     assert_eq!(spare, Some(500), "{:?}", before.keyspaces);
     let held: Vec<_> = before.keyspaces.iter().filter(|k| k.keyspace_id == 40 || k.keyspace_id == 41).collect();
     assert_eq!(held.iter().map(|k| k.inflight_requests).sum::<u64>(), 100, "{held:?}");
@@ -152,7 +161,9 @@ fn a_client_killed_holding_tickets_gets_everything_returned() {
         let ks: Vec<_> = s.keyspaces.iter().filter(|k| (40..=42).contains(&k.keyspace_id)).collect();
         if s.admission.reclaimed == 100
             && ks.iter().all(|k| k.inflight_requests == 0 && k.pending_write_bytes == 0)
-            && ks.iter().all(|k| k.bucket.as_ref().is_some_and(|b| b.inflight_us == 0 && b.available_us == b.capacity_us as i64))
+            && ks.iter().all(|k| {
+                k.bucket.as_ref().is_some_and(|b| b.inflight_us == 0 && b.available_us == b.capacity_us as i64)
+            })
             && s.admission.global_pending_write_bytes == 0
         {
             returned = Some(killed.elapsed());

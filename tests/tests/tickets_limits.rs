@@ -40,7 +40,8 @@ fn write_bytes_hold_each_keyspace_to_thirty_percent_and_the_node_to_its_threshol
 #[test]
 fn enforced_admission_control_refuses_the_tenant_over_its_limit_across_processes() {
     let _s = serial();
-    let agent = Agent::start("ebpf", "[admission-control]\nmode = \"enforced\"\nmax-concurrent-per-tenant = 3\n").unwrap();
+    let agent =
+        Agent::start("ebpf", "[admission-control]\nmode = \"enforced\"\nmax-concurrent-per-tenant = 3\n").unwrap();
     let (mut a, mut b) = (Holder::start(&agent.socket), Holder::start(&agent.socket));
     assert_eq!(a.acquire(7, 0), Ok(()));
     assert_eq!(a.acquire(7, 0), Ok(()));

@@ -2,14 +2,16 @@
 //! refund for its next ticket of the same keyspace. The agent sees it in
 //! flight, and gets it back when the thread ends.
 
+use governor_tests::{Agent, essential_config};
 use keyspace_governor::client::{Client, Demand};
-use governor_tests::{essential_config, Agent};
 
 #[test]
 fn a_thread_keeps_one_requests_refund_and_gives_it_back_when_it_ends() {
     let agent = Agent::start("ebpf", &essential_config(0.25)).unwrap();
     let c = Client::connect(&agent.socket).unwrap();
-    let keyspace = |id: u32| agent.status().unwrap().keyspaces.into_iter().find(|k| k.keyspace_id == id).expect("keyspace in status");
+    let keyspace = |id: u32| {
+        agent.status().unwrap().keyspaces.into_iter().find(|k| k.keyspace_id == id).expect("keyspace in status")
+    };
     let inflight = |id: u32| keyspace(id).bucket.expect("a cap bucket").inflight_us;
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -38,11 +40,15 @@ fn a_thread_keeps_one_requests_refund_and_gives_it_back_when_it_ends() {
 fn tickets_move_between_threads_and_a_full_block_spills_into_the_shared_half() {
     let agent = Agent::start("ebpf", &essential_config(0.25)).unwrap();
     let c = Client::connect(&agent.socket).unwrap();
-    let keyspace = |id: u32| agent.status().unwrap().keyspaces.into_iter().find(|k| k.keyspace_id == id).expect("keyspace in status");
+    let keyspace = |id: u32| {
+        agent.status().unwrap().keyspaces.into_iter().find(|k| k.keyspace_id == id).expect("keyspace in status")
+    };
     // One thread takes 20 tickets: 7 fit in its block, the rest are claimed
     // in the shared half of the ledger.
     let held: Vec<_> = std::thread::scope(|s| {
-        s.spawn(|| (0..20).map(|_| c.acquire(5, Demand::new().estimate_us(100)).expect("tokens")).collect::<Vec<_>>()).join().unwrap()
+        s.spawn(|| (0..20).map(|_| c.acquire(5, Demand::new().estimate_us(100)).expect("tokens")).collect::<Vec<_>>())
+            .join()
+            .unwrap()
     });
     // That thread has ended (its block went back); its tickets still hold.
     let k = keyspace(5);

@@ -2,7 +2,7 @@
 //! and as a script would run it (`--iterations`, `--json`), against an
 //! agent measuring a busy keyspace.
 
-use governor_tests::{governor_bin, schedstat_ns, spawn_workload_started, Agent};
+use governor_tests::{Agent, governor_bin, schedstat_ns, spawn_workload_started};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,8 @@ fn tmux(args: &[&str]) -> std::process::Output {
 fn top_redraws_in_a_terminal_and_shows_the_busy_keyspace_first() {
     let _s = serial();
     let agent = Agent::start("ebpf", "").unwrap();
-    let (mut busy, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "42", "--seconds", "6"]).unwrap();
+    let (mut busy, _out) =
+        spawn_workload_started(&agent.socket, &["busy", "--keyspace", "42", "--seconds", "6"]).unwrap();
     // A quiet keyspace too: it sorts below.
     let client = keyspace_governor::client::Client::connect(&agent.socket).unwrap();
     client.register_current_thread().unwrap();
@@ -47,7 +48,8 @@ fn top_redraws_in_a_terminal_and_shows_the_busy_keyspace_first() {
     assert!(screens.len() >= 3, "top drew {} frames: {screens:?}", screens.len());
     let last = screens.last().unwrap();
     assert_eq!(last.matches("governor top").count(), 1, "redrawn in place, not scrolled:\n{last}");
-    let rows: Vec<&str> = last.lines().skip_while(|l| !l.contains("KEYSPACE")).skip(1).filter(|l| !l.trim().is_empty()).collect();
+    let rows: Vec<&str> =
+        last.lines().skip_while(|l| !l.contains("KEYSPACE")).skip(1).filter(|l| !l.trim().is_empty()).collect();
     let first: Vec<&str> = rows.first().expect("a row").split_whitespace().collect();
     assert_eq!(first[0], "42", "the busy keyspace sorts first:\n{last}");
     let cores: f64 = first[1].parse().unwrap();
@@ -60,7 +62,8 @@ fn top_redraws_in_a_terminal_and_shows_the_busy_keyspace_first() {
 fn top_for_scripts_prints_the_frames_asked_for() {
     let _s = serial();
     let agent = Agent::start("ebpf", "").unwrap();
-    let (mut busy, _out) = spawn_workload_started(&agent.socket, &["busy", "--keyspace", "43", "--seconds", "8"]).unwrap();
+    let (mut busy, _out) =
+        spawn_workload_started(&agent.socket, &["busy", "--keyspace", "43", "--seconds", "8"]).unwrap();
     // The busy thread (the process's main thread) by the kernel's count,
     // around the whole top run.
     let pid = busy.id();
@@ -76,8 +79,10 @@ fn top_for_scripts_prints_the_frames_asked_for() {
     let _ = busy.kill();
     let _ = busy.wait();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let frames: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
+    let frames: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object a line"))
+        .collect();
     assert_eq!(frames.len(), 3);
     assert!(took >= Duration::from_millis(1400) && took < Duration::from_secs(5), "3 frames 0.5 s apart took {took:?}");
     // The frames' CPU adds up to what the kernel counted for the busy
@@ -94,8 +99,12 @@ fn top_for_scripts_prints_the_frames_asked_for() {
         shown += cores * interval;
     }
     eprintln!("top's frames show {shown:.3} s of CPU; the busy thread ran {ran:.3} s over the run ({took:?})");
-    assert!(shown <= ran * 1.02 + 0.02 && shown >= ran * 0.75, "top's frames show {shown:.3} s, the kernel counted {ran:.3} s");
+    assert!(
+        shown <= ran * 1.02 + 0.02 && shown >= ran * 0.75,
+        "top's frames show {shown:.3} s, the kernel counted {ran:.3} s"
+    );
     // A bad interval is a usage error.
-    let bad = Command::new(governor_bin()).args(["top", "--interval", "0", "--socket"]).arg(&agent.socket).output().unwrap();
+    let bad =
+        Command::new(governor_bin()).args(["top", "--interval", "0", "--socket"]).arg(&agent.socket).output().unwrap();
     assert_eq!(bad.status.code(), Some(64));
 }

@@ -8,7 +8,7 @@
 //! the system user `governor` the unit runs as.
 
 use crate::{root, run};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

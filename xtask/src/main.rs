@@ -4,7 +4,7 @@
 //! # Layout
 //!
 //! - `setup`: installs what a bare machine lacks (idempotent).
-//! - `test`: setup, then every test: the amd64 package (a test installs
+//! - `test`: setup, then the lints (rustfmt, clippy -D warnings), then every test: the amd64 package (a test installs
 //!   it), host tests (real eBPF included), the light client on stable (its
 //!   tests, and no agent crate in its tree), the aarch64 cross build with
 //!   its pure unit tests under qemu-user, and the arm64 package;
@@ -21,7 +21,7 @@ mod repeat;
 mod setup;
 mod vm;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -109,12 +109,35 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
+/// Style is part of the build: formatting (rustfmt.toml), then clippy with
+/// warnings as errors on the agent build, the client build and the eBPF
+/// crate (workspace `[lints]`), before any test runs.
+fn lint() -> Result<()> {
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    let deny = ["--", "-D", "warnings"];
+    run(cargo()
+        .args(["clippy", "--release", "--workspace", "--exclude", "keyspace-governor-ebpf", "--all-targets"])
+        .args(["--features", "keyspace-governor/agent"])
+        .args(deny))?;
+    run(cargo().args(["clippy", "--release", "-p", "keyspace-governor", "--lib", "--examples"]).args(deny))?;
+    // The eBPF crate builds only for the BPF target, with the nightly (through
+    // rustup's `cargo`, not the stable one that runs this task).
+    run(Command::new("cargo")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .args(["+nightly", "clippy", "--release", "-p", "keyspace-governor-ebpf", "--target", "bpfel-unknown-none"])
+        .args(["-Z", "build-std=core"])
+        .args(deny))
+}
+
 fn build_release() -> Result<()> {
     run(cargo().args(["build", "--release", "--bins"]))
 }
 
 fn test(host_only: bool, repeat: Option<u32>, busy_cores: u32) -> Result<()> {
     setup::setup(!host_only && repeat.is_none())?;
+    lint()?;
     build_release()?;
     // The host's package first: a test installs it with dpkg.
     dist::package(dist::Arch::X86_64)?;
@@ -180,7 +203,10 @@ fn check_deb(deb: &Path, arch: &str) -> Result<()> {
     if !out.status.success() {
         bail!("the packaged aarch64 governor: {}", String::from_utf8_lossy(&out.stderr));
     }
-    eprintln!("{}: governor for {arch}, with binary, unit and configuration; its agent validates its configuration", deb.display());
+    eprintln!(
+        "{}: governor for {arch}, with binary, unit and configuration; its agent validates its configuration",
+        deb.display()
+    );
     Ok(())
 }
 
@@ -191,7 +217,17 @@ fn dist(arch: Option<dist::Arch>) -> Result<()> {
     }
     if arch != Some(dist::Arch::X86_64) {
         setup::setup(true)?;
-        run(cross_env(cargo())?.args(["build", "--release", "--target", "aarch64-unknown-linux-gnu", "-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bins"]))?;
+        run(cross_env(cargo())?.args([
+            "build",
+            "--release",
+            "--target",
+            "aarch64-unknown-linux-gnu",
+            "-p",
+            "keyspace-governor",
+            "--features",
+            "keyspace-governor/agent",
+            "--bins",
+        ]))?;
         let (_, deb) = dist::package(dist::Arch::Aarch64)?;
         check_deb(&deb, "arm64")?;
     }
@@ -200,8 +236,19 @@ fn dist(arch: Option<dist::Arch>) -> Result<()> {
 
 /// Crates the light client (`--no-default-features --features client`)
 /// must not pull in: the eBPF toolchain's, and the agent's.
-const AGENT_ONLY_CRATES: &[&str] =
-    &["aya", "aya-build", "aya-log", "aya-obj", "clap", "dashmap", "env_logger", "procfs", "prometheus", "tokio", "toml"];
+const AGENT_ONLY_CRATES: &[&str] = &[
+    "aya",
+    "aya-build",
+    "aya-log",
+    "aya-obj",
+    "clap",
+    "dashmap",
+    "env_logger",
+    "procfs",
+    "prometheus",
+    "tokio",
+    "toml",
+];
 
 /// The light client builds and passes its unit tests on stable Rust, its
 /// dependency tree (build dependencies included) holds none of
@@ -230,7 +277,10 @@ fn light_client() -> Result<()> {
     if !found.is_empty() {
         bail!("the light client depends on {found:?}:\n{text}");
     }
-    eprintln!("light client: {} crates, none of {AGENT_ONLY_CRATES:?}", text.lines().collect::<std::collections::BTreeSet<_>>().len());
+    eprintln!(
+        "light client: {} crates, none of {AGENT_ONLY_CRATES:?}",
+        text.lines().collect::<std::collections::BTreeSet<_>>().len()
+    );
     // Its documentation is its API: no broken link, nothing undocumented
     // (the crate denies missing docs in this build).
     run(stable().args(["doc", "--no-deps"]).args(features).env("RUSTDOCFLAGS", "-D warnings"))?;
@@ -250,9 +300,19 @@ fn host_ebpf_object() -> Result<PathBuf> {
         return Ok(p.clone());
     }
     let mut c = cargo();
-    c.args(["build", "--release", "-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bin", "governor", "--message-format=json-render-diagnostics"])
-        .current_dir(root())
-        .stderr(std::process::Stdio::inherit());
+    c.args([
+        "build",
+        "--release",
+        "-p",
+        "keyspace-governor",
+        "--features",
+        "keyspace-governor/agent",
+        "--bin",
+        "governor",
+        "--message-format=json-render-diagnostics",
+    ])
+    .current_dir(root())
+    .stderr(std::process::Stdio::inherit());
     let out = c.output().with_context(|| format!("starting {c:?}"))?;
     if !out.status.success() {
         bail!("{c:?} failed with {}", out.status);
@@ -260,7 +320,9 @@ fn host_ebpf_object() -> Result<PathBuf> {
     let object = String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|m| m["reason"] == "build-script-executed" && m["package_id"].as_str().is_some_and(|p| p.contains("/governor#")))
+        .find(|m| {
+            m["reason"] == "build-script-executed" && m["package_id"].as_str().is_some_and(|p| p.contains("/governor#"))
+        })
         .and_then(|m| m["out_dir"].as_str().map(|d| Path::new(d).join("governor-programs")))
         .context("the host build did not report governor's eBPF object")?;
     Ok(OBJECT.get_or_init(|| object).clone())
@@ -284,10 +346,31 @@ fn cross_env(mut c: Command) -> Result<Command> {
 /// (layouts, config, policy, regions) under qemu-user.
 fn cross_aarch64() -> Result<()> {
     let target = "aarch64-unknown-linux-gnu";
-    run(cross_env(cargo())?.args(["build", "--release", "--target", target, "-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bins"]))?;
+    run(cross_env(cargo())?.args([
+        "build",
+        "--release",
+        "--target",
+        target,
+        "-p",
+        "keyspace-governor",
+        "--features",
+        "keyspace-governor/agent",
+        "--bins",
+    ]))?;
     run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "keyspace-governor-common"]))?;
     // governor's own integration tests are the pure config and policy suites.
-    run(cross_env(cargo())?.args(["test", "--release", "--target", target, "-p", "keyspace-governor", "--features", "agent", "--lib", "--tests"]))
+    run(cross_env(cargo())?.args([
+        "test",
+        "--release",
+        "--target",
+        target,
+        "-p",
+        "keyspace-governor",
+        "--features",
+        "agent",
+        "--lib",
+        "--tests",
+    ]))
 }
 
 fn tests_bin(name: &str) -> PathBuf {

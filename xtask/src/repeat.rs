@@ -11,7 +11,7 @@
 //! `target/test-repeat/summary.json`.
 
 use crate::{cargo, root};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -52,7 +52,8 @@ pub fn repeat(rounds: u32, busy_cores: u32) -> Result<()> {
                 .stdin(Stdio::null())
                 .output()
                 .with_context(|| format!("running {}", exe.path.display()))?;
-            let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+            let text =
+                format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
             let results = results(&text);
             let mut failed = false;
             for (test, ok) in &results {
@@ -93,7 +94,12 @@ pub fn repeat(rounds: u32, busy_cores: u32) -> Result<()> {
         times.iter().map(|d| format!("{:.0} s", d.as_secs_f64())).collect::<Vec<_>>().join(", "),
     );
     for (name, t) in &failing {
-        eprintln!("  {name}: {} of {} runs failed\n      {}", t.failures, t.runs, t.first.as_deref().unwrap_or("").replace('\n', "\n      "));
+        eprintln!(
+            "  {name}: {} of {} runs failed\n      {}",
+            t.failures,
+            t.runs,
+            t.first.as_deref().unwrap_or("").replace('\n', "\n      ")
+        );
     }
     let summary = serde_json::json!({
         "rounds": rounds,

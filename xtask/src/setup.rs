@@ -2,7 +2,7 @@
 //! governor. Idempotent: each step checks before it installs.
 
 use crate::run;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use std::process::Command;
 
 const BPF_LINKER_VERSION: &str = "0.10.3";
@@ -16,6 +16,7 @@ fn output(cmd: &mut Command) -> Option<String> {
 /// Everything the build and the tests need; `cross` adds the aarch64 parts.
 pub fn setup(cross: bool) -> Result<()> {
     nightly_rust_src()?;
+    lint_components()?;
     bpf_linker()?;
     // setpriv: attacks run as nobody; prometheus: a real server scrapes the
     // agent, and promtool checks the exposition; stress-ng: the unmodified
@@ -80,10 +81,26 @@ fn nightly_rust_src() -> Result<()> {
         run(Command::new("rustup").args(["toolchain", "install", NIGHTLY, "--profile", "minimal"]))
             .context("the eBPF build needs a nightly toolchain")?;
     }
-    let components =
-        output(Command::new("rustup").args(["component", "list", "--installed", "--toolchain", NIGHTLY])).unwrap_or_default();
+    let components = output(Command::new("rustup").args(["component", "list", "--installed", "--toolchain", NIGHTLY]))
+        .unwrap_or_default();
     if !components.lines().any(|l| l.starts_with("rust-src")) {
         run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))?;
+    }
+    Ok(())
+}
+
+/// clippy and rustfmt on stable (the workspace), clippy on the nightly
+/// (the eBPF crate): `cargo xtask test` lints before it tests.
+fn lint_components() -> Result<()> {
+    for (toolchain, wanted) in [("stable", &["clippy", "rustfmt"][..]), (NIGHTLY, &["clippy"][..])] {
+        let installed =
+            output(Command::new("rustup").args(["component", "list", "--installed", "--toolchain", toolchain]))
+                .unwrap_or_default();
+        for c in wanted {
+            if !installed.lines().any(|l| l.starts_with(c)) {
+                run(Command::new("rustup").args(["component", "add", c, "--toolchain", toolchain]))?;
+            }
+        }
     }
     Ok(())
 }

@@ -23,7 +23,7 @@
 
 use crate::dist::Arch;
 use crate::{cargo, cross_env, root, run};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -54,7 +54,13 @@ pub fn vm_test(arch: Arch, kernel: &str, only: Option<&str>) -> Result<()> {
     if !contains(&std::fs::read(governor)?, &bytes) {
         bail!("{} does not embed the eBPF object {}", governor.display(), object.display());
     }
-    eprintln!("eBPF object {} ({} bytes, sha256 {}) is embedded in {}", object.display(), bytes.len(), sha256(&object)?, governor.display());
+    eprintln!(
+        "eBPF object {} ({} bytes, sha256 {}) is embedded in {}",
+        object.display(),
+        bytes.len(),
+        sha256(&object)?,
+        governor.display()
+    );
 
     let initramfs = cache.join("initramfs.cpio");
     std::fs::write(&initramfs, initramfs_image(arch, &busybox, &bins.exes)?)?;
@@ -156,7 +162,18 @@ fn build(arch: Arch) -> Result<Built> {
     };
     let mut built = Built { exes: BTreeMap::new() };
     let mut bins = cmd("build")?;
-    bins.args(["-p", "keyspace-governor", "--features", "keyspace-governor/agent", "--bin", "governor", "-p", "governor-tests", "--bin", "workload"]);
+    bins.args([
+        "-p",
+        "keyspace-governor",
+        "--features",
+        "keyspace-governor/agent",
+        "--bin",
+        "governor",
+        "-p",
+        "governor-tests",
+        "--bin",
+        "workload",
+    ]);
     let mut tests = cmd("test")?;
     tests.args(["--no-run", "-p", "governor-tests"]);
     for t in TESTS {
@@ -210,14 +227,18 @@ fn libraries(arch: Arch, elfs: &[&PathBuf]) -> Result<BTreeMap<String, PathBuf>>
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let bracketed = || line.split_once('[').and_then(|(_, r)| r.split_once(']')).map(|(v, _)| v.trim());
             let (guest, host) = if line.contains("Requesting program interpreter") {
-                let interp = bracketed().context("readelf: interpreter")?.trim_start_matches("Requesting program interpreter: ");
+                let interp =
+                    bracketed().context("readelf: interpreter")?.trim_start_matches("Requesting program interpreter: ");
                 let name = Path::new(interp).file_name().context("interpreter name")?;
                 let host = dirs.iter().map(|d| Path::new(d).join(name)).find(|p| p.exists());
                 (interp.to_string(), host.with_context(|| format!("no {interp} for {}", arch.name()))?)
             } else if line.contains("(NEEDED)") {
                 let name = bracketed().context("readelf: NEEDED")?;
                 let host = dirs.iter().map(|d| Path::new(d).join(name)).find(|p| p.exists());
-                (format!("/lib/{name}"), host.with_context(|| format!("{name} for {} not found in {dirs:?}", arch.name()))?)
+                (
+                    format!("/lib/{name}"),
+                    host.with_context(|| format!("{name} for {} not found in {dirs:?}", arch.name()))?,
+                )
             } else {
                 continue;
             };
@@ -240,7 +261,12 @@ fn initramfs_image(arch: Arch, busybox: &Path, exes: &BTreeMap<String, PathBuf>)
     }
     c.entry("dev/console", 0o020600, (5 << 8) | 1, &[]);
     c.entry("init", 0o100755, 0, INIT.as_bytes());
-    c.entry("etc/passwd", 0o100644, 0, b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n");
+    c.entry(
+        "etc/passwd",
+        0o100644,
+        0,
+        b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+    );
     c.entry("etc/group", 0o100644, 0, b"root:x:0:\nnogroup:x:65534:\n");
     c.entry("bin/busybox", 0o100755, 0, &std::fs::read(busybox).with_context(|| busybox.display().to_string())?);
     for (name, path) in exes {
@@ -264,7 +290,8 @@ impl Cpio {
     /// `rdev` is `major << 8 | minor`, for device nodes.
     fn entry(&mut self, name: &str, mode: u32, rdev: u32, data: &[u8]) {
         self.inode += 1;
-        let fields = [self.inode, mode, 0, 0, 1, 0, data.len() as u32, 0, 0, rdev >> 8, rdev & 0xff, name.len() as u32 + 1, 0];
+        let fields =
+            [self.inode, mode, 0, 0, 1, 0, data.len() as u32, 0, 0, rdev >> 8, rdev & 0xff, name.len() as u32 + 1, 0];
         self.out.extend_from_slice(b"070701");
         for f in fields {
             self.out.extend_from_slice(format!("{f:08x}").as_bytes());
@@ -302,7 +329,8 @@ struct Run {
 /// without them cannot run an unmodified kernel).
 fn kvm_usable() -> bool {
     let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    Path::new("/dev/kvm").exists() && flags.lines().any(|l| l.starts_with("flags") && (l.contains(" vmx") || l.contains(" svm")))
+    Path::new("/dev/kvm").exists()
+        && flags.lines().any(|l| l.starts_with("flags") && (l.contains(" vmx") || l.contains(" svm")))
 }
 
 /// Boots the guest, streaming its console; waits for its exit code.
@@ -313,7 +341,10 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
         Arch::Aarch64 => ("qemu-system-aarch64", "ttyAMA0", Duration::from_secs(75 * 60)),
     };
     let mut cmd = Command::new("nice");
-    cmd.args(["-n", "19", qemu, "-smp", "2", "-m", "2048", "-display", "none", "-monitor", "none", "-serial", "stdio", "-nic", "none"]);
+    cmd.args([
+        "-n", "19", qemu, "-smp", "2", "-m", "2048", "-display", "none", "-monitor", "none", "-serial", "stdio",
+        "-nic", "none",
+    ]);
     cmd.arg("-no-reboot").arg("-kernel").arg(vmlinuz).arg("-initrd").arg(initramfs);
     // loglevel 5: warnings with their stack traces (lockups, RCU stalls).
     let mut append = format!("console={console} panic=-1 loglevel=5");
@@ -336,7 +367,8 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
     };
     eprintln!("+ {cmd:?}");
     let start = Instant::now();
-    let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).spawn().with_context(|| format!("starting {qemu}"))?;
+    let mut child =
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).spawn().with_context(|| format!("starting {qemu}"))?;
     let stdout = child.stdout.take().context("qemu stdout")?;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -350,7 +382,8 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
             }
         }
     });
-    let mut run = Run { accel: if kvm { "kvm" } else { "tcg" }, boot: Duration::ZERO, tests: Duration::ZERO, code: None };
+    let mut run =
+        Run { accel: if kvm { "kvm" } else { "tcg" }, boot: Duration::ZERO, tests: Duration::ZERO, code: None };
     loop {
         let left = limit.checked_sub(start.elapsed()).unwrap_or_default();
         match rx.recv_timeout(left) {

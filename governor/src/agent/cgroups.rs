@@ -109,7 +109,8 @@ fn detect() -> Result<(PathBuf, Version), String> {
         (Some(dir), _) => Ok((dir, Version::V2)),
         (None, Some(dir)) => Ok((dir, Version::V1)),
         (None, None) => {
-            Err("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)".into())
+            Err("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)"
+                .into())
         }
     }
 }
@@ -127,7 +128,15 @@ impl Enforcer {
             Ok(h) => (Some(h), None),
             Err(why) => (None, Some(why)),
         };
-        let mut e = Enforcer { hierarchy, unavailable, slice, state_path, state: State::default(), caps: HashMap::new(), weighted: false };
+        let mut e = Enforcer {
+            hierarchy,
+            unavailable,
+            slice,
+            state_path,
+            state: State::default(),
+            caps: HashMap::new(),
+            weighted: false,
+        };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
                 Ok(left) => {
@@ -157,7 +166,12 @@ impl Enforcer {
         match (&self.hierarchy, &self.unavailable) {
             (_, Some(why)) => format!("unavailable: {why}"),
             (Some((root, Version::V2)), None) => {
-                format!("cgroup v2 cpu.max{} under {}/{}", if self.weighted { " and cpu.weight" } else { "" }, root.display(), self.slice)
+                format!(
+                    "cgroup v2 cpu.max{} under {}/{}",
+                    if self.weighted { " and cpu.weight" } else { "" },
+                    root.display(),
+                    self.slice
+                )
             }
             (Some((root, Version::V1)), None) => format!(
                 "cgroup v1 cpu.cfs_quota_us{} under {}/{}",
@@ -198,7 +212,13 @@ impl Enforcer {
         }
         self.state.root = Some((root.clone(), version));
         // In place: the operator's cgroups, values kept to put back.
-        let dropped: Vec<u32> = self.state.in_place.keys().copied().filter(|k| !caps.contains_key(k) || !in_place.contains_key(k)).collect();
+        let dropped: Vec<u32> = self
+            .state
+            .in_place
+            .keys()
+            .copied()
+            .filter(|k| !caps.contains_key(k) || !in_place.contains_key(k))
+            .collect();
         for ks in dropped {
             self.restore_in_place(ks);
         }
@@ -206,15 +226,20 @@ impl Enforcer {
             let Some(&cores) = caps.get(&ks) else { continue };
             let dir = root.join(rel.trim_start_matches('/'));
             if !dir.is_dir() {
-                log::warn!("cgroups: keyspace {ks} is to be capped on {}, which does not exist in the cpu hierarchy", dir.display());
+                log::warn!(
+                    "cgroups: keyspace {ks} is to be capped on {}, which does not exist in the cpu hierarchy",
+                    dir.display()
+                );
                 continue;
             }
-            if !self.state.in_place.contains_key(&ks) {
+            if let std::collections::btree_map::Entry::Vacant(e) = self.state.in_place.entry(ks) {
                 let saved = cap_files(version)
                     .iter()
-                    .filter_map(|f| Some((f.to_string(), std::fs::read_to_string(dir.join(f)).ok()?.trim().to_string())))
+                    .filter_map(|f| {
+                        Some((f.to_string(), std::fs::read_to_string(dir.join(f)).ok()?.trim().to_string()))
+                    })
                     .collect();
-                self.state.in_place.insert(ks, InPlace { rel: rel.clone(), saved });
+                e.insert(InPlace { rel: rel.clone(), saved });
                 self.save();
             }
             if let Err(e) = write_cap(&dir, version, cores, weighted) {

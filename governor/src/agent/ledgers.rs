@@ -9,7 +9,7 @@
 
 use crate::policy::{self, Grant, Policy};
 use crate::region::{LedgerMemory, RegionError};
-use keyspace_governor_common::admission::{counter, LEDGER_LEN, TICKET_FREE, TICKET_HELD, T_COUNTED, T_SPARE};
+use keyspace_governor_common::admission::{LEDGER_LEN, T_COUNTED, T_SPARE, TICKET_FREE, TICKET_HELD, counter};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
@@ -53,7 +53,11 @@ impl Ledgers {
                 // A thread's spare tokens: no ticket, only tokens to return.
                 // A thread never keeps more than `SPARE_MAX_US`: a record
                 // that says more is garbage, and returns no more than that.
-                let us = rec.tenant_us.load(Ordering::Relaxed).min(rec.global_us.load(Ordering::Relaxed)).min(policy::SPARE_MAX_US);
+                let us = rec
+                    .tenant_us
+                    .load(Ordering::Relaxed)
+                    .min(rec.global_us.load(Ordering::Relaxed))
+                    .min(policy::SPARE_MAX_US);
                 policy::return_spare(r, cell, us);
                 rec.state.store(TICKET_FREE, Ordering::Release);
                 out.spare_us += us;

@@ -17,8 +17,8 @@ use crate::config::{ConfigDiff, UpdateRejected, ValidatedConfig};
 use crate::policy::Settings;
 use crate::proto::{ConfigChange, ConfigUpdates, Reply};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 /// The configuration in force and its history.
 pub(crate) struct Running {
@@ -105,7 +105,10 @@ impl Shared {
         raw.rules.retain(|r| r.name != name);
         let next = if raw.rules.len() == before {
             let names: Vec<&str> = running.config.rules().iter().map(|r| r.name.as_str()).collect();
-            Err(vec![format!("no rule named {name:?} (rules: {})", if names.is_empty() { "none".into() } else { names.join(", ") })])
+            Err(vec![format!(
+                "no rule named {name:?} (rules: {})",
+                if names.is_empty() { "none".into() } else { names.join(", ") }
+            )])
         } else {
             running.config.apply_update_raw(&raw).map_err(|e| reasons(&e))
         };
@@ -138,7 +141,9 @@ impl Shared {
             let _ = self.apply_rules(&running.config);
             return Err(vec![why]);
         }
-        if let Err(e) = self.policy.update_settings_at(Settings::from_config(&next, f64::from(self.cores)), super::now_us()) {
+        if let Err(e) =
+            self.policy.update_settings_at(Settings::from_config(&next, f64::from(self.cores)), super::now_us())
+        {
             running.rejected += 1;
             if rules_change {
                 let _ = self.apply_rules(&running.config);

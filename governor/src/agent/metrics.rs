@@ -180,10 +180,26 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     let a = &status.admission;
 
     // Monitor window and buckets (keyspace-cpu-throttle.md, Metrics).
-    f.gauge("tikv_cpu_usage_monitor_global_ratio", "CPU over the monitor window / (cores × max-read-cpu-ratio × window)", snap.global_ratio);
-    f.gauge("tikv_cpu_throttle_global_bucket_available_us", "Tokens in the node's global bucket (negative: debt or waiters)", a.global.available_us as f64);
-    f.gauge("tikv_cpu_throttle_global_bucket_capacity_us", "Capacity of the node's global bucket", a.global.capacity_us as f64);
-    f.gauge("tikv_cpu_throttle_global_refill_rate_us_per_interval", "Global refill per refill interval", a.global.refill_us as f64);
+    f.gauge(
+        "tikv_cpu_usage_monitor_global_ratio",
+        "CPU over the monitor window / (cores × max-read-cpu-ratio × window)",
+        snap.global_ratio,
+    );
+    f.gauge(
+        "tikv_cpu_throttle_global_bucket_available_us",
+        "Tokens in the node's global bucket (negative: debt or waiters)",
+        a.global.available_us as f64,
+    );
+    f.gauge(
+        "tikv_cpu_throttle_global_bucket_capacity_us",
+        "Capacity of the node's global bucket",
+        a.global.capacity_us as f64,
+    );
+    f.gauge(
+        "tikv_cpu_throttle_global_refill_rate_us_per_interval",
+        "Global refill per refill interval",
+        a.global.refill_us as f64,
+    );
     let c = &snap.counters;
     let results = [
         ("granted", c.granted.saturating_sub(c.skipped)),
@@ -207,8 +223,16 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     );
 
     // Tenant cap (tenant-cpu-cap.md §5.4).
-    f.gauge("cpu_throttle_tenant_cap_ratio", "tenant-max-cpu-ratio in force (0: no uniform cap)", snap.tenant_max_cpu_ratio);
-    f.gauge("cpu_throttle_tenant_cap_quota_us", "Uniform tenant cap per refill interval, µs", snap.tenant_cap_refill_us as f64);
+    f.gauge(
+        "cpu_throttle_tenant_cap_ratio",
+        "tenant-max-cpu-ratio in force (0: no uniform cap)",
+        snap.tenant_max_cpu_ratio,
+    );
+    f.gauge(
+        "cpu_throttle_tenant_cap_quota_us",
+        "Uniform tenant cap per refill interval, µs",
+        snap.tenant_cap_refill_us as f64,
+    );
 
     // Per keyspace, bounded.
     let buckets: HashMap<u32, &KeyspaceSnapshot> = snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
@@ -221,7 +245,13 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 cpu_seconds: k.cpu_seconds,
                 ratio: b.map_or(0.0, |b| b.ratio),
                 bucket: k.bucket.as_ref().map(|x| {
-                    (x.available_us as f64, x.capacity_us as f64, x.refill_us as f64, x.inflight_us as f64, x.debt_us as f64)
+                    (
+                        x.available_us as f64,
+                        x.capacity_us as f64,
+                        x.refill_us as f64,
+                        x.inflight_us as f64,
+                        x.debt_us as f64,
+                    )
                 }),
                 fair: b.map_or(0, |b| b.fair_allocations),
                 burst: b.map_or(0, |b| b.counters.burst_granted),
@@ -236,7 +266,8 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         .collect();
     rows.sort_by(|x, y| y.1.cpu_seconds.total_cmp(&x.1.cpu_seconds).then(x.0.cmp(&y.0)));
     let folded = rows.len().saturating_sub(max_keyspaces);
-    let mut shown: Vec<(String, Row)> = rows.iter().take(max_keyspaces).map(|(id, r)| (id.to_string(), r.clone())).collect();
+    let mut shown: Vec<(String, Row)> =
+        rows.iter().take(max_keyspaces).map(|(id, r)| (id.to_string(), r.clone())).collect();
     if folded > 0 {
         let mut other = Row::default();
         for (_, r) in &rows[max_keyspaces..] {
@@ -244,24 +275,78 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         }
         shown.push(("other".into(), other));
     }
-    f.gauge("governor_metrics_keyspaces_folded", "Keyspaces summed into keyspace_id=\"other\" (agent.metrics-max-keyspaces)", folded as f64);
+    f.gauge(
+        "governor_metrics_keyspaces_folded",
+        "Keyspaces summed into keyspace_id=\"other\" (agent.metrics-max-keyspaces)",
+        folded as f64,
+    );
     let per = |pick: &dyn Fn(&Row) -> Option<f64>| -> Vec<(String, f64)> {
         shown.iter().filter_map(|(l, r)| pick(r).map(|v| (l.clone(), v))).collect()
     };
-    let per_count = |pick: &dyn Fn(&Row) -> u64| -> Vec<(String, u64)> { shown.iter().map(|(l, r)| (l.clone(), pick(r))).collect() };
+    let per_count = |pick: &dyn Fn(&Row) -> u64| -> Vec<(String, u64)> {
+        shown.iter().map(|(l, r)| (l.clone(), pick(r))).collect()
+    };
     const KS: &str = "keyspace_id";
-    f.gauges("tikv_cpu_usage_monitor_keyspace_ratio", "Keyspace CPU over the monitor window, same denominator as the global ratio", KS, &per(&|r| Some(r.ratio)));
-    f.gauges("tikv_cpu_throttle_keyspace_bucket_available_us", "Tokens in the keyspace's bucket", KS, &per(&|r| r.bucket.map(|b| b.0)));
-    f.gauges("tikv_cpu_throttle_keyspace_bucket_capacity_us", "Capacity of the keyspace's bucket", KS, &per(&|r| r.bucket.map(|b| b.1)));
-    f.gauges("tikv_cpu_throttle_keyspace_refill_rate_us_per_interval", "Keyspace refill per refill interval", KS, &per(&|r| r.bucket.map(|b| b.2)));
-    f.gauges("tikv_cpu_throttle_keyspace_inflight_us", "µs the keyspace's running requests and threads' spare tokens hold", KS, &per(&|r| r.bucket.map(|b| b.3)));
+    f.gauges(
+        "tikv_cpu_usage_monitor_keyspace_ratio",
+        "Keyspace CPU over the monitor window, same denominator as the global ratio",
+        KS,
+        &per(&|r| Some(r.ratio)),
+    );
+    f.gauges(
+        "tikv_cpu_throttle_keyspace_bucket_available_us",
+        "Tokens in the keyspace's bucket",
+        KS,
+        &per(&|r| r.bucket.map(|b| b.0)),
+    );
+    f.gauges(
+        "tikv_cpu_throttle_keyspace_bucket_capacity_us",
+        "Capacity of the keyspace's bucket",
+        KS,
+        &per(&|r| r.bucket.map(|b| b.1)),
+    );
+    f.gauges(
+        "tikv_cpu_throttle_keyspace_refill_rate_us_per_interval",
+        "Keyspace refill per refill interval",
+        KS,
+        &per(&|r| r.bucket.map(|b| b.2)),
+    );
+    f.gauges(
+        "tikv_cpu_throttle_keyspace_inflight_us",
+        "µs the keyspace's running requests and threads' spare tokens hold",
+        KS,
+        &per(&|r| r.bucket.map(|b| b.3)),
+    );
     f.gauges("tikv_cpu_throttle_keyspace_debt_us", "The keyspace bucket's debt", KS, &per(&|r| r.bucket.map(|b| b.4)));
-    f.counters("tikv_cpu_throttle_fair_allocations_total", "Refill intervals the keyspace's refill was set by fair allocation", KS, &per_count(&|r| r.fair));
-    f.counters("tikv_cpu_throttle_burst_total", "Requests admitted by bursting on global tokens", KS, &per_count(&|r| r.burst));
-    f.counters("tikv_cpu_throttle_burst_tokens_used_total", "Global tokens taken by bursting, µs", KS, &per_count(&|r| r.burst_us));
-    f.counters("tikv_cpu_token_allocation_retries_total", "Acquires that waited in line for tokens", KS, &per_count(&|r| r.waited));
+    f.counters(
+        "tikv_cpu_throttle_fair_allocations_total",
+        "Refill intervals the keyspace's refill was set by fair allocation",
+        KS,
+        &per_count(&|r| r.fair),
+    );
+    f.counters(
+        "tikv_cpu_throttle_burst_total",
+        "Requests admitted by bursting on global tokens",
+        KS,
+        &per_count(&|r| r.burst),
+    );
+    f.counters(
+        "tikv_cpu_throttle_burst_tokens_used_total",
+        "Global tokens taken by bursting, µs",
+        KS,
+        &per_count(&|r| r.burst_us),
+    );
+    f.counters(
+        "tikv_cpu_token_allocation_retries_total",
+        "Acquires that waited in line for tokens",
+        KS,
+        &per_count(&|r| r.waited),
+    );
     let cpu = CounterVec::new(
-        Opts::new("governor_keyspace_cpu_seconds_total", "On-CPU time the kernel counted for the keyspace's tagged threads"),
+        Opts::new(
+            "governor_keyspace_cpu_seconds_total",
+            "On-CPU time the kernel counted for the keyspace's tagged threads",
+        ),
         &[KS],
     )
     .expect("valid metric name");
@@ -270,7 +355,12 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     }
     f.registry.register(Box::new(cpu)).expect("registered once");
     f.counters("governor_keyspace_tickets_granted_total", "Tickets granted", KS, &per_count(&|r| r.granted));
-    f.counters("governor_keyspace_tickets_refused_total", "Tickets refused, every reason", KS, &per_count(&|r| r.refused));
+    f.counters(
+        "governor_keyspace_tickets_refused_total",
+        "Tickets refused, every reason",
+        KS,
+        &per_count(&|r| r.refused),
+    );
     f.counters(
         "governor_thread_pool_rejections_total",
         "Requests the server's thread pool rejected (reported by the server): not admission refusals, and no autoscaling rule reads them",
@@ -280,7 +370,11 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
 
     // Write bytes (keyspace-write-quota.md) and admission control
     // (tenant-admission-control.md).
-    f.gauge("governor_pending_write_bytes", "Pending write bytes held by tickets, node-wide", a.global_pending_write_bytes as f64);
+    f.gauge(
+        "governor_pending_write_bytes",
+        "Pending write bytes held by tickets, node-wide",
+        a.global_pending_write_bytes as f64,
+    );
     f.counters(
         "governor_write_refused_total",
         "Requests refused for pending write bytes, by the limit that refused them",
@@ -295,15 +389,31 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     );
 
     // The agent itself.
-    f.counter("governor_tickets_fail_open_total", "Tickets admitted without a check while no agent answered (counted when it came back)", a.fail_open);
-    f.counter("governor_tickets_reclaimed_total", "Tickets the agent returned from clients that went away", a.reclaimed);
+    f.counter(
+        "governor_tickets_fail_open_total",
+        "Tickets admitted without a check while no agent answered (counted when it came back)",
+        a.fail_open,
+    );
+    f.counter(
+        "governor_tickets_reclaimed_total",
+        "Tickets the agent returned from clients that went away",
+        a.reclaimed,
+    );
     f.gauge("governor_keyspace_cells", "Keyspace cells in use", f64::from(a.cells_in_use));
     f.gauge("governor_keyspace_cells_capacity", "Keyspace cells in the shared table", f64::from(a.cells));
     let t = &status.threads;
     f.gauge("governor_thread_slots", "Registered threads", f64::from(t.registered));
     f.gauge("governor_thread_slots_capacity", "Thread slots in the shared region", f64::from(t.capacity));
-    f.counter("governor_thread_registrations_refused_total", "Registrations refused: no slot free, or the uid's quota reached", t.exhausted);
-    f.counter("governor_thread_slots_repaired_total", "Slots a client overwrote in shared memory and the agent restored", t.repaired);
+    f.counter(
+        "governor_thread_registrations_refused_total",
+        "Registrations refused: no slot free, or the uid's quota reached",
+        t.exhausted,
+    );
+    f.counter(
+        "governor_thread_slots_repaired_total",
+        "Slots a client overwrote in shared memory and the agent restored",
+        t.repaired,
+    );
     let u = &status.config_updates;
     f.counters(
         "governor_config_updates_total",
@@ -339,7 +449,11 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         "rule",
         &status.rules.iter().map(|r| (r.name.clone(), r.processes_matched as f64)).collect::<Vec<_>>(),
     );
-    f.counter("governor_rule_process_reports_total", "Exec and fork reports the kernel sent for the rules", status.rule_events);
+    f.counter(
+        "governor_rule_process_reports_total",
+        "Exec and fork reports the kernel sent for the rules",
+        status.rule_events,
+    );
     f.counter(
         "governor_rule_process_reports_dropped_total",
         "Exec reports the kernel's ring buffer had no room for (those processes kept their inherited keyspace)",
@@ -386,7 +500,12 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 .filter_map(|k| v(k).map(|x| (k.keyspace_id.to_string(), x)))
                 .collect()
         };
-        f.gauges("tikv_service_limit_keyspace_value", "Last service_limit PD gave the keyspace (RU/s; 0: unlimited)", KS, &pick(&|k| k.service_limit));
+        f.gauges(
+            "tikv_service_limit_keyspace_value",
+            "Last service_limit PD gave the keyspace (RU/s; 0: unlimited)",
+            KS,
+            &pick(&|k| k.service_limit),
+        );
         f.gauges(
             "tikv_service_limit_keyspace_quota_us",
             "Keyspace quota derived from PD service limits, µs per refill interval",

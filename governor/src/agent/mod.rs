@@ -18,20 +18,20 @@
 //! - `pd`: keyspace quotas from PD's service limits.
 //! - `status`: what `governor status` shows.
 
-mod ledgers;
-mod server;
-pub mod slots;
-mod live_config;
 mod autoscale;
 mod cgroups;
+mod ledgers;
+mod live_config;
 mod metrics;
 mod pd;
 mod rules;
+mod server;
+pub mod slots;
 mod status;
 mod usage;
 
 use crate::config::ValidatedConfig;
-use crate::measure::{fallback, MeasureError, MeasureMode, Measurement, Sizing};
+use crate::measure::{MeasureError, MeasureMode, Measurement, Sizing, fallback};
 use crate::policy::{Policy, Settings};
 use crate::region::RegionError;
 use crate::sys;
@@ -49,7 +49,11 @@ pub enum AgentError {
     #[error("creating the admission regions failed")]
     Admission(#[from] RegionError),
     #[error("cannot listen on the control socket {path}")]
-    Listen { path: PathBuf, #[source] source: std::io::Error },
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("another agent is already serving {path}")]
     AlreadyRunning { path: PathBuf },
     #[error("starting the async runtime failed")]
@@ -57,7 +61,11 @@ pub enum AgentError {
     #[error("starting the housekeeping thread failed")]
     Thread(#[source] std::io::Error),
     #[error("cannot serve /metrics on {addr} (agent.metrics-addr)")]
-    Metrics { addr: std::net::SocketAddr, #[source] source: std::io::Error },
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// What the agent runs with, from the configuration and the command line.
@@ -163,7 +171,6 @@ impl Shared {
             .collect();
         (self.policy.counters().concurrency_refused, per_keyspace)
     }
-
 
     /// `agent.access` in force.
     fn access(&self) -> crate::config::Access {
@@ -302,7 +309,10 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         } else {
             format!("governor-{:08x}.slice", fnv32(opts.socket.as_os_str().as_encoded_bytes()))
         };
-        let state = opts.socket.with_file_name(format!("{}.cgroups.json", opts.socket.file_name().map_or("governor".into(), |n| n.to_string_lossy())));
+        let state = opts.socket.with_file_name(format!(
+            "{}.cgroups.json",
+            opts.socket.file_name().map_or("governor".into(), |n| n.to_string_lossy())
+        ));
         let enforcer = cgroups::Enforcer::new(state, slice);
         log::info!("rule caps: {}", enforcer.describe());
         shared.lock_rules().enforcer = Some(enforcer);
@@ -356,15 +366,17 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
     let mut last_reclaim = Instant::now();
     let mut last_sample = None::<Instant>;
     // The TSC clock only serves the eBPF backend's thread clock.
-    let mut tsc = (!shared.lock_measurement().is_fallback() && crate::tsc::usable()).then(crate::tsc::Calibrator::default);
+    let mut tsc =
+        (!shared.lock_measurement().is_fallback() && crate::tsc::usable()).then(crate::tsc::Calibrator::default);
     let mut last_calibration = None::<Instant>;
     loop {
         let header = shared.policy.regions().header();
         if let Some(cal) = tsc.as_mut()
-            && last_calibration.is_none_or(|t| t.elapsed() >= crate::tsc::CALIBRATION_PERIOD) {
-                cal.publish(&header.clock);
-                last_calibration = Some(Instant::now());
-            }
+            && last_calibration.is_none_or(|t| t.elapsed() >= crate::tsc::CALIBRATION_PERIOD)
+        {
+            cal.publish(&header.clock);
+            last_calibration = Some(Instant::now());
+        }
         // Missed ticks are skipped, not made up in a burst.
         let now = Instant::now();
         let due = next.map_or(now, |n| if n + tick > now { n + tick } else { now });

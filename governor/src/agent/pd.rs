@@ -79,7 +79,10 @@ impl Outcome {
 
     /// PD itself answered (so it is reachable).
     fn answered(self) -> bool {
-        matches!(self, Outcome::Ok | Outcome::NotFound | Outcome::Archived | Outcome::Error | Outcome::Malformed | Outcome::NoName)
+        matches!(
+            self,
+            Outcome::Ok | Outcome::NotFound | Outcome::Archived | Outcome::Error | Outcome::Malformed | Outcome::NoName
+        )
     }
 }
 
@@ -168,7 +171,13 @@ impl PdClient {
     }
 
     /// One keyspace: its name (refreshed), then its limit.
-    async fn fetch(&self, endpoints: &[String], id: u32, known: Option<Meta>, timeout: Duration) -> (Option<Meta>, Outcome, Option<PdLimit>) {
+    async fn fetch(
+        &self,
+        endpoints: &[String],
+        id: u32,
+        known: Option<Meta>,
+        timeout: Duration,
+    ) -> (Option<Meta>, Outcome, Option<PdLimit>) {
         let fresh = match self.get(endpoints, &format!("/pd/api/v2/keyspaces/id/{id}"), timeout).await {
             Ok((200, body)) => match serde_json::from_slice::<Meta>(&body) {
                 Ok(m) if !m.name.is_empty() => Some(m),
@@ -188,7 +197,9 @@ impl PdClient {
         let path = format!("/resource-manager/api/v1/config/keyspace/service-limit/{}", path_segment(&meta.name));
         let (outcome, limit) = match self.get(endpoints, &path, timeout).await {
             Ok((200, body)) => match serde_json::from_slice::<ServiceLimit>(&body) {
-                Ok(l) if l.service_limit.is_finite() && l.service_limit >= 0.0 => (Outcome::Ok, Some(PdLimit::Limit(l.service_limit))),
+                Ok(l) if l.service_limit.is_finite() && l.service_limit >= 0.0 => {
+                    (Outcome::Ok, Some(PdLimit::Limit(l.service_limit)))
+                }
                 _ => (Outcome::Malformed, None),
             },
             Ok((404, _)) => (Outcome::NotFound, Some(PdLimit::NotFound)),
@@ -223,7 +234,9 @@ impl PdClient {
             );
         }
         for t in shared.policy.pd_tracked() {
-            let row = rows.entry(t.keyspace).or_insert_with(|| PdKeyspaceStatus { keyspace_id: t.keyspace, ..Default::default() });
+            let row = rows
+                .entry(t.keyspace)
+                .or_insert_with(|| PdKeyspaceStatus { keyspace_id: t.keyspace, ..Default::default() });
             row.service_limit = Some(t.service_limit);
             row.quota_us = t.quota_us;
             row.consecutive_404 = t.consecutive_404;
@@ -361,7 +374,8 @@ async fn round(shared: &Arc<Shared>, config: &ValidatedConfig) {
         s.rounds += 1;
         s.reachable = reachable || ids.is_empty();
         if outcomes.iter().any(|(_, _, o)| matches!(o, Outcome::Ok | Outcome::NotFound | Outcome::Archived)) {
-            s.last_success_unix = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).ok().map(|d| d.as_secs_f64());
+            s.last_success_unix =
+                SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).ok().map(|d| d.as_secs_f64());
         }
         for (id, meta, outcome) in outcomes {
             *s.results.entry(outcome.label()).or_default() += 1;
@@ -388,7 +402,9 @@ async fn round(shared: &Arc<Shared>, config: &ValidatedConfig) {
             crate::policy::PdAction::Set { keyspace, quota_us } => {
                 log::info!("PD service limits: keyspace {keyspace} quota {quota_us} µs per refill interval")
             }
-            crate::policy::PdAction::Remove { keyspace } => log::info!("PD service limits: keyspace {keyspace} PD quota removed"),
+            crate::policy::PdAction::Remove { keyspace } => {
+                log::info!("PD service limits: keyspace {keyspace} PD quota removed")
+            }
         }
     }
 }

@@ -32,10 +32,10 @@
 //! kernel side: rules are kept and reported as not measured.
 
 use crate::config::{ProcessIdentity, Rule};
-use crate::measure::ebpf::RuleMaps;
 use crate::measure::Measurement;
+use crate::measure::ebpf::RuleMaps;
 use crate::proto::RuleStatus;
-use keyspace_governor_common::{RuleEvent, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, TAG_PENDING};
+use keyspace_governor_common::{EVENT_EXEC, EVENT_FORK, EVENT_RENAME, RuleEvent, TAG_PENDING};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -210,7 +210,14 @@ impl Rules {
     /// its CPU weight in proportion). Every process is
     /// matched again; entries the agent set that no rule gives any more are
     /// cleared.
-    pub(crate) fn apply(&mut self, m: &mut Measurement, rules: &[Rule], cells: &[u32], caps: HashMap<u32, f64>, weighted: bool) {
+    pub(crate) fn apply(
+        &mut self,
+        m: &mut Measurement,
+        rules: &[Rule],
+        cells: &[u32],
+        caps: HashMap<u32, f64>,
+        weighted: bool,
+    ) {
         // Keyspaces whose rule caps its own cgroup (never shared, validation says).
         let in_place: HashMap<u32, String> =
             rules.iter().filter(|r| r.cap_in_place).filter_map(|r| Some((r.keyspace, r.cgroup.clone()?))).collect();
@@ -430,8 +437,8 @@ impl Rules {
         };
         // A fork child still running its parent's program inherits, as the
         // kernel does; one that exec'd since takes its own match.
-        let exec_since = e.kind == EVENT_FORK
-            && alive.as_ref().is_some_and(|p| identity(parent).is_none_or(|pp| pp.exe != p.exe));
+        let exec_since =
+            e.kind == EVENT_FORK && alive.as_ref().is_some_and(|p| identity(parent).is_none_or(|pp| pp.exe != p.exe));
         let (tag, rule) = match own {
             Some(i) if e.kind == EVENT_EXEC || exec_since => (self.active[i].tag, Some(i)),
             _ => (inherited, None),

@@ -15,19 +15,19 @@
 //! `config::access`), or is refused with `not permitted` naming who holds it.
 
 use super::live_config::Change;
-use crate::config::{Access, Peer, Role};
 use super::{AgentError, Shared};
+use crate::config::{Access, Peer, Role};
 use crate::policy::{Demand, Grant};
 use crate::proto::{Reply, Request};
-use keyspace_governor_common::admission::LEDGER_LEN;
-use std::collections::HashMap;
 use crate::region::fd;
 use crate::sys;
+use keyspace_governor_common::admission::LEDGER_LEN;
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::{UnixListener, UnixStream};
@@ -190,7 +190,12 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             Ok(0) => break,
             Ok(_) if line.len() > MAX_LINE => {
                 log::warn!("connection {conn} (pid {peer}): request line over {MAX_LINE} bytes; closed");
-                let _ = send(reader.get_mut(), &Reply::Error { message: format!("request line over {MAX_LINE} bytes") }, None).await;
+                let _ = send(
+                    reader.get_mut(),
+                    &Reply::Error { message: format!("request line over {MAX_LINE} bytes") },
+                    None,
+                )
+                .await;
                 break;
             }
             Ok(_) => {}
@@ -235,22 +240,26 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             // Status waits on the measurement locks; thread names come from
             // /proc: both off the runtime's thread.
             Request::Status => (blocking(&shared, |s| Reply::Status(Box::new(s.status()))).await, None),
-            Request::Threads => {
-                (blocking(&shared, |s| Reply::Threads { threads: super::status::name_threads(s.thread_rows()) }).await, None)
-            }
+            Request::Threads => (
+                blocking(&shared, |s| Reply::Threads { threads: super::status::name_threads(s.thread_rows()) }).await,
+                None,
+            ),
             Request::Acquire { keyspace, estimate_us, write_bytes } => {
                 (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
             }
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
             // Operators' verbs (the admin role, checked above).
             // A change may read its file and scan /proc for the rules.
-            Request::ConfigReload => (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Reload)).await, None),
+            Request::ConfigReload => {
+                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Reload)).await, None)
+            }
             Request::ConfigSet { key, value } => {
                 (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Set(&key, &value))).await, None)
             }
-            Request::RuleAdd { rule, position } => {
-                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::AddRule(&rule, position))).await, None)
-            }
+            Request::RuleAdd { rule, position } => (
+                blocking(&shared, move |s| super::live_config::request(s, uid, Change::AddRule(&rule, position))).await,
+                None,
+            ),
             Request::RuleRemove { name } => {
                 (blocking(&shared, move |s| super::live_config::request(s, uid, Change::RemoveRule(&name))).await, None)
             }

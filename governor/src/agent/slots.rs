@@ -105,18 +105,30 @@ impl Slots {
         }
     }
 
-
     /// Gives `tid` of process `tgid` a slot and starts measuring it. `tid`
     /// is as the client sees it (its own PID namespace); `tgid` as the agent
     /// sees it (SO_PEERCRED translates it).
-    pub fn register(&mut self, m: &mut Measurement, conn: u64, tgid: u32, uid: u32, tid: u32) -> Result<(u32, u64), SlotError> {
+    pub fn register(
+        &mut self,
+        m: &mut Measurement,
+        conn: u64,
+        tgid: u32,
+        uid: u32,
+        tid: u32,
+    ) -> Result<(u32, u64), SlotError> {
         let task = resolve(tgid, tid)?;
         self.register_resolved(m, conn, uid, task)
     }
 
     /// [`Slots::register`] for a task resolved beforehand (without the
     /// agent's locks: resolving reads /proc).
-    pub fn register_resolved(&mut self, m: &mut Measurement, conn: u64, uid: u32, task: Task) -> Result<(u32, u64), SlotError> {
+    pub fn register_resolved(
+        &mut self,
+        m: &mut Measurement,
+        conn: u64,
+        uid: u32,
+        task: Task,
+    ) -> Result<(u32, u64), SlotError> {
         let Task { tgid, tid, born } = task;
         if let Some(&slot) = self.by_tid.get(&tid) {
             // A tid is reused only after its thread died: drop the stale holder.

@@ -87,7 +87,11 @@ impl Shared {
         // From the counters the rows above already read: tickets that waited
         // or were refused, per keyspace.
         let held_back = keyspaces.iter().map(|k| (k.keyspace_id, k.waited + k.refused)).collect();
-        let autoscale = self.autoscale.lock().unwrap_or_else(|p| p.into_inner()).signals(c.concurrency_refused, &held_back, &window);
+        let autoscale = self.autoscale.lock().unwrap_or_else(|p| p.into_inner()).signals(
+            c.concurrency_refused,
+            &held_back,
+            &window,
+        );
         StatusReport {
             backend: m.kind,
             thread_clock_source: thread_clock_source.to_string(),

@@ -128,4 +128,3 @@ impl Usage {
         c.total_ns + value.checked_sub(c.last_ns).filter(|d| *d <= bound).unwrap_or(0)
     }
 }
-

@@ -1,6 +1,6 @@
 //! `governor config validate|show|set|reload`.
 
-use super::{load_config, CliError};
+use super::{CliError, load_config};
 use crate::config::ValidatedConfig;
 use crate::proto::{ConfigChange, Reply, Request};
 use std::fmt::Write as _;
@@ -27,7 +27,9 @@ pub(super) fn applied(reply: Reply) -> Result<Applied, CliError> {
 /// configuration (VALUE is TOML, or a bare string: `10ms`, `1:100,2:200`).
 pub fn set(socket: &Path, assignment: &str) -> Result<Applied, CliError> {
     let Some((key, value)) = assignment.split_once('=') else {
-        return Err(CliError::Usage(format!("`{assignment}` is not KEY=VALUE (for example resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25)")));
+        return Err(CliError::Usage(format!(
+            "`{assignment}` is not KEY=VALUE (for example resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25)"
+        )));
     };
     applied(crate::client::request(socket, &Request::ConfigSet { key: key.trim().into(), value: value.trim().into() })?)
 }

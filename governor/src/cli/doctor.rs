@@ -72,10 +72,17 @@ fn kernel() -> (Check, Option<(u32, u32)>) {
         // tp_btf programs, BPF_F_MMAPABLE arrays, bpf_map_freeze: 5.5.
         Some(v) if v >= (5, 5) => (ok("kernel", format!("{release} on {arch}")), Some(v)),
         Some(v) => (
-            fail("kernel", format!("{release} on {arch}: the eBPF backend needs 5.5 or later (tp_btf, mmapable arrays)"), "run a newer kernel; until then the agent measures with the thread-clock backend"),
+            fail(
+                "kernel",
+                format!("{release} on {arch}: the eBPF backend needs 5.5 or later (tp_btf, mmapable arrays)"),
+                "run a newer kernel; until then the agent measures with the thread-clock backend",
+            ),
             Some(v),
         ),
-        None => (warn("kernel", format!("cannot read the kernel release ({release:?})"), "check /proc/sys/kernel/osrelease"), None),
+        None => (
+            warn("kernel", format!("cannot read the kernel release ({release:?})"), "check /proc/sys/kernel/osrelease"),
+            None,
+        ),
     }
 }
 
@@ -88,7 +95,11 @@ fn btf() -> Check {
                 o.pid, o.state, o.sum_exec_runtime, o.exec_start
             ),
         ),
-        Err(e) => fail("btf", crate::error_chain(&e), "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y (every major distribution's is)"),
+        Err(e) => fail(
+            "btf",
+            crate::error_chain(&e),
+            "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y (every major distribution's is)",
+        ),
     }
 }
 
@@ -109,7 +120,7 @@ fn memlock(v: Option<(u32, u32)>) -> Check {
         return ok("memlock", "BPF memory is charged to the memory cgroup (5.11+); RLIMIT_MEMLOCK does not apply");
     }
     match sys::memlock_limit() {
-        Ok(c) if c == libc::RLIM_INFINITY as u64 || c >= 256 << 20 => ok("memlock", "RLIMIT_MEMLOCK is large enough"),
+        Ok(c) if c == libc::RLIM_INFINITY || c >= 256 << 20 => ok("memlock", "RLIMIT_MEMLOCK is large enough"),
         Ok(c) => warn(
             "memlock",
             format!("RLIMIT_MEMLOCK is {} KiB; the agent raises it at start, which needs CAP_SYS_RESOURCE", c / 1024),
@@ -134,7 +145,10 @@ fn bpf_stats() -> Check {
 fn clocksource() -> Check {
     let source = read("/sys/devices/system/clocksource/clocksource0/current_clocksource").unwrap_or_default();
     if crate::tsc::usable() {
-        ok("clocksource", format!("{source} with constant_tsc and nonstop_tsc: threads read their clock from the TSC (~12 ns)"))
+        ok(
+            "clocksource",
+            format!("{source} with constant_tsc and nonstop_tsc: threads read their clock from the TSC (~12 ns)"),
+        )
     } else {
         warn(
             "clocksource",
@@ -151,7 +165,10 @@ fn pid_max() -> Check {
         }
         Some(p) => fail(
             "pid-max",
-            format!("kernel.pid_max = {p} exceeds the tid table's {} entries", keyspace_governor_common::DEFAULT_MAX_TIDS),
+            format!(
+                "kernel.pid_max = {p} exceeds the tid table's {} entries",
+                keyspace_governor_common::DEFAULT_MAX_TIDS
+            ),
             format!("sysctl -w kernel.pid_max={}", keyspace_governor_common::DEFAULT_MAX_TIDS),
         ),
         None => warn("pid-max", "cannot read kernel.pid_max", "check /proc/sys/kernel/pid_max"),
@@ -175,14 +192,25 @@ fn cgroups() -> Check {
                 v2.map(|v| format!("; cgroup v2 at {v} without it")).unwrap_or_default()
             ),
         ),
-        (Some(p), None) => warn("cgroups", format!("cgroup v2 at {p} without the cpu controller"), "enable it: echo +cpu > <parent>/cgroup.subtree_control"),
-        (None, None) => warn("cgroups", "no cgroup hierarchy with a cpu controller", "mount cgroup v2 (or the v1 cpu controller) to cap unmodified processes"),
+        (Some(p), None) => warn(
+            "cgroups",
+            format!("cgroup v2 at {p} without the cpu controller"),
+            "enable it: echo +cpu > <parent>/cgroup.subtree_control",
+        ),
+        (None, None) => warn(
+            "cgroups",
+            "no cgroup hierarchy with a cpu controller",
+            "mount cgroup v2 (or the v1 cpu controller) to cap unmodified processes",
+        ),
     }
 }
 
 fn custom_slice(v: Option<(u32, u32)>) -> Check {
     if v.is_some_and(|v| v >= (6, 12)) {
-        ok("sched-slice", "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (keyspace_governor::sys::set_thread_slice)")
+        ok(
+            "sched-slice",
+            "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (keyspace_governor::sys::set_thread_slice)",
+        )
     } else {
         warn(
             "sched-slice",
@@ -196,16 +224,35 @@ fn agent(socket: &Path) -> Check {
     match super::status::run(socket) {
         Ok(s) => ok(
             "agent",
-            format!("answering at {}: backend {}, thread clock {}, up {:.0} s", socket.display(), s.backend.as_str(), s.thread_clock_source, s.uptime_seconds),
+            format!(
+                "answering at {}: backend {}, thread clock {}, up {:.0} s",
+                socket.display(),
+                s.backend.as_str(),
+                s.thread_clock_source,
+                s.uptime_seconds
+            ),
         ),
-        Err(e) => warn("agent", crate::error_chain(&e), "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)"),
+        Err(e) => {
+            warn("agent", crate::error_chain(&e), "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)")
+        }
     }
 }
 
 /// Runs every check.
 pub fn run(socket: &Path) -> Report {
     let (k, version) = kernel();
-    let checks = vec![k, btf(), capabilities(), memlock(version), pid_max(), bpf_stats(), clocksource(), cgroups(), custom_slice(version), agent(socket)];
+    let checks = vec![
+        k,
+        btf(),
+        capabilities(),
+        memlock(version),
+        pid_max(),
+        bpf_stats(),
+        clocksource(),
+        cgroups(),
+        custom_slice(version),
+        agent(socket),
+    ];
     let ebpf_backend = !checks.iter().any(|c| c.status == Level::Fail);
     Report { checks, ebpf_backend }
 }

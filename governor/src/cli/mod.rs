@@ -5,9 +5,9 @@ pub mod config_cmd;
 pub mod doctor;
 pub mod keyspace;
 pub mod rules;
+pub mod status;
 pub mod threads;
 pub mod top;
-pub mod status;
 
 use std::path::{Path, PathBuf};
 
@@ -20,7 +20,11 @@ pub enum CliError {
     #[error(transparent)]
     Client(#[from] crate::client::ClientError),
     #[error("cannot read {path}")]
-    Read { path: PathBuf, #[source] source: std::io::Error },
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}: invalid configuration:\n{errors}")]
     Config { path: PathBuf, errors: crate::config::ConfigErrors },
     #[error("unexpected reply from the agent: {detail}")]
@@ -40,7 +44,11 @@ impl CliError {
             CliError::Config { .. } | CliError::Rejected { .. } | CliError::Usage(_) => EXIT_USAGE,
             // EX_NOPERM: the agent refused the peer itself.
             CliError::Agent { message } if message.starts_with(crate::proto::NOT_PERMITTED) => 77,
-            CliError::Client(crate::client::ClientError::Refused { message }) if message.starts_with(crate::proto::NOT_PERMITTED) => 77,
+            CliError::Client(crate::client::ClientError::Refused { message })
+                if message.starts_with(crate::proto::NOT_PERMITTED) =>
+            {
+                77
+            }
             _ => 1,
         }
     }
@@ -49,5 +57,6 @@ impl CliError {
 /// Reads and validates a configuration file.
 pub fn load_config(path: &Path) -> Result<crate::config::ValidatedConfig, CliError> {
     let text = std::fs::read_to_string(path).map_err(|source| CliError::Read { path: path.into(), source })?;
-    crate::config::ValidatedConfig::from_toml_str(&text).map_err(|errors| CliError::Config { path: path.into(), errors })
+    crate::config::ValidatedConfig::from_toml_str(&text)
+        .map_err(|errors| CliError::Config { path: path.into(), errors })
 }

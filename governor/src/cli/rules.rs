@@ -1,7 +1,7 @@
 //! `governor rules list|add|remove`: unmodified processes measured by rule.
 
-use super::config_cmd::{applied, Applied};
 use super::CliError;
+use super::config_cmd::{Applied, applied};
 use crate::config::RawRule;
 use crate::proto::{Reply, Request, RuleStatus};
 use std::fmt::Write as _;
@@ -34,7 +34,8 @@ pub fn render_list(l: &RuleList) -> String {
     if l.rules.is_empty() {
         return "no rules\n".into();
     }
-    let mut out = format!("{:<3} {:<24} {:>10} {:>9} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "CAP", "MATCHES");
+    let mut out =
+        format!("{:<3} {:<24} {:>10} {:>9} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "CAP", "MATCHES");
     for (i, r) in l.rules.iter().enumerate() {
         let cap = r.cap_cores.map_or("-".to_string(), |c| format!("{c:.2}"));
         // A thread rule matches threads: their count, marked.
@@ -50,7 +51,9 @@ pub fn render_list(l: &RuleList) -> String {
     }
     let _ = writeln!(out, "caps: {}", l.enforcement);
     if l.rules.iter().any(|r| !r.measured) {
-        out.push_str("not measured: the agent runs the thread-clock fallback, which cannot measure unmodified processes\n");
+        out.push_str(
+            "not measured: the agent runs the thread-clock fallback, which cannot measure unmodified processes\n",
+        );
     }
     let _ = writeln!(out, "{} process reports from the kernel, {} dropped", l.events, l.events_dropped);
     out

@@ -75,15 +75,25 @@ pub fn render(s: &StatusReport) -> String {
     if let Some(pd) = &s.pd {
         let last = match pd.last_success_unix {
             Some(t) => {
-                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+                let now =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
                 format!("last answer {:.0} s ago", (now - t).max(0.0))
             }
             None => "never answered".into(),
         };
         let reach = if pd.reachable { "reachable" } else { "NOT reachable, quotas kept" };
-        let _ = writeln!(out, "
-pd           {} ({reach}, {last}, {} rounds)", pd.endpoints.join(", "), pd.rounds);
-        let _ = writeln!(out, "{:>12} {:>20} {:>10} {:>14} {:>12} {:>6} {:>12}", "keyspace", "name", "state", "service limit", "quota µs", "404s", "last result");
+        let _ = writeln!(
+            out,
+            "
+pd           {} ({reach}, {last}, {} rounds)",
+            pd.endpoints.join(", "),
+            pd.rounds
+        );
+        let _ = writeln!(
+            out,
+            "{:>12} {:>20} {:>10} {:>14} {:>12} {:>6} {:>12}",
+            "keyspace", "name", "state", "service limit", "quota µs", "404s", "last result"
+        );
         for k in &pd.keyspaces {
             let _ = writeln!(
                 out,
@@ -99,7 +109,11 @@ pd           {} ({reach}, {last}, {} rounds)", pd.endpoints.join(", "), pd.round
         }
     }
     if !s.programs.is_empty() && s.programs.iter().all(|p| p.run_count == 0) {
-        let _ = writeln!(out, "\nprograms     {} attached; run times need sysctl kernel.bpf_stats_enabled=1", s.programs.len());
+        let _ = writeln!(
+            out,
+            "\nprograms     {} attached; run times need sysctl kernel.bpf_stats_enabled=1",
+            s.programs.len()
+        );
     } else if !s.programs.is_empty() {
         let _ = writeln!(out, "\n{:>18} {:>14} {:>12} {:>10}", "program", "run time ns", "runs", "ns/run");
         for p in &s.programs {

@@ -14,7 +14,7 @@ pub fn run(socket: &Path) -> Result<Vec<ThreadInfo>, CliError> {
 }
 
 /// One block per process, a line per thread.
-pub fn render(threads: &Vec<ThreadInfo>) -> String {
+pub fn render(threads: &[ThreadInfo]) -> String {
     let mut out = String::new();
     if threads.is_empty() {
         out.push_str("no registered threads\n");
@@ -26,7 +26,14 @@ pub fn render(threads: &Vec<ThreadInfo>) -> String {
     for t in sorted {
         if last != Some(t.pid) {
             let n = threads.iter().filter(|x| x.pid == t.pid).count();
-            let _ = writeln!(out, "pid {} {} (uid {}): {n} registered thread{}", t.pid, t.process, t.uid, if n == 1 { "" } else { "s" });
+            let _ = writeln!(
+                out,
+                "pid {} {} (uid {}): {n} registered thread{}",
+                t.pid,
+                t.process,
+                t.uid,
+                if n == 1 { "" } else { "s" }
+            );
             let _ = writeln!(out, "  {:>8}  {:<16} {:>9} {:>12} {:>6}", "tid", "name", "keyspace", "cpu (s)", "slot");
             last = Some(t.pid);
         }

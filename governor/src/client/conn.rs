@@ -4,13 +4,13 @@
 
 use super::clock::ThreadRef;
 use crate::proto::{BackendKind, Reply, Request};
-use crate::region::{fd, AdmissionRegions, MeasureRegions, RegionError, RegionSizes, Table, TicketView};
+use crate::region::{AdmissionRegions, MeasureRegions, RegionError, RegionSizes, Table, TicketView, fd};
 use crate::sys;
-use keyspace_governor_common::{cpu_owner, TAG_NONE};
+use keyspace_governor_common::{TAG_NONE, cpu_owner};
+use std::collections::{BTreeSet, HashMap};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -95,8 +95,8 @@ fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
     if r.read_line(&mut line)? == 0 {
         return Err(ClientError::Protocol { detail: "the agent closed the connection".into() });
     }
-    let reply: Reply = serde_json::from_str(&line)
-        .map_err(|e| ClientError::Protocol { detail: format!("{e}: {}", line.trim()) })?;
+    let reply: Reply =
+        serde_json::from_str(&line).map_err(|e| ClientError::Protocol { detail: format!("{e}: {}", line.trim()) })?;
     if let Reply::Error { message } = reply {
         return Err(ClientError::Refused { message });
     }
@@ -106,7 +106,8 @@ fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
 /// One request on a fresh connection, without `hello` (operator verbs).
 #[cfg(feature = "agent")]
 pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
-    let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+    let stream =
+        UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
     stream.set_read_timeout(Some(CALL_TIMEOUT))?;
     stream.set_write_timeout(Some(CALL_TIMEOUT))?;
     Conn { reader: BufReader::new(stream) }.call(req)
@@ -129,7 +130,8 @@ pub fn handshake(stream: UnixStream) -> Result<(Reply, Vec<OwnedFd>, BufReader<U
     if !line.ends_with(b"\n") {
         reader.read_until(b'\n', &mut line)?;
     }
-    let reply = serde_json::from_slice(&line).map_err(|e| ClientError::Protocol { detail: format!("hello reply: {e}") })?;
+    let reply =
+        serde_json::from_slice(&line).map_err(|e| ClientError::Protocol { detail: format!("hello reply: {e}") })?;
     Ok((reply, fds, reader))
 }
 
@@ -155,7 +157,8 @@ pub(crate) struct Attachment {
 impl Attachment {
     /// Connects, says `hello` and maps what the agent hands over.
     fn open(path: &Path, epoch: u64) -> Result<Attachment, ClientError> {
-        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+        let stream =
+            UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
         // A hung agent must not hang the server's threads (registration,
         // thread exit): calls fail after this long instead.
         stream.set_read_timeout(Some(CALL_TIMEOUT))?;
@@ -167,7 +170,9 @@ impl Attachment {
             other => return Err(ClientError::Protocol { detail: format!("expected hello, got {other:?}") }),
         };
         if fds.len() != fd::COUNT {
-            return Err(ClientError::Protocol { detail: format!("expected {} region fds, got {}", fd::COUNT, fds.len()) });
+            return Err(ClientError::Protocol {
+                detail: format!("expected {} region fds, got {}", fd::COUNT, fds.len()),
+            });
         }
         let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let measure = MeasureRegions::map(&raw, sizes, crate::region::Access::ReadOnly)?;
@@ -538,7 +543,10 @@ fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
             if let Some(att) = inner.current() {
                 att.detach();
             }
-            log::warn!("governor agent at {} went away; admitting without checks until one is back", inner.path.display());
+            log::warn!(
+                "governor agent at {} went away; admitting without checks until one is back",
+                inner.path.display()
+            );
         }
         let Some(path) = client.upgrade().map(|i| i.path.clone()) else { return };
         let mut backoff = Duration::from_millis(50);
@@ -557,7 +565,8 @@ fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
                 Ok((w, a)) => {
                     // Every registered thread gets its registration before
                     // the new agent is in force, so none waits for one.
-                    let tids: Vec<u32> = inner.threads.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+                    let tids: Vec<u32> =
+                        inner.threads.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
                     for tid in tids {
                         inner.preregister(&a, tid);
                     }

@@ -42,7 +42,8 @@ impl<F: Future> Future for Tagged<F> {
         // worker on a round trip or run uncharged. A poll on an
         // unregistered worker, while no agent answers, or for a keyspace the
         // agent gave no cell, runs untagged.
-        let looked_up = super::with_thread(|client, ctx| client.inner.helper.cell(&ctx.att, *this.keyspace_id, Some(cx.waker())));
+        let looked_up =
+            super::with_thread(|client, ctx| client.inner.helper.cell(&ctx.att, *this.keyspace_id, Some(cx.waker())));
         let cell = match looked_up {
             Ok(Some(super::helper::Cell::Found(c, g))) => Some((c, g)),
             Ok(Some(super::helper::Cell::Pending)) => return Poll::Pending,

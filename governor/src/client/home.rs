@@ -17,10 +17,10 @@
 use super::conn::Attachment;
 use crate::policy::Spare;
 use crate::region::TicketView;
-use keyspace_governor_common::admission::{TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_SPARE};
+use keyspace_governor_common::admission::{T_SPARE, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD};
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Records in a thread's block: its spare's mirror and seven tickets.
 pub(crate) const BLOCK: u32 = 8;
@@ -198,7 +198,11 @@ pub(crate) fn with_home<R>(att: &Arc<Attachment>, make: bool, f: impl FnOnce(Opt
 /// `at_home` when the thread has a home there (then the home takes the
 /// ticket's reference back, if it has room), else `elsewhere`.
 #[inline(always)]
-pub(crate) fn release_owned(att: Arc<Attachment>, at_home: impl FnOnce(&mut Home), elsewhere: impl FnOnce(&Attachment)) {
+pub(crate) fn release_owned(
+    att: Arc<Attachment>,
+    at_home: impl FnOnce(&mut Home),
+    elsewhere: impl FnOnce(&Attachment),
+) {
     let mut att = Some(att);
     let mut at_home = Some(at_home);
     if !FORKED.load(Ordering::Relaxed) {

@@ -34,19 +34,19 @@ mod home;
 mod ticket;
 mod wait;
 
-pub use conn::{Client, ClientError};
-#[cfg(feature = "agent")]
-pub use conn::{handshake, request, CALL_TIMEOUT};
-pub use crate::policy::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
+pub use crate::policy::{Refusal, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};
 pub use crate::proto::BackendKind;
 pub use crate::region::{RegionError, RegionSizes};
 pub use crate::sys::{set_thread_slice, thread_cputime_ns};
-pub use ticket::FAIL_OPEN_AFTER;
+#[cfg(feature = "agent")]
+pub use conn::{CALL_TIMEOUT, handshake, request};
+pub use conn::{Client, ClientError};
 pub use future::{Tagged, TaggedExt};
+pub use ticket::FAIL_OPEN_AFTER;
 pub use ticket::{Demand, Refused, Ticket, TicketGuard};
 pub use wait::{AcquireFuture, Checkpoint, DeadlineFuture, TicketFuture};
 
-use keyspace_governor_common::{tag_for_cell, TAG_NONE};
+use keyspace_governor_common::{TAG_NONE, tag_for_cell};
 use std::cell::RefCell;
 
 thread_local! {
@@ -166,9 +166,10 @@ extern "C" fn forget_thread_context_after_fork() {
     home::forget_after_fork();
     let _ = CURRENT.try_with(|c| {
         if let Ok(mut slot) = c.try_borrow_mut()
-            && let Some(st) = slot.take() {
-                std::mem::forget(st);
-            }
+            && let Some(st) = slot.take()
+        {
+            std::mem::forget(st);
+        }
     });
 }
 
@@ -183,4 +184,3 @@ pub fn unregister_current_thread() {
         drop(st);
     }
 }
-

@@ -22,10 +22,12 @@ use super::home;
 use crate::policy::{self, Grant, Knobs, Progress, Queued, Refusal};
 use crate::region::TicketView;
 use crate::sys;
-use keyspace_governor_common::admission::{counter, KNOB_RUNTIME_TOPUP, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, T_COUNTED};
+use keyspace_governor_common::admission::{
+    KNOB_RUNTIME_TOPUP, T_COUNTED, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, counter,
+};
 use keyspace_governor_common::tag_for_cell;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// A heartbeat older than this means no agent runs the policy any more.
@@ -169,7 +171,8 @@ fn claim_shared(att: &Attachment) -> Option<u32> {
     let (start, end) = (att.blocks.shared_start(), att.ledger.len());
     let len = end.checked_sub(start).filter(|&n| n > 0)?;
     let hint = LEDGER_HINT.try_with(|h| h.get()).unwrap_or(u32::MAX);
-    let mut idx = if (start..end).contains(&hint) { hint } else { start + SPREAD.fetch_add(61, Ordering::Relaxed) % len };
+    let mut idx =
+        if (start..end).contains(&hint) { hint } else { start + SPREAD.fetch_add(61, Ordering::Relaxed) % len };
     for _ in 0..len {
         let r = att.ledger.get(idx)?;
         if r.state.load(Ordering::Relaxed) == TICKET_FREE
@@ -226,7 +229,12 @@ pub(crate) enum Waited {
 
 /// Waits on the buckets' futex words until `q` is served, `deadline` (if
 /// any) passes, or the agent is found gone. Also returns how long it waited.
-pub(crate) fn wait_in_line(att: &Attachment, k: &Knobs, mut q: Queued, deadline: Option<Instant>) -> (Waited, Duration) {
+pub(crate) fn wait_in_line(
+    att: &Attachment,
+    k: &Knobs,
+    mut q: Queued,
+    deadline: Option<Instant>,
+) -> (Waited, Duration) {
     let r = &att.admission;
     let start = Instant::now();
     let mut waited_at_all = false;
@@ -289,7 +297,10 @@ pub(crate) fn charged<R>(att: &Attachment, cell: Option<u32>, f: impl FnOnce() -
 }
 
 fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
-    let b = g.cell.and_then(|(c, _)| att.admission.keyspace_cell(c)).map_or(att.admission.bucket(crate::region::GLOBAL), |x| x.0);
+    let b = g
+        .cell
+        .and_then(|(c, _)| att.admission.keyspace_cell(c))
+        .map_or(att.admission.bucket(crate::region::GLOBAL), |x| x.0);
     b.count(counter::WAITED, 1);
     b.count(counter::WAIT_US, waited.as_micros() as u64);
 }
@@ -376,7 +387,10 @@ impl Client {
         let d = demand.policy();
         home::with_home(att, true, |mut home| {
             let Some(idx) = home.as_ref().and_then(|h| h.claim()).or_else(|| claim_shared(att)) else {
-                return Err(Refused { reason: Refusal::TooManyTickets { limit: att.ledger.len() }, waited: Duration::ZERO });
+                return Err(Refused {
+                    reason: Refusal::TooManyTickets { limit: att.ledger.len() },
+                    waited: Duration::ZERO,
+                });
             };
             let spare = home.as_deref_mut().map(|h| &mut h.spare);
             let queued = demand.deadline.is_some_and(|deadline| deadline > Instant::now());
@@ -384,9 +398,11 @@ impl Client {
             // admitted on the spot when the line lets it through: the same
             // path as one that may not, with no allocation and no tagging.
             let admitted = if queued {
-                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare).map(|mut q| match q.poll(&att.admission, &k) {
-                    Progress::Ready(g) => Ok(g),
-                    Progress::Waiting { .. } => Err(q),
+                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare).map(|mut q| {
+                    match q.poll(&att.admission, &k) {
+                        Progress::Ready(g) => Ok(g),
+                        Progress::Waiting { .. } => Err(q),
+                    }
                 })
             } else {
                 policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(Ok)

@@ -14,7 +14,7 @@
 //! admitted, to its ticket), like the work itself.
 
 use super::conn::{Attachment, Client};
-use super::ticket::{agent_alive, charged, granted, Demand, Refused, Ticket, LIVENESS_CHECK};
+use super::ticket::{Demand, LIVENESS_CHECK, Refused, Ticket, agent_alive, charged, granted};
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::BucketView;
 use crate::sys;
@@ -47,7 +47,8 @@ struct Waiter {
 fn waiter() -> &'static Waiter {
     static W: OnceLock<&'static Waiter> = OnceLock::new();
     W.get_or_init(|| {
-        let w: &'static Waiter = Box::leak(Box::new(Waiter { entries: Mutex::new(Vec::new()), kick: AtomicU32::new(0) }));
+        let w: &'static Waiter =
+            Box::leak(Box::new(Waiter { entries: Mutex::new(Vec::new()), kick: AtomicU32::new(0) }));
         std::thread::Builder::new()
             .name("governor-waiter".into())
             .spawn(move || waiter_loop(w))
@@ -196,7 +197,8 @@ impl Line {
                 Progress::Ready(g) => {
                     self.q = None;
                     if self.waited {
-                        let b = g.cell().and_then(|c| r.keyspace_cell(c)).map_or(r.bucket(crate::region::GLOBAL), |x| x.0);
+                        let b =
+                            g.cell().and_then(|c| r.keyspace_cell(c)).map_or(r.bucket(crate::region::GLOBAL), |x| x.0);
                         b.count(counter::WAITED, 1);
                         b.count(counter::WAIT_US, self.started.elapsed().as_micros() as u64);
                     }
@@ -258,9 +260,19 @@ pub struct AcquireFuture {
 enum AcquireState {
     /// The agent has no cell for the keyspace yet: asked for in the
     /// background, this future is woken when it is in.
-    Cell { client: Client, keyspace: u32, demand: Demand },
+    Cell {
+        client: Client,
+        keyspace: u32,
+        demand: Demand,
+    },
     Ready(Option<Result<Ticket, Refused>>),
-    Waiting { client: Client, keyspace: u32, deadline: Option<Instant>, line: Line, record: u32 },
+    Waiting {
+        client: Client,
+        keyspace: u32,
+        deadline: Option<Instant>,
+        line: Line,
+        record: u32,
+    },
 }
 
 impl Client {
@@ -311,7 +323,9 @@ impl Future for AcquireFuture {
                 // The agent went: `begin` admits without a check.
                 None => Some(None),
             };
-            let AcquireState::Cell { client, keyspace, demand } = std::mem::replace(&mut this.state, AcquireState::Ready(None)) else {
+            let AcquireState::Cell { client, keyspace, demand } =
+                std::mem::replace(&mut this.state, AcquireState::Ready(None))
+            else {
                 unreachable!("matched above")
             };
             this.state = client.acquire_state(keyspace, demand, known);
@@ -322,7 +336,11 @@ impl Future for AcquireFuture {
             AcquireState::Waiting { client, keyspace, deadline, line, record } => {
                 let res = std::task::ready!(line.poll(cx));
                 let (att, idx) = (line.att.clone(), *record);
-                let free = || att.ledger.get(idx).map(|r| r.state.store(keyspace_governor_common::admission::TICKET_FREE, Ordering::Release));
+                let free = || {
+                    att.ledger
+                        .get(idx)
+                        .map(|r| r.state.store(keyspace_governor_common::admission::TICKET_FREE, Ordering::Release))
+                };
                 let out = match res {
                     LineResult::Granted(g) => {
                         let waited = line.waited();
@@ -352,9 +370,10 @@ impl Drop for AcquireFuture {
         // A future dropped while in line frees its ledger record (the line
         // itself gives its place back when it drops).
         if let AcquireState::Waiting { line, record, .. } = &self.state
-            && let Some(r) = line.att.ledger.get(*record) {
-                r.state.store(keyspace_governor_common::admission::TICKET_FREE, Ordering::Release);
-            }
+            && let Some(r) = line.att.ledger.get(*record)
+        {
+            r.state.store(keyspace_governor_common::admission::TICKET_FREE, Ordering::Release);
+        }
     }
 }
 

@@ -41,7 +41,13 @@ pub struct RawAccess {
 
 impl Default for RawAccess {
     fn default() -> Self {
-        RawAccess { socket_mode: "0660".into(), socket_group: None, clients: Vec::new(), readers: Vec::new(), admins: Vec::new() }
+        RawAccess {
+            socket_mode: "0660".into(),
+            socket_group: None,
+            clients: Vec::new(),
+            readers: Vec::new(),
+            admins: Vec::new(),
+        }
     }
 }
 
@@ -94,13 +100,10 @@ pub struct Peer {
 
 /// `name` → id from an `/etc/passwd`-like file (`name:x:id:...`).
 fn lookup(file: &str, name: &str) -> Option<u32> {
-    std::fs::read_to_string(file)
-        .ok()?
-        .lines()
-        .find_map(|l| {
-            let mut f = l.split(':');
-            (f.next()? == name).then(|| f.nth(1)?.parse().ok())?
-        })
+    std::fs::read_to_string(file).ok()?.lines().find_map(|l| {
+        let mut f = l.split(':');
+        (f.next()? == name).then(|| f.nth(1)?.parse().ok())?
+    })
 }
 
 fn resolve(p: &str) -> Result<Principal, String> {
@@ -111,12 +114,11 @@ fn resolve(p: &str) -> Result<Principal, String> {
             .or_else(|| lookup("/etc/group", g))
             .map(Principal::Gid)
             .ok_or_else(|| format!("unknown group {g:?} (not a number, not in /etc/group)")),
-        None => p
-            .parse()
-            .ok()
-            .or_else(|| lookup("/etc/passwd", p))
-            .map(Principal::Uid)
-            .ok_or_else(|| format!("unknown user {p:?} (not a number, not in /etc/passwd); a group is written @name")),
+        None => {
+            p.parse().ok().or_else(|| lookup("/etc/passwd", p)).map(Principal::Uid).ok_or_else(|| {
+                format!("unknown user {p:?} (not a number, not in /etc/passwd); a group is written @name")
+            })
+        }
     }
 }
 
@@ -162,7 +164,10 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &RawAccess) -> Access {
     let digits = raw.socket_mode.trim_start_matches("0o");
     let mode = u32::from_str_radix(digits, 8).ok().filter(|m| *m <= 0o777);
     if mode.is_none() {
-        c.invalid("agent.access.socket-mode".into(), format!("{:?} is not octal permission bits like \"0660\"", raw.socket_mode));
+        c.invalid(
+            "agent.access.socket-mode".into(),
+            format!("{:?} is not octal permission bits like \"0660\"", raw.socket_mode),
+        );
     }
     let group = raw.socket_group.as_ref().and_then(|g| match resolve(&format!("@{}", g.trim_start_matches('@'))) {
         Ok(Principal::Gid(gid)) => Some(gid),
@@ -173,7 +178,9 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &RawAccess) -> Access {
         }
     });
     let mut resolved: [Vec<Principal>; 3] = Default::default();
-    for (i, (key, list)) in [("clients", &raw.clients), ("readers", &raw.readers), ("admins", &raw.admins)].into_iter().enumerate() {
+    for (i, (key, list)) in
+        [("clients", &raw.clients), ("readers", &raw.readers), ("admins", &raw.admins)].into_iter().enumerate()
+    {
         for p in list {
             match resolve(p) {
                 Ok(r) => resolved[i].push(r),
@@ -181,12 +188,7 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &RawAccess) -> Access {
             }
         }
     }
-    Access {
-        written: raw.clone(),
-        mode: mode.unwrap_or(0o660),
-        group,
-        resolved,
-    }
+    Access { written: raw.clone(), mode: mode.unwrap_or(0o660), group, resolved }
 }
 
 #[cfg(test)]

@@ -26,11 +26,7 @@ impl Checker<'_> {
 
     pub(super) fn invalid(&mut self, key: String, reason: impl Into<String>) {
         let line = self.line(&key);
-        self.errors.push(ConfigError::InvalidValue {
-            key,
-            line,
-            reason: reason.into(),
-        });
+        self.errors.push(ConfigError::InvalidValue { key, line, reason: reason.into() });
     }
 
     /// `ok` or an invalid-value error for `section.name`.
@@ -41,40 +37,19 @@ impl Checker<'_> {
     }
 
     pub(super) fn ratio(&mut self, section: &str, name: &str, v: f64, zero_ok: bool) {
-        let ok = if zero_ok {
-            (0.0..=1.0).contains(&v)
-        } else {
-            v > 0.0 && v <= 1.0
-        };
+        let ok = if zero_ok { (0.0..=1.0).contains(&v) } else { v > 0.0 && v <= 1.0 };
         let range = if zero_ok { "[0, 1]" } else { "(0, 1]" };
         self.check(ok, section, name, format!("must be in {range}, got {v}"));
     }
 
-    pub(super) fn duration(
-        &mut self,
-        section: &str,
-        name: &str,
-        v: ConfigDuration,
-        min: Duration,
-        max: Duration,
-    ) {
+    pub(super) fn duration(&mut self, section: &str, name: &str, v: ConfigDuration, min: Duration, max: Duration) {
         let ok = v.get() >= min && v.get() <= max;
         let (lo, hi) = (ConfigDuration(min), ConfigDuration(max));
-        self.check(
-            ok,
-            section,
-            name,
-            format!("must be between {lo} and {hi}, got {v}"),
-        );
+        self.check(ok, section, name, format!("must be between {lo} and {hi}, got {v}"));
     }
 
     pub(super) fn int(&mut self, section: &str, name: &str, v: u64, min: u64, max: u64) {
-        self.check(
-            (min..=max).contains(&v),
-            section,
-            name,
-            format!("must be between {min} and {max}, got {v}"),
-        );
+        self.check((min..=max).contains(&v), section, name, format!("must be between {min} and {max}, got {v}"));
     }
 
     pub(super) fn list<T: ListValue>(&mut self, name: &str, text: &str) -> KeyspaceList<T> {

@@ -103,9 +103,7 @@ pub struct ConfigErrors {
 impl ConfigErrors {
     /// Wraps a single error.
     pub fn one(error: ConfigError) -> Self {
-        Self {
-            errors: vec![error],
-        }
+        Self { errors: vec![error] }
     }
 
     /// True when some error names exactly `key`.
@@ -129,11 +127,7 @@ impl ConfigErrors {
     }
 
     pub(crate) fn into_result<T>(self, ok: T) -> Result<T, Self> {
-        if self.errors.is_empty() {
-            Ok(ok)
-        } else {
-            Err(self.sorted())
-        }
+        if self.errors.is_empty() { Ok(ok) } else { Err(self.sorted()) }
     }
 }
 
@@ -173,16 +167,10 @@ mod tests {
                     line: Some(7),
                     reason: "must be at least 64".into(),
                 },
-                ConfigError::UnknownKey {
-                    key: "agent.bogus".into(),
-                    line: None,
-                },
+                ConfigError::UnknownKey { key: "agent.bogus".into(), line: None },
             ],
         };
-        assert_eq!(
-            errs.to_string(),
-            "line 7: agent.max-threads: must be at least 64\nagent.bogus: unknown key"
-        );
+        assert_eq!(errs.to_string(), "line 7: agent.max-threads: must be at least 64\nagent.bogus: unknown key");
         assert!(errs.names_key("agent.bogus"));
         assert_eq!(errs.errors[0].line(), Some(7));
     }

@@ -57,9 +57,7 @@ pub struct KeyspaceList<T> {
 
 impl<T> Default for KeyspaceList<T> {
     fn default() -> Self {
-        Self {
-            entries: BTreeMap::new(),
-        }
+        Self { entries: BTreeMap::new() }
     }
 }
 
@@ -87,9 +85,8 @@ impl<T: ListValue> KeyspaceList<T> {
                 .ok()
                 .filter(|_| id.bytes().all(|b| b.is_ascii_digit()))
                 .ok_or_else(|| format!("entry {entry:?}: keyspace id {id:?} is not a u32"))?;
-            let value = T::parse_value(value).ok_or_else(|| {
-                format!("entry {entry:?}: value {value:?} is not {}", T::EXPECTED)
-            })?;
+            let value = T::parse_value(value)
+                .ok_or_else(|| format!("entry {entry:?}: value {value:?} is not {}", T::EXPECTED))?;
             if entries.insert(id, value).is_some() {
                 return Err(format!("keyspace {id} appears more than once"));
             }
@@ -175,10 +172,7 @@ mod tests {
             assert!(KeyspaceList::<u64>::parse(bad).is_err(), "{bad:?} accepted");
         }
         for bad in ["1:yes", "1:1", "1:True", "2:true,2:false"] {
-            assert!(
-                KeyspaceList::<bool>::parse(bad).is_err(),
-                "{bad:?} accepted"
-            );
+            assert!(KeyspaceList::<bool>::parse(bad).is_err(), "{bad:?} accepted");
         }
     }
 

@@ -40,19 +40,18 @@ mod validate;
 mod validated;
 
 pub use access::{Access, Peer, RawAccess, Role};
-pub use pd::{Pd, RawPd};
 pub use error::{ConfigError, ConfigErrors, UpdateRejected};
 pub use keyspace_list::{KeyspaceId, KeyspaceList, ListValue};
+pub use pd::{Pd, RawPd};
 pub use raw::{
-    AdmissionMode, MeasureMode, RawAdmissionControl, RawAgent, RawConfig, RawResourceControl,
-    RawWriteQuota,
+    AdmissionMode, MeasureMode, RawAdmissionControl, RawAgent, RawConfig, RawResourceControl, RawWriteQuota,
 };
-pub use raw_throttle::{Profile, RawCpuThrottle, ESSENTIAL_TENANT_MAX_CPU_RATIO};
-pub use rules::{cgroup_roots, ProcessIdentity, RawRule, Rule, MAX_RULES};
+pub use raw_throttle::{ESSENTIAL_TENANT_MAX_CPU_RATIO, Profile, RawCpuThrottle};
+pub use rules::{MAX_RULES, ProcessIdentity, RawRule, Rule, cgroup_roots};
 pub use source::SourceMap;
 pub use units::{ByteSize, ConfigDuration};
 pub use update::{ConfigDiff, HotUpdates, KeyChange};
 pub use validated::{
-    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML,
-    PER_KEYSPACE_PENDING_WRITE_RATIO, ResourceControl, ValidatedConfig, WriteQuota,
+    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML, PER_KEYSPACE_PENDING_WRITE_RATIO,
+    ResourceControl, ValidatedConfig, WriteQuota,
 };

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::checker::{Checker, CT};
+use super::checker::{CT, Checker};
 
 /// `[pd]` as written.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -96,7 +96,9 @@ mod tests {
         assert_eq!(authority("127.0.0.1:2379"), Ok("127.0.0.1:2379"));
         assert_eq!(authority("http://pd-0.pd:2379/"), Ok("pd-0.pd:2379"));
         assert_eq!(authority("[::1]:2379"), Ok("[::1]:2379"));
-        for bad in ["https://pd:2379", "pd", "pd:0", "pd:99999", "http://pd:2379/pd/api", "ftp://pd:1", ":2379", "p d:1"] {
+        for bad in
+            ["https://pd:2379", "pd", "pd:0", "pd:99999", "http://pd:2379/pd/api", "ftp://pd:1", ":2379", "p d:1"]
+        {
             assert!(authority(bad).is_err(), "{bad} accepted");
         }
         assert!(authority("https://pd:2379").unwrap_err().contains("https is not supported"));

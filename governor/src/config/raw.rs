@@ -82,9 +82,7 @@ pub struct RawWriteQuota {
 
 impl Default for RawWriteQuota {
     fn default() -> Self {
-        Self {
-            pending_write_threshold: ByteSize::mib(100),
-        }
+        Self { pending_write_threshold: ByteSize::mib(100) }
     }
 }
 

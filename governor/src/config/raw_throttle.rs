@@ -156,8 +156,16 @@ impl Profile {
         }
         set("enforce-global-limit", &mut t.enforce_global_limit, global);
         set("enable-burst", &mut t.enable_burst, if off { false } else { premium.enable_burst });
-        set("enable-fair-allocation", &mut t.enable_fair_allocation, if off { false } else { premium.enable_fair_allocation });
-        set("enable-dynamic-adjustment", &mut t.enable_dynamic_adjustment, if off { false } else { premium.enable_dynamic_adjustment });
+        set(
+            "enable-fair-allocation",
+            &mut t.enable_fair_allocation,
+            if off { false } else { premium.enable_fair_allocation },
+        );
+        set(
+            "enable-dynamic-adjustment",
+            &mut t.enable_dynamic_adjustment,
+            if off { false } else { premium.enable_dynamic_adjustment },
+        );
         if off {
             set("enable-pd-service-limit", &mut t.enable_pd_service_limit, false);
             set("low-priority-dag-global-enabled", &mut t.low_priority_dag_global_enabled, false);

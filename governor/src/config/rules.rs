@@ -200,10 +200,7 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         let id = if name_ok { format!("rules.{}", r.name) } else { format!("rules[{i}]") };
         let before = c.errors.errors.len();
         if !name_ok {
-            c.invalid(
-                format!("{id}.name"),
-                format!("{:?} is not a rule name: 1 to 64 of A-Z a-z 0-9 - _ .", r.name),
-            );
+            c.invalid(format!("{id}.name"), format!("{:?} is not a rule name: 1 to 64 of A-Z a-z 0-9 - _ .", r.name));
         } else if let Some(first) = names.insert(&r.name, i) {
             c.invalid(format!("{id}.name"), format!("duplicate: rules {first} and {i} are both named {:?}", r.name));
         }
@@ -222,7 +219,10 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         for (key, v) in [("cgroup", &r.cgroup), ("cgroup-prefix", &r.cgroup_prefix)] {
             let Some(v) = v else { continue };
             if !v.starts_with('/') || v.split('/').any(|part| part == "..") {
-                c.invalid(format!("{id}.{key}"), format!("{v:?} is not a cgroup path: absolute, as /proc/<pid>/cgroup shows it, without .."));
+                c.invalid(
+                    format!("{id}.{key}"),
+                    format!("{v:?} is not a cgroup path: absolute, as /proc/<pid>/cgroup shows it, without .."),
+                );
             } else if key == "cgroup" && !roots.iter().any(|root| root.join(v.trim_start_matches('/')).is_dir()) {
                 let list: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
                 c.invalid(
@@ -236,7 +236,10 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         {
             c.invalid(format!("{id}.exe"), format!("{e:?} is not an absolute path"));
         }
-        for (key, what, v) in [("comm-prefix", "a command name", &r.comm_prefix), ("thread-name-prefix", "a thread name", &r.thread_name_prefix)] {
+        for (key, what, v) in [
+            ("comm-prefix", "a command name", &r.comm_prefix),
+            ("thread-name-prefix", "a thread name", &r.thread_name_prefix),
+        ] {
             if let Some(p) = v
                 && (p.is_empty() || p.len() > COMM_MAX)
             {
@@ -279,7 +282,10 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         if let Some(other) = out.iter().find(|o| o.keyspace == r.keyspace && o.name != r.name) {
             c.invalid(
                 format!("rules.{}.cap-in-place", r.name),
-                format!("keyspace {} is also rule {:?}'s: an in-place cap holds one cgroup, give it a keyspace of its own", r.keyspace, other.name),
+                format!(
+                    "keyspace {} is also rule {:?}'s: an in-place cap holds one cgroup, give it a keyspace of its own",
+                    r.keyspace, other.name
+                ),
             );
         }
     }
@@ -326,16 +332,20 @@ mod tests {
         assert!(!rule(|r| r.cgroup_prefix = Some("/bat".into())).matches(&p));
         assert!(rule(|r| r.cgroup = Some("/batch/a".into())).matches(&p));
         assert!(!rule(|r| r.cgroup = Some("/batch".into())).matches(&p));
-        assert!(rule(|r| {
-            r.uid = Some(1000);
-            r.exe = Some("/usr/bin/stress-ng".into());
-        })
-        .matches(&p));
-        assert!(!rule(|r| {
-            r.uid = Some(1000);
-            r.tgid = Some(43);
-        })
-        .matches(&p));
+        assert!(
+            rule(|r| {
+                r.uid = Some(1000);
+                r.exe = Some("/usr/bin/stress-ng".into());
+            })
+            .matches(&p)
+        );
+        assert!(
+            !rule(|r| {
+                r.uid = Some(1000);
+                r.tgid = Some(43);
+            })
+            .matches(&p)
+        );
         // Unknown identity parts never match.
         let mut gone = p.clone();
         gone.uid = None;

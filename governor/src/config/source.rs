@@ -54,18 +54,11 @@ impl SourceMap {
             let Some((key, value)) = text.split_once('=') else {
                 continue;
             };
-            if !key
-                .chars()
-                .all(|c| c.is_alphanumeric() || "-_.\"' ".contains(c))
-            {
+            if !key.chars().all(|c| c.is_alphanumeric() || "-_.\"' ".contains(c)) {
                 continue;
             }
             let key = normalize(key);
-            let full = if table.is_empty() {
-                key
-            } else {
-                format!("{table}.{key}")
-            };
+            let full = if table.is_empty() { key } else { format!("{table}.{key}") };
             if value.trim_start().starts_with('{') {
                 inline_tables.push(full.clone());
             }
@@ -76,55 +69,34 @@ impl SourceMap {
                 }
             }
         }
-        Self {
-            entries,
-            line_starts,
-            inline_tables,
-        }
+        Self { entries, line_starts, inline_tables }
     }
 
     /// The line of the last definition of `dotted` (a key or a table).
     pub fn line_of(&self, dotted: &str) -> Option<usize> {
-        self.entries
-            .iter()
-            .rev()
-            .find(|(_, k, _)| k == dotted)
-            .map(|(l, _, _)| *l)
+        self.entries.iter().rev().find(|(_, k, _)| k == dotted).map(|(l, _, _)| *l)
     }
 
     /// The 1-based line containing byte `offset`.
     pub fn line_of_offset(&self, offset: usize) -> usize {
-        self.line_starts
-            .partition_point(|start| *start <= offset)
-            .max(1)
+        self.line_starts.partition_point(|start| *start <= offset).max(1)
     }
 
     /// The dotted key defined on `line`, or the table header on it.
     pub fn key_at_line(&self, line: usize) -> Option<&str> {
-        self.entries
-            .iter()
-            .find(|(l, _, _)| *l == line)
-            .map(|(_, k, _)| k.as_str())
+        self.entries.iter().find(|(l, _, _)| *l == line).map(|(_, k, _)| k.as_str())
     }
 
     /// The table in effect at `line` ("" for the root table).
     pub fn table_at_line(&self, line: usize) -> &str {
-        self.entries
-            .iter()
-            .rev()
-            .find(|(l, _, header)| *header && *l <= line)
-            .map(|(_, k, _)| k.as_str())
-            .unwrap_or("")
+        self.entries.iter().rev().find(|(l, _, header)| *header && *l <= line).map(|(_, k, _)| k.as_str()).unwrap_or("")
     }
 
     /// Turns a toml/serde error into a [`ConfigError`] naming key and line.
     pub fn convert(&self, error: &toml::de::Error) -> ConfigError {
         let message = error.message().trim().replace('\n', "; ");
         let line = error.span().map(|span| self.line_of_offset(span.start));
-        if let Some(field) = message
-            .strip_prefix("unknown field `")
-            .and_then(|rest| rest.split('`').next())
-        {
+        if let Some(field) = message.strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()) {
             let table = line.map(|l| self.table_at_line(l)).unwrap_or("");
             // The span may point at the key or at its table; prefer the key's line.
             let table = match line.and_then(|l| self.key_at_line(l)) {
@@ -135,28 +107,18 @@ impl SourceMap {
                 Some(k) if self.inline_tables.iter().any(|t| t == k) => k,
                 _ => table,
             };
-            let key = if table.is_empty() {
-                field.to_string()
-            } else {
-                format!("{table}.{field}")
-            };
+            let key = if table.is_empty() { field.to_string() } else { format!("{table}.{field}") };
             let line = self.line_of(&key).or(line);
             return ConfigError::UnknownKey { key, line };
         }
-        let key = line
-            .and_then(|l| self.key_at_line(l))
-            .map(str::to_string)
-            .unwrap_or_else(|| "<file>".to_string());
+        let key = line.and_then(|l| self.key_at_line(l)).map(str::to_string).unwrap_or_else(|| "<file>".to_string());
         ConfigError::Syntax { key, line, message }
     }
 }
 
 /// `a . "b" .c` → `a.b.c`.
 fn normalize(key: &str) -> String {
-    key.split('.')
-        .map(|part| part.trim().trim_matches('"').trim_matches('\''))
-        .collect::<Vec<_>>()
-        .join(".")
+    key.split('.').map(|part| part.trim().trim_matches('"').trim_matches('\'')).collect::<Vec<_>>().join(".")
 }
 
 #[cfg(test)]
@@ -169,14 +131,8 @@ mod tests {
     fn keys_map_to_lines_and_back() {
         let map = SourceMap::new(SAMPLE);
         assert_eq!(map.line_of("resource-control.enabled"), Some(3));
-        assert_eq!(
-            map.line_of("resource-control.cpu-throttle.refill-interval"),
-            Some(6)
-        );
-        assert_eq!(
-            map.line_of("resource-control.cpu-throttle.burst-window"),
-            Some(7)
-        );
+        assert_eq!(map.line_of("resource-control.cpu-throttle.refill-interval"), Some(6));
+        assert_eq!(map.line_of("resource-control.cpu-throttle.burst-window"), Some(7));
         assert_eq!(map.line_of("agent.timer-period"), Some(9));
         assert_eq!(map.line_of("agent.max-threads"), None);
         assert_eq!(map.key_at_line(8), Some("agent"));
@@ -194,9 +150,6 @@ mod tests {
     #[test]
     fn dotted_keys_inside_a_table_are_prefixed() {
         let map = SourceMap::new("[resource-control]\ncpu-throttle.enabled = true\n");
-        assert_eq!(
-            map.line_of("resource-control.cpu-throttle.enabled"),
-            Some(2)
-        );
+        assert_eq!(map.line_of("resource-control.cpu-throttle.enabled"), Some(2));
     }
 }

@@ -55,9 +55,8 @@ impl ConfigDuration {
                      write e.g. \"10ms\" or \"1s\""
                 ));
             }
-            let number: u128 = s[start..i]
-                .parse()
-                .map_err(|_| format!("invalid duration {text:?}: number too large"))?;
+            let number: u128 =
+                s[start..i].parse().map_err(|_| format!("invalid duration {text:?}: number too large"))?;
             let unit_start = i;
             while i < bytes.len() && !bytes[i].is_ascii_digit() {
                 i += 1;
@@ -71,14 +70,10 @@ impl ConfigDuration {
                 "m" => 60 * 1_000_000_000,
                 "h" => 3_600 * 1_000_000_000,
                 "" => {
-                    return Err(format!(
-                        "invalid duration {text:?}: missing unit (ns, us, ms, s, m, h)"
-                    ));
+                    return Err(format!("invalid duration {text:?}: missing unit (ns, us, ms, s, m, h)"));
                 }
                 other => {
-                    return Err(format!(
-                        "invalid duration {text:?}: unknown unit {other:?} (ns, us, ms, s, m, h)"
-                    ));
+                    return Err(format!("invalid duration {text:?}: unknown unit {other:?} (ns, us, ms, s, m, h)"));
                 }
             };
             total = number
@@ -86,8 +81,7 @@ impl ConfigDuration {
                 .and_then(|n| total.checked_add(n))
                 .ok_or_else(|| format!("invalid duration {text:?}: too large"))?;
         }
-        let secs = u64::try_from(total / 1_000_000_000)
-            .map_err(|_| format!("invalid duration {text:?}: too large"))?;
+        let secs = u64::try_from(total / 1_000_000_000).map_err(|_| format!("invalid duration {text:?}: too large"))?;
         // The remainder is < 1e9 by construction, so the cast cannot truncate.
         let nanos = (total % 1_000_000_000) as u32;
         Ok(Self(Duration::new(secs, nanos)))
@@ -163,13 +157,9 @@ impl ByteSize {
         let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (number, unit) = s.split_at(split);
         if number.is_empty() {
-            return Err(format!(
-                "invalid size {text:?}: expected a number, e.g. \"100MiB\""
-            ));
+            return Err(format!("invalid size {text:?}: expected a number, e.g. \"100MiB\""));
         }
-        let number: u64 = number
-            .parse()
-            .map_err(|_| format!("invalid size {text:?}: number too large"))?;
+        let number: u64 = number.parse().map_err(|_| format!("invalid size {text:?}: number too large"))?;
         let shift = match unit.trim() {
             "" | "B" => 0,
             "KiB" | "KB" | "K" => 10,
@@ -177,15 +167,10 @@ impl ByteSize {
             "GiB" | "GB" | "G" => 30,
             "TiB" | "TB" | "T" => 40,
             other => {
-                return Err(format!(
-                    "invalid size {text:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB)"
-                ));
+                return Err(format!("invalid size {text:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB)"));
             }
         };
-        number
-            .checked_mul(1u64 << shift)
-            .map(Self)
-            .ok_or_else(|| format!("invalid size {text:?}: too large"))
+        number.checked_mul(1u64 << shift).map(Self).ok_or_else(|| format!("invalid size {text:?}: too large"))
     }
 }
 
@@ -217,9 +202,7 @@ impl<'de> Deserialize<'de> for ByteSize {
                 f.write_str("a size such as \"100MiB\" or an integer number of bytes")
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                u64::try_from(v)
-                    .map(ByteSize)
-                    .map_err(|_| E::custom(format!("invalid size {v}: must not be negative")))
+                u64::try_from(v).map(ByteSize).map_err(|_| E::custom(format!("invalid size {v}: must not be negative")))
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
                 Ok(ByteSize(v))

@@ -18,35 +18,14 @@ use super::validated::ValidatedConfig;
 
 /// Keys that only take effect at start, and why.
 const RESTART_ONLY: &[(&str, &str)] = &[
-    (
-        "resource-control.cpu-throttle.refill-interval",
-        "the refill cadence is fixed at start",
-    ),
-    (
-        "resource-control.cpu-throttle.burst-window",
-        "bucket capacities are sized at start",
-    ),
-    (
-        "agent.control-socket",
-        "clients connect to the socket bound at start",
-    ),
-    (
-        "agent.measure",
-        "the measurement backend is chosen at start",
-    ),
-    (
-        "agent.max-threads",
-        "it sizes the shared thread-slot region",
-    ),
+    ("resource-control.cpu-throttle.refill-interval", "the refill cadence is fixed at start"),
+    ("resource-control.cpu-throttle.burst-window", "bucket capacities are sized at start"),
+    ("agent.control-socket", "clients connect to the socket bound at start"),
+    ("agent.measure", "the measurement backend is chosen at start"),
+    ("agent.max-threads", "it sizes the shared thread-slot region"),
     ("agent.max-keyspaces", "it sizes the shared keyspace table"),
-    (
-        "agent.metrics-addr",
-        "the /metrics listener is bound at start",
-    ),
-    (
-        "agent.timer-period",
-        "the per-CPU timers are attached at start",
-    ),
+    ("agent.metrics-addr", "the /metrics listener is bound at start"),
+    ("agent.timer-period", "the per-CPU timers are attached at start"),
 ];
 
 const MAX_READ: &str = "resource-control.max-read-cpu-ratio";
@@ -94,9 +73,7 @@ impl ConfigDiff {
 
     /// True when `key` (dotted) changed, or any key under it when it is a section.
     pub fn changed(&self, key: &str) -> bool {
-        self.changes
-            .iter()
-            .any(|c| c.key == key || c.key.strip_prefix(key).is_some_and(|r| r.starts_with('.')))
+        self.changes.iter().any(|c| c.key == key || c.key.strip_prefix(key).is_some_and(|r| r.starts_with('.')))
     }
 
     /// Changed keys.
@@ -120,11 +97,7 @@ impl ConfigDiff {
 
 fn flatten(prefix: &str, table: &toml::Table, out: &mut BTreeMap<String, toml::Value>) {
     for (k, v) in table {
-        let key = if prefix.is_empty() {
-            k.clone()
-        } else {
-            format!("{prefix}.{k}")
-        };
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
         match v {
             toml::Value::Table(t) => flatten(&key, t, out),
             other => {
@@ -163,9 +136,8 @@ impl ValidatedConfig {
     /// Validates a reloaded file against the running configuration. Errors
     /// carry the line in `source`.
     pub fn apply_update(&self, source: &str) -> Result<ValidatedConfig, UpdateRejected> {
-        let (raw, map) = super::validated::parse_file(source).map_err(|e| UpdateRejected {
-            errors: ConfigErrors::one(e),
-        })?;
+        let (raw, map) =
+            super::validated::parse_file(source).map_err(|e| UpdateRejected { errors: ConfigErrors::one(e) })?;
         self.check_update(&raw, &map)
     }
 
@@ -178,14 +150,8 @@ impl ValidatedConfig {
     /// with one key replaced, validated as a whole. `value` is TOML
     /// (`0.5`, `true`, `"10ms"`); a value that is not TOML is taken as a
     /// string, so `10ms` and `1:100,2:200` need no quotes.
-    pub fn apply_set(
-        &self,
-        dotted_key: &str,
-        value: &str,
-    ) -> Result<ValidatedConfig, UpdateRejected> {
-        let reject = |error| UpdateRejected {
-            errors: ConfigErrors::one(error),
-        };
+    pub fn apply_set(&self, dotted_key: &str, value: &str) -> Result<ValidatedConfig, UpdateRejected> {
+        let reject = |error| UpdateRejected { errors: ConfigErrors::one(error) };
         let key = dotted_key.trim();
         let mut table = self.to_table();
         let (parents, leaf) = match key.rsplit_once('.') {
@@ -197,10 +163,7 @@ impl ValidatedConfig {
             cursor = match cursor.get_mut(part) {
                 Some(toml::Value::Table(t)) => t,
                 _ => {
-                    return Err(reject(ConfigError::UnknownKey {
-                        key: key.into(),
-                        line: None,
-                    }));
+                    return Err(reject(ConfigError::UnknownKey { key: key.into(), line: None }));
                 }
             };
         }
@@ -214,10 +177,7 @@ impl ValidatedConfig {
             }
             Some(_) => {}
             None => {
-                return Err(reject(ConfigError::UnknownKey {
-                    key: key.into(),
-                    line: None,
-                }));
+                return Err(reject(ConfigError::UnknownKey { key: key.into(), line: None }));
             }
         }
         let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
@@ -226,11 +186,7 @@ impl ValidatedConfig {
             .unwrap_or_else(|| toml::Value::String(value.trim().to_string()));
         cursor.insert(leaf.to_string(), parsed);
         let mut raw: RawConfig = table.try_into().map_err(|e: toml::de::Error| {
-            reject(ConfigError::InvalidValue {
-                key: key.into(),
-                line: None,
-                reason: e.message().trim().to_string(),
-            })
+            reject(ConfigError::InvalidValue { key: key.into(), line: None, reason: e.message().trim().to_string() })
         })?;
         if key == "resource-control.cpu-throttle.profile" {
             // One step: the profile sets every key it decides, keeping a
@@ -242,11 +198,7 @@ impl ValidatedConfig {
         self.check_update(&raw, &SourceMap::none())
     }
 
-    fn check_update(
-        &self,
-        raw: &RawConfig,
-        map: &SourceMap,
-    ) -> Result<ValidatedConfig, UpdateRejected> {
+    fn check_update(&self, raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConfig, UpdateRejected> {
         let validated = ValidatedConfig::from_raw_with_map(raw, map);
         let mut errors = match &validated {
             Ok(_) => ConfigErrors::default(),
@@ -254,13 +206,9 @@ impl ValidatedConfig {
         };
         let raw_diff = diff_tables(&raw_table(&self.to_raw()), &raw_table(raw));
         for change in &raw_diff.changes {
-            let why = RESTART_ONLY
-                .iter()
-                .find(|(k, _)| *k == change.key)
-                .map(|(_, why)| *why);
+            let why = RESTART_ONLY.iter().find(|(k, _)| *k == change.key).map(|(_, why)| *why);
             let why = why.or_else(|| {
-                let throttle_on =
-                    self.cpu_throttle().enabled || raw.resource_control.cpu_throttle.enabled;
+                let throttle_on = self.cpu_throttle().enabled || raw.resource_control.cpu_throttle.enabled;
                 (change.key == MAX_READ && throttle_on)
                     .then_some("it sizes the global token bucket while cpu-throttle is enabled")
             });
@@ -276,9 +224,7 @@ impl ValidatedConfig {
         }
         match validated {
             Ok(config) if errors.errors.is_empty() => Ok(config),
-            _ => Err(UpdateRejected {
-                errors: errors.sorted(),
-            }),
+            _ => Err(UpdateRejected { errors: errors.sorted() }),
         }
     }
 }
@@ -292,14 +238,7 @@ mod tests {
         let old: toml::Table = toml::from_str("[a.b]\nx = 1\ny = \"s\"\n[c]\nz = true\n").unwrap();
         let new: toml::Table = toml::from_str("[a.b]\nx = 2\ny = \"s\"\n[c]\nz = true\n").unwrap();
         let diff = diff_tables(&old, &new);
-        assert_eq!(
-            diff.changes,
-            vec![KeyChange {
-                key: "a.b.x".into(),
-                old: "1".into(),
-                new: "2".into()
-            }]
-        );
+        assert_eq!(diff.changes, vec![KeyChange { key: "a.b.x".into(), old: "1".into(), new: "2".into() }]);
         assert!(diff.changed("a.b.x") && diff.changed("a.b") && diff.changed("a"));
         assert!(!diff.changed("a.b.y") && !diff.changed("c") && !diff.changed("a.b.x2"));
         assert!(diff_tables(&old, &old).is_empty());
@@ -322,10 +261,7 @@ mod tests {
         let rejected = running.apply_set("agent.max-threads", "8").unwrap_err();
         // Restart-only, out of range, and below the embedded default's
         // explicit per-uid quota (8192).
-        assert_eq!(
-            rejected.errors.keys(),
-            vec!["agent.max-threads", "agent.max-threads-per-uid", "agent.max-threads"]
-        );
+        assert_eq!(rejected.errors.keys(), vec!["agent.max-threads", "agent.max-threads-per-uid", "agent.max-threads"]);
         assert_eq!(running, ValidatedConfig::embedded_default());
     }
 }

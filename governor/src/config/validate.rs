@@ -14,9 +14,7 @@ use super::error::ConfigErrors;
 use super::raw::RawConfig;
 use super::raw_throttle::Profile;
 use super::source::SourceMap;
-use super::validated::{
-    AdmissionControl, AgentConfig, CpuThrottle, ResourceControl, ValidatedConfig, WriteQuota,
-};
+use super::validated::{AdmissionControl, AgentConfig, CpuThrottle, ResourceControl, ValidatedConfig, WriteQuota};
 
 const MS: Duration = Duration::from_millis(1);
 const SEC: Duration = Duration::from_secs(1);
@@ -25,10 +23,7 @@ const DAY: Duration = Duration::from_secs(86400);
 
 /// Validates `raw`; `map` supplies line numbers (empty when there is no file).
 pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConfig, ConfigErrors> {
-    let mut c = Checker {
-        map,
-        errors: ConfigErrors::default(),
-    };
+    let mut c = Checker { map, errors: ConfigErrors::default() };
     let rc = &raw.resource_control;
     let t = &rc.cpu_throttle;
 
@@ -39,10 +34,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         rc.window_size >= rc.stats_interval,
         RC,
         "window-size",
-        format!(
-            "must be at least stats-interval ({}), got {}",
-            rc.stats_interval, rc.window_size
-        ),
+        format!("must be at least stats-interval ({}), got {}", rc.stats_interval, rc.window_size),
     );
     c.ratio(RC, "max-read-cpu-ratio", rc.max_read_cpu_ratio, false);
     // Keys of the original system governor does not implement: refused, not
@@ -56,90 +48,39 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
 
     // [resource-control.cpu-throttle]
     let quotas = c.list::<u64>("keyspace-cpu-quotas", &t.keyspace_cpu_quotas);
-    let estimates = c.list::<u64>(
-        "keyspace-estimated-cpu-per-request-us",
-        &t.keyspace_estimated_cpu_per_request_us,
-    );
+    let estimates = c.list::<u64>("keyspace-estimated-cpu-per-request-us", &t.keyspace_estimated_cpu_per_request_us);
     let burst_enabled = c.list::<bool>("keyspace-burst-enabled", &t.keyspace_burst_enabled);
     c.check(
         quotas.len() <= raw.agent.max_keyspaces as usize,
         CT,
         "keyspace-cpu-quotas",
-        format!(
-            "lists {} keyspaces, more than agent.max-keyspaces ({})",
-            quotas.len(),
-            raw.agent.max_keyspaces
-        ),
+        format!("lists {} keyspaces, more than agent.max-keyspaces ({})", quotas.len(), raw.agent.max_keyspaces),
     );
-    c.duration(
-        CT,
-        "pd-service-limit-fetch-interval",
-        t.pd_service_limit_fetch_interval,
-        SEC / 10,
-        DAY,
-    );
-    c.duration(
-        CT,
-        "pd-service-limit-request-timeout",
-        t.pd_service_limit_request_timeout,
-        MS,
-        HOUR,
-    );
+    c.duration(CT, "pd-service-limit-fetch-interval", t.pd_service_limit_fetch_interval, SEC / 10, DAY);
+    c.duration(CT, "pd-service-limit-request-timeout", t.pd_service_limit_request_timeout, MS, HOUR);
     c.check(
         t.pd_service_limit_request_timeout <= t.pd_service_limit_fetch_interval,
         CT,
         "pd-service-limit-request-timeout",
         "must not exceed pd-service-limit-fetch-interval, or fetches overlap",
     );
-    c.duration(
-        CT,
-        "pd-service-limit-ttl",
-        t.pd_service_limit_ttl,
-        MS,
-        Duration::from_secs(30 * 86400),
-    );
+    c.duration(CT, "pd-service-limit-ttl", t.pd_service_limit_ttl, MS, Duration::from_secs(30 * 86400));
     c.check(
         t.pd_service_limit_ttl >= t.pd_service_limit_fetch_interval,
         CT,
         "pd-service-limit-ttl",
         "must be at least pd-service-limit-fetch-interval, or every keyspace expires between fetches",
     );
-    c.int(
-        CT,
-        "pd-service-limit-consecutive-404",
-        t.pd_service_limit_consecutive_404.into(),
-        1,
-        1000,
-    );
-    c.ratio(
-        CT,
-        "pd-service-limit-update-threshold",
-        t.pd_service_limit_update_threshold,
-        true,
-    );
-    c.int(
-        CT,
-        "estimated-cpu-per-request-us",
-        t.estimated_cpu_per_request_us,
-        1,
-        60_000_000,
-    );
+    c.int(CT, "pd-service-limit-consecutive-404", t.pd_service_limit_consecutive_404.into(), 1, 1000);
+    c.ratio(CT, "pd-service-limit-update-threshold", t.pd_service_limit_update_threshold, true);
+    c.int(CT, "estimated-cpu-per-request-us", t.estimated_cpu_per_request_us, 1, 60_000_000);
     c.duration(CT, "refill-interval", t.refill_interval, MS, SEC);
-    c.duration(
-        CT,
-        "burst-window",
-        t.burst_window,
-        MS,
-        Duration::from_secs(10),
-    );
+    c.duration(CT, "burst-window", t.burst_window, MS, Duration::from_secs(10));
     c.check(
         t.refill_interval <= t.burst_window,
         CT,
         "refill-interval",
-        format!(
-            "must not exceed burst-window ({}), got {}",
-            t.burst_window, t.refill_interval
-        ),
+        format!("must not exceed burst-window ({}), got {}", t.burst_window, t.refill_interval),
     );
     c.ratio(CT, "high-watermark", t.high_watermark, false);
     c.ratio(CT, "low-watermark", t.low_watermark, true);
@@ -147,40 +88,15 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         t.low_watermark < t.high_watermark,
         CT,
         "low-watermark",
-        format!(
-            "must be below high-watermark ({}), got {}",
-            t.high_watermark, t.low_watermark
-        ),
+        format!("must be below high-watermark ({}), got {}", t.high_watermark, t.low_watermark),
     );
-    c.ratio(
-        CT,
-        "fair-allocation-threshold",
-        t.fair_allocation_threshold,
-        false,
-    );
+    c.ratio(CT, "fair-allocation-threshold", t.fair_allocation_threshold, false);
     c.ratio(CT, "burst-threshold", t.burst_threshold, false);
-    c.int(
-        CT,
-        "runtime-check-interval-us",
-        t.runtime_check_interval_us,
-        100,
-        10_000_000,
-    );
-    c.ratio(
-        CT,
-        "additional-allocation-threshold",
-        t.additional_allocation_threshold,
-        false,
-    );
+    c.int(CT, "runtime-check-interval-us", t.runtime_check_interval_us, 100, 10_000_000);
+    c.ratio(CT, "additional-allocation-threshold", t.additional_allocation_threshold, false);
     c.int(CT, "per-allocation-us", t.per_allocation_us, 1, 60_000_000);
     c.ratio(CT, "tenant-max-cpu-ratio", t.tenant_max_cpu_ratio, true);
-    c.duration(
-        CT,
-        "tenant-cap-idle-ttl",
-        t.tenant_cap_idle_ttl,
-        MS,
-        Duration::from_secs(30 * 86400),
-    );
+    c.duration(CT, "tenant-cap-idle-ttl", t.tenant_cap_idle_ttl, MS, Duration::from_secs(30 * 86400));
 
     match t.profile {
         Profile::Essential if t.tenant_max_cpu_ratio <= 0.0 => c.invalid(
@@ -195,27 +111,11 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     }
     // Essential profile (tenant-cpu-cap.md §4.3): every violated rule is listed.
     if t.tenant_max_cpu_ratio > 0.0 {
-        c.cap_rule(
-            "enforce-global-limit",
-            !t.enforce_global_limit,
-            "must be true",
-        );
+        c.cap_rule("enforce-global-limit", !t.enforce_global_limit, "must be true");
         c.cap_rule("enable-burst", t.enable_burst, "must be false");
-        c.cap_rule(
-            "enable-fair-allocation",
-            t.enable_fair_allocation,
-            "must be false",
-        );
-        c.cap_rule(
-            "enable-dynamic-adjustment",
-            t.enable_dynamic_adjustment,
-            "must be false",
-        );
-        c.cap_rule(
-            "enable-pd-service-limit",
-            t.enable_pd_service_limit,
-            "must be false",
-        );
+        c.cap_rule("enable-fair-allocation", t.enable_fair_allocation, "must be false");
+        c.cap_rule("enable-dynamic-adjustment", t.enable_dynamic_adjustment, "must be false");
+        c.cap_rule("enable-pd-service-limit", t.enable_pd_service_limit, "must be false");
         c.cap_rule(
             "low-priority-dag-global-enabled",
             t.low_priority_dag_global_enabled,
@@ -233,10 +133,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         raw.write_quota.pending_write_threshold.0 >= 1024,
         "write-quota",
         "pending-write-threshold",
-        format!(
-            "must be at least 1KiB, got {}",
-            raw.write_quota.pending_write_threshold
-        ),
+        format!("must be at least 1KiB, got {}", raw.write_quota.pending_write_threshold),
     );
 
     // [agent]
@@ -248,22 +145,13 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         format!("must be an absolute path, got {:?}", a.control_socket),
     );
     let metrics_addr = a.metrics_addr.parse::<SocketAddr>().unwrap_or_else(|e| {
-        c.invalid(
-            "agent.metrics-addr".into(),
-            format!("{:?} is not a socket address ({e})", a.metrics_addr),
-        );
+        c.invalid("agent.metrics-addr".into(), format!("{:?} is not a socket address ({e})", a.metrics_addr));
         SocketAddr::from(([127, 0, 0, 1], 0))
     });
     c.int("agent", "metrics-max-keyspaces", a.metrics_max_keyspaces.into(), 1, 100_000);
     c.duration("agent", "timer-period", a.timer_period, MS, SEC);
     c.int("agent", "max-threads", a.max_threads.into(), 64, 1 << 20);
-    c.int(
-        "agent",
-        "max-keyspaces",
-        a.max_keyspaces.into(),
-        16,
-        1 << 20,
-    );
+    c.int("agent", "max-keyspaces", a.max_keyspaces.into(), 16, 1 << 20);
     // Per-uid quotas: checked when set; when absent, half the total.
     if let Some(n) = a.max_threads_per_uid {
         c.int("agent", "max-threads-per-uid", n.into(), 1, a.max_threads.into());
@@ -299,8 +187,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
                 pd_override_config: t.pd_override_config,
                 estimated_cpu_per_request_us: t.estimated_cpu_per_request_us,
                 keyspace_estimated_cpu_per_request_us: estimates,
-                enable_adaptive_estimated_cpu_per_request_us: t
-                    .enable_adaptive_estimated_cpu_per_request_us,
+                enable_adaptive_estimated_cpu_per_request_us: t.enable_adaptive_estimated_cpu_per_request_us,
                 refill_interval: t.refill_interval,
                 burst_window: t.burst_window,
                 enable_dynamic_adjustment: t.enable_dynamic_adjustment,
@@ -320,13 +207,10 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
                 low_priority_dag_global_enabled: t.low_priority_dag_global_enabled,
             },
         },
-        write_quota: WriteQuota {
-            pending_write_threshold: raw.write_quota.pending_write_threshold,
-        },
+        write_quota: WriteQuota { pending_write_threshold: raw.write_quota.pending_write_threshold },
         admission_control: AdmissionControl {
             mode: raw.admission_control.mode,
-            max_concurrent_per_tenant: Some(raw.admission_control.max_concurrent_per_tenant)
-                .filter(|n| *n > 0),
+            max_concurrent_per_tenant: Some(raw.admission_control.max_concurrent_per_tenant).filter(|n| *n > 0),
         },
         agent: AgentConfig {
             control_socket: a.control_socket.clone(),
@@ -371,12 +255,7 @@ mod tests {
             ]
         );
         assert!(errors.errors.iter().all(|e| e.line().is_none()));
-        assert!(
-            errors
-                .errors
-                .iter()
-                .all(|e| matches!(e, ConfigError::Conflict { .. }))
-        );
+        assert!(errors.errors.iter().all(|e| matches!(e, ConfigError::Conflict { .. })));
     }
 
     #[test]
@@ -403,15 +282,10 @@ mod tests {
     fn more_quotas_than_keyspace_cells_are_rejected() {
         let mut raw = RawConfig::default();
         raw.agent.max_keyspaces = 16;
-        raw.resource_control.cpu_throttle.keyspace_cpu_quotas = (1..=17)
-            .map(|i| format!("{i}:100"))
-            .collect::<Vec<_>>()
-            .join(",");
+        raw.resource_control.cpu_throttle.keyspace_cpu_quotas =
+            (1..=17).map(|i| format!("{i}:100")).collect::<Vec<_>>().join(",");
         let errors = validate(&raw, &SourceMap::none()).unwrap_err();
-        assert_eq!(
-            errors.keys(),
-            vec!["resource-control.cpu-throttle.keyspace-cpu-quotas"]
-        );
+        assert_eq!(errors.keys(), vec!["resource-control.cpu-throttle.keyspace-cpu-quotas"]);
     }
 
     #[test]
@@ -443,13 +317,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cfg.cpu_throttle().tenant_max_cpu_ratio, 0.25);
-        let source = "[resource-control.cpu-throttle]\nprofile = \"essential\"\nenable-burst = true\ntenant-max-cpu-ratio = 0\n";
+        let source =
+            "[resource-control.cpu-throttle]\nprofile = \"essential\"\nenable-burst = true\ntenant-max-cpu-ratio = 0\n";
         let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
-        assert_eq!(
-            errors.keys(),
-            vec!["resource-control.cpu-throttle.tenant-max-cpu-ratio"],
-            "{errors}"
-        );
+        assert_eq!(errors.keys(), vec!["resource-control.cpu-throttle.tenant-max-cpu-ratio"], "{errors}");
         assert!(errors.to_string().starts_with("line 4: "), "{errors}");
         let source = "[resource-control.cpu-throttle]\nprofile = \"essential\"\nenable-burst = true\n";
         let errors = ValidatedConfig::from_toml_str(source).unwrap_err();

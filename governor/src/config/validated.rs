@@ -109,9 +109,7 @@ impl WriteQuota {
     /// The per-keyspace cap, `0.3 ×` the global threshold (rounded down).
     /// Derived, not a key: the seed deliberately adds no knob.
     pub fn per_keyspace_pending_write_threshold(&self) -> ByteSize {
-        ByteSize(
-            self.pending_write_threshold.0 / 10 * 3 + self.pending_write_threshold.0 % 10 * 3 / 10,
-        )
+        ByteSize(self.pending_write_threshold.0 / 10 * 3 + self.pending_write_threshold.0 % 10 * 3 / 10)
     }
 }
 
@@ -170,10 +168,7 @@ impl ValidatedConfig {
         super::validate::validate(raw, &SourceMap::none())
     }
 
-    pub(crate) fn from_raw_with_map(
-        raw: &RawConfig,
-        map: &SourceMap,
-    ) -> Result<Self, ConfigErrors> {
+    pub(crate) fn from_raw_with_map(raw: &RawConfig, map: &SourceMap) -> Result<Self, ConfigErrors> {
         super::validate::validate(raw, map)
     }
 
@@ -258,13 +253,8 @@ mod tests {
 
     #[test]
     fn per_keyspace_write_threshold_is_thirty_percent_rounded_down() {
-        let share = |n| {
-            WriteQuota {
-                pending_write_threshold: ByteSize(n),
-            }
-            .per_keyspace_pending_write_threshold()
-            .get()
-        };
+        let share =
+            |n| WriteQuota { pending_write_threshold: ByteSize(n) }.per_keyspace_pending_write_threshold().get();
         assert_eq!(share(10), 3);
         assert_eq!(share(7), 2);
         assert_eq!(share(100 << 20), (100u64 << 20) * 3 / 10);

@@ -18,7 +18,11 @@ use std::collections::HashMap;
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
     #[error("cannot read the kernel's BTF at {path} (the eBPF backend needs CONFIG_DEBUG_INFO_BTF)")]
-    Read { path: String, #[source] source: std::io::Error },
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("the kernel's BTF is malformed: {detail}")]
     Malformed { detail: String },
     #[error("the kernel's BTF has no {what}")]
@@ -113,8 +117,8 @@ impl Btf {
             at += 12;
             let mut members = Vec::new();
             let extra = match kind {
-                1 | 14 | 17 => 4,                  // int, var, decl_tag
-                3 => 12,                           // array
+                1 | 14 | 17 => 4, // int, var, decl_tag
+                3 => 12,          // array
                 4 | 5 => {
                     for m in 0..vlen {
                         let w = |i: usize| le32(tsec, at + 12 * m + 4 * i).ok_or_else(|| malformed("truncated member"));
@@ -125,8 +129,8 @@ impl Btf {
                     }
                     12 * vlen
                 }
-                6 | 13 => 8 * vlen,                // enum, func_proto
-                15 | 19 => 12 * vlen,              // datasec, enum64
+                6 | 13 => 8 * vlen,   // enum, func_proto
+                15 | 19 => 12 * vlen, // datasec, enum64
                 2 | 7 | 8 | 9 | 10 | 11 | 12 | 16 | 18 => 0,
                 other => return Err(malformed(format!("unknown type kind {other}"))),
             };
@@ -175,9 +179,10 @@ impl Btf {
         }
         for m in t.members.iter().filter(|m| m.name == 0) {
             if let Some(inner) = self.resolve(m.ty)
-                && let Some((off, ty)) = self.member(inner, name, depth + 1) {
-                    return Some((m.bit_offset + off, ty));
-                }
+                && let Some((off, ty)) = self.member(inner, name, depth + 1)
+            {
+                return Some((m.bit_offset + off, ty));
+            }
         }
         None
     }
@@ -186,9 +191,10 @@ impl Btf {
     /// struct `root`.
     pub fn offset_of(&self, root: &str, path: &str) -> Result<u32, BtfError> {
         let missing = || BtfError::Missing { what: format!("struct {root} member {path}") };
-        let id = *self.by_name.get(&(KIND_STRUCT, root.to_string())).ok_or_else(|| BtfError::Missing {
-            what: format!("struct {root}"),
-        })?;
+        let id = *self
+            .by_name
+            .get(&(KIND_STRUCT, root.to_string()))
+            .ok_or_else(|| BtfError::Missing { what: format!("struct {root}") })?;
         let mut t = self.resolve(id).ok_or_else(missing)?;
         let mut bits = 0u32;
         let parts: Vec<&str> = path.split('.').collect();
@@ -228,7 +234,9 @@ mod tests {
     fn blob() -> Vec<u8> {
         let strings = b"\0inner\0a\0b\0outer\0x\0y\0in\0u64\0u32\0".to_vec();
         let s = |name: &str| {
-            let pos = strings.windows(name.len() + 2).position(|w| w[0] == 0 && &w[1..=name.len()] == name.as_bytes() && w[name.len() + 1] == 0);
+            let pos = strings
+                .windows(name.len() + 2)
+                .position(|w| w[0] == 0 && &w[1..=name.len()] == name.as_bytes() && w[name.len() + 1] == 0);
             pos.map(|p| p as u32 + 1).unwrap()
         };
         let mut t = Vec::new();

@@ -5,19 +5,20 @@
 
 use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::{BackendKind, ProgramStats};
-use crate::region::{fd, Access, MeasureRegions, RegionSizes, Table};
+use crate::region::{Access, MeasureRegions, RegionSizes, Table, fd};
 use crate::sys;
 use aya::maps::{Array, HashMap, Map, MapData, RingBuf};
-use aya::programs::perf_event::{perf_sw_ids, PerfEventScope, PerfTypeId, SamplePolicy};
+use aya::programs::perf_event::{PerfEventScope, PerfTypeId, SamplePolicy, perf_sw_ids};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 use keyspace_governor_common::{
-    RuleEvent, GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUNTIME,
+    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUNTIME,
     GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS,
-    MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME,
+    MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON,
+    RULE_CTL_RENAME, RuleEvent,
 };
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// What the eBPF backend keeps alive: the loaded object (its programs stay
 /// attached while it lives) and the tid map the agent fills.
@@ -80,14 +81,12 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     }
     let btf = Btf::from_sys_fs().map_err(|e| MeasureError::Load(boxed(e)))?;
 
-    for (name, tracepoint) in
-        [
-            (PROG_SCHED_SWITCH, "sched_switch"),
-            (PROG_FORK, "sched_process_fork"),
-            (PROG_EXEC, "sched_process_exec"),
-            (PROG_RENAME, "task_rename"),
-        ]
-    {
+    for (name, tracepoint) in [
+        (PROG_SCHED_SWITCH, "sched_switch"),
+        (PROG_FORK, "sched_process_fork"),
+        (PROG_EXEC, "sched_process_exec"),
+        (PROG_RENAME, "task_rename"),
+    ] {
         let prog: &mut BtfTracePoint = ebpf
             .program_mut(name)
             .ok_or_else(|| MeasureError::Attach { program: name, source: "not in the object".into() })?
@@ -122,11 +121,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
             Some(Map::Array(data)) => data,
             _ => return Err(MeasureError::Load(format!("map {name} missing or not an array").into())),
         };
-        let fd: OwnedFd = data
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|source| MeasureError::Region { what: "map", source })?;
+        let fd: OwnedFd =
+            data.fd().as_fd().try_clone_to_owned().map_err(|source| MeasureError::Region { what: "map", source })?;
         fds.push(fd);
         arrays.push(data);
     }
@@ -146,7 +142,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     raw[fd::KEYSPACES] = fds[2].as_raw_fd();
     // Only the programs write the per-CPU anchors: frozen, the map can be
     // mapped writable by no client, nor by the agent.
-    crate::sys::bpf_map_freeze(raw[fd::CPUS]).map_err(|source| MeasureError::Region { what: "cpu map (freezing)", source })?;
+    crate::sys::bpf_map_freeze(raw[fd::CPUS])
+        .map_err(|source| MeasureError::Region { what: "cpu map (freezing)", source })?;
     let regions = MeasureRegions::map(&raw, sizes, Access::ReadOnly)?;
     Ok(Measurement {
         kind: BackendKind::Ebpf,
@@ -166,7 +163,10 @@ impl EbpfSide {
     pub(super) fn insert_tid(&mut self, tid: u32, slot: u32) -> Result<(), MeasureError> {
         let entry = self.tid_slot.get(tid.saturating_mul(2)).ok_or_else(|| MeasureError::Register {
             tid,
-            reason: format!("tid beyond the tid table ({} entries, kernel.pid_max at start); restart the agent", self.tid_slot.len() / 2),
+            reason: format!(
+                "tid beyond the tid table ({} entries, kernel.pid_max at start); restart the agent",
+                self.tid_slot.len() / 2
+            ),
         })?;
         entry.store(slot + 1, Ordering::Release);
         Ok(())
@@ -283,7 +283,9 @@ impl RuleMaps {
     /// still holds `from`. True if it holds `to` afterwards.
     pub fn set_thread_tag(&self, tid: u32, from: u32, to: u32) -> bool {
         let Some(e) = self.half(tid) else { return false };
-        from == to || (from != keyspace_governor_common::TAG_PENDING && e.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok())
+        from == to
+            || (from != keyspace_governor_common::TAG_PENDING
+                && e.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok())
     }
 
     /// Events the ring buffer had no room for, since start.

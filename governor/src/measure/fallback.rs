@@ -5,9 +5,9 @@
 
 use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
-use crate::region::{fd, Access, MeasureRegions, RegionSizes, SlotView};
+use crate::region::{Access, MeasureRegions, RegionSizes, SlotView, fd};
 use crate::sys;
-use keyspace_governor_common::{ThreadSlot, SLOT_LIVE};
+use keyspace_governor_common::{SLOT_LIVE, ThreadSlot};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
@@ -31,7 +31,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     // Clients write slots and keyspace cells (their own charges); the
     // per-CPU table they only read.
     for (i, f) in fds.iter().enumerate() {
-        crate::sys::seal(f.as_raw_fd(), i == 0).map_err(|source| MeasureError::Region { what: "measurement", source })?;
+        crate::sys::seal(f.as_raw_fd(), i == 0)
+            .map_err(|source| MeasureError::Region { what: "measurement", source })?;
     }
     Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
 }

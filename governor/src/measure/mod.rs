@@ -19,16 +19,26 @@ pub use crate::config::MeasureMode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MeasureError {
-    #[error("eBPF measurement needs {missing}, which this process lacks: run the agent as root or grant CAP_BPF and CAP_PERFMON (or use --measure=auto to fall back)")]
+    #[error(
+        "eBPF measurement needs {missing}, which this process lacks: run the agent as root or grant CAP_BPF and CAP_PERFMON (or use --measure=auto to fall back)"
+    )]
     MissingCapability { missing: String },
     #[error("this kernel cannot run the eBPF backend")]
     KernelUnsupported(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("loading the eBPF programs failed")]
     Load(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("attaching {program} failed")]
-    Attach { program: &'static str, #[source] source: Box<dyn std::error::Error + Send + Sync> },
+    Attach {
+        program: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("creating the {what} region failed")]
-    Region { what: &'static str, #[source] source: std::io::Error },
+    Region {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Map(#[from] RegionError),
     #[error("registering tid {tid} in the kernel map failed: {reason}")]
@@ -68,7 +78,10 @@ impl Measurement {
             MeasureMode::Auto => match ebpf::start(sizing) {
                 Ok(m) => Ok(m),
                 Err(e) => {
-                    log::warn!("eBPF measurement unavailable ({}), using the thread-clock fallback", crate::error_chain(&e));
+                    log::warn!(
+                        "eBPF measurement unavailable ({}), using the thread-clock fallback",
+                        crate::error_chain(&e)
+                    );
                     fallback::start(sizing)
                 }
             },

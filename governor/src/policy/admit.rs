@@ -181,7 +181,7 @@ fn take_burst(global: &BucketView, us: u64) -> bool {
 /// CPU tokens from the tenant bucket then the global bucket (rollback when
 /// the global refuses); burst outside cap mode. Returns (tenant µs, burst µs).
 #[inline]
-fn take_cpu(k: &Knobs, cells: &Cells, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+fn take_cpu(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
     let Some((tenant, params)) = cells.tenant else {
         return Err(Refusal::GlobalCpuExhausted { keyspace });
     };
@@ -280,7 +280,7 @@ fn enter_writes(k: &Knobs, global: &BucketView, tenant: &BucketView, keyspace: u
 /// else the default; with runtime token management, at most a tenth of what
 /// the tenant and global buckets hold (it tops up as it runs).
 #[inline]
-fn estimate(k: &Knobs, cells: &Cells, demand: &Demand) -> u64 {
+fn estimate(k: &Knobs, cells: &Cells<'_>, demand: &Demand) -> u64 {
     let published = cells.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
     let mut est = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
     if k.has(KNOB_RUNTIME_TOPUP)
@@ -309,7 +309,7 @@ enum Prep {
 fn prepare(
     r: &AdmissionRegions,
     k: &Knobs,
-    cells: &Cells,
+    cells: &Cells<'_>,
     keyspace: u32,
     cell: Option<(u32, u64)>,
     demand: &Demand,
@@ -370,7 +370,7 @@ fn prepare(
 
 /// Gives back what [`prepare`] took: the low-priority tokens, the write
 /// bytes, the place among the tenant's in-flight requests.
-fn undo(r: &AdmissionRegions, cells: &Cells, g: &Grant) {
+fn undo(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant) {
     let tenant = cells.tenant.map(|t| t.0);
     if g.low_priority_us > 0
         && let Some(p) = r.params.get(LOW_PRIORITY) {
@@ -391,7 +391,7 @@ fn undo(r: &AdmissionRegions, cells: &Cells, g: &Grant) {
 /// Records a grant that got its CPU tokens (`from_spare`: the thread's
 /// spare tokens, already counted in flight).
 #[inline]
-fn finish(cells: &Cells, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
+fn finish(cells: &Cells<'_>, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
     g.tenant_us = tenant_us;
     g.burst_us = burst_us;
     g.global_us = est;
@@ -409,7 +409,7 @@ fn finish(cells: &Cells, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, 
 
 /// CPU from the global bucket alone (a keyspace without a bucket, on the
 /// low-priority path).
-fn take_global_only(k: &Knobs, cells: &Cells, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+fn take_global_only(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
     if cells.global.try_take(us) {
         return Ok((0, 0));
     }
@@ -541,7 +541,7 @@ impl Grant {
 }
 
 impl Queued {
-    fn start(cells: &Cells, k: &Knobs, g: Grant, est: u64, throttled: bool, topup: bool) -> Queued {
+    fn start(cells: &Cells<'_>, k: &Knobs, g: Grant, est: u64, throttled: bool, topup: bool) -> Queued {
         let mut q = Queued { g, est, tenant_us: 0, burst_us: 0, stage: Stage::Global(None), topup, spared: false };
         let Some((tenant, params)) = cells.tenant.filter(|_| throttled) else { return q };
         if tenant.try_take(est) {
@@ -803,7 +803,7 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
 /// The release of [`release_with`] when the refund stays spare; `false`
 /// (nothing done) when it may not.
 #[inline]
-fn keep_refund(r: &AdmissionRegions, cells: &Cells, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
+fn keep_refund(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
     let granted = g.tenant_us;
     if granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell) {
         return false;

@@ -86,13 +86,7 @@ pub struct Outcome {
 /// Runs `loads` from `start_us` for `duration_us` in steps of `step_us`; every step the agent
 /// ticks, then the tenants take turns (one request each per round) allocating and immediately
 /// releasing with truthful consumption, each until refused or `per_step` requests ran. Returns per-tenant consumption in the run.
-pub fn run(
-    policy: &Policy,
-    loads: &[Load],
-    start_us: u64,
-    duration_us: u64,
-    step_us: u64,
-) -> Outcome {
+pub fn run(policy: &Policy, loads: &[Load], start_us: u64, duration_us: u64, step_us: u64) -> Outcome {
     let mut out = Outcome {
         consumed_us: vec![0; loads.len()],
         granted: vec![0; loads.len()],
@@ -142,10 +136,7 @@ pub fn steady(policy: &Policy, loads: &[Load]) -> Vec<u64> {
 /// `|actual / expected − 1| <= tol`.
 pub fn assert_close(actual: f64, expected: f64, tol: f64, what: &str) {
     let rel = (actual / expected - 1.0).abs();
-    assert!(
-        rel <= tol,
-        "{what}: actual {actual} vs expected {expected} (rel error {rel:.4} > {tol})"
-    );
+    assert!(rel <= tol, "{what}: actual {actual} vs expected {expected} (rel error {rel:.4} > {tol})");
 }
 
 /// The seed's full Premium sample (`fixtures/seed_throttle_full.toml`) with

@@ -106,7 +106,10 @@ pub enum Reply {
     Stats(Vec<u8>),
     /// Refused by the governor: its code (`Refused::code`) and how long the
     /// request waited in line first.
-    Busy { code: String, waited_us: u64 },
+    Busy {
+        code: String,
+        waited_us: u64,
+    },
     Error(String),
 }
 
@@ -252,7 +255,8 @@ mod tests {
             r.encode(&mut f);
             assert_eq!(Request::decode(body(&f)).unwrap(), r);
         }
-        let summary = ScanSummary { rows: 1, matched: 2, amount_sum: 3, response_bytes: 4, compressed_bytes: 5, checksum: 6 };
+        let summary =
+            ScanSummary { rows: 1, matched: 2, amount_sum: 3, response_bytes: 4, compressed_bytes: 5, checksum: 6 };
         for r in [
             Reply::Row(b"abc".to_vec()),
             Reply::Scanned(summary),

@@ -18,9 +18,35 @@ const RESPONSE_CHUNK_BYTES: usize = 16 * 1024;
 pub const STATUS_SHIPPED: u8 = 2;
 const STATUSES: u8 = 4;
 const WORDS: &[&str] = &[
-    "pallet", "invoice", "express", "fragile", "warehouse", "customs", "returned", "priority", "standard",
-    "delivery", "window", "morning", "evening", "signature", "required", "contact", "reception", "loading",
-    "dock", "north", "south", "east", "west", "gate", "floor", "second", "third", "ground", "refrigerated",
+    "pallet",
+    "invoice",
+    "express",
+    "fragile",
+    "warehouse",
+    "customs",
+    "returned",
+    "priority",
+    "standard",
+    "delivery",
+    "window",
+    "morning",
+    "evening",
+    "signature",
+    "required",
+    "contact",
+    "reception",
+    "loading",
+    "dock",
+    "north",
+    "south",
+    "east",
+    "west",
+    "gate",
+    "floor",
+    "second",
+    "third",
+    "ground",
+    "refrigerated",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -252,8 +278,11 @@ impl KeyspaceData {
         if found != b.crc {
             return Err(StoreError::Checksum { keyspace: self.id, block: i, found, expected: b.crc });
         }
-        lz4_flex::block::decompress_size_prepended(&b.stored)
-            .map_err(|source| StoreError::Decompress { keyspace: self.id, block: i, source })
+        lz4_flex::block::decompress_size_prepended(&b.stored).map_err(|source| StoreError::Decompress {
+            keyspace: self.id,
+            block: i,
+            source,
+        })
     }
 
     fn malformed(&self, what: &'static str) -> StoreError {

@@ -3,15 +3,15 @@
 //! use, and the goodput of a capped tenant's admitted work.
 
 use anyhow::{Context, Result};
+use governor_tests::{Agent, essential_config, workload_bin};
 use keyspace_governor::client::{Client, Demand, TaggedExt};
 use keyspace_governor::sys;
-use governor_tests::{essential_config, workload_bin, Agent};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::tickets::{MutexBuckets, ESTIMATE_US};
+use super::tickets::{ESTIMATE_US, MutexBuckets};
 
 fn cores() -> f64 {
     sys::logical_cores() as f64

@@ -7,10 +7,10 @@ mod switch;
 mod tickets;
 
 use anyhow::{Context, Result};
+use governor_tests::{Agent, run_workload};
 use keyspace_governor::client::{self, Client};
 use keyspace_governor::policy::{Policy, Settings};
 use keyspace_governor::sys;
-use governor_tests::{run_workload, Agent};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -138,7 +138,8 @@ fn main() -> Result<()> {
     // Measure the steady state: the agent publishes the TSC clock after its
     // second calibration anchor (where the kernel keeps time on the TSC).
     let deadline = Instant::now() + std::time::Duration::from_secs(2);
-    while agent.status()?.thread_clock_source == "vdso" && keyspace_governor::tsc::usable() && Instant::now() < deadline {
+    while agent.status()?.thread_clock_source == "vdso" && keyspace_governor::tsc::usable() && Instant::now() < deadline
+    {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let clock_source = agent.status()?.thread_clock_source;
@@ -146,15 +147,21 @@ fn main() -> Result<()> {
     client.register_current_thread()?;
     let _g = client::tag(1)?;
 
-    let thread_clock_ns = best(5, || per_op(2_000_000, |_| {
-        std::hint::black_box(client::thread_cpu_ns());
-    }));
-    let clock_thread_cputime_ns = best(5, || per_op(200_000, |_| {
-        std::hint::black_box(sys::thread_cputime_ns());
-    }));
-    let tag_switch_ns = best(5, || per_op(2_000_000, |i| {
-        client::set_tag(1 + (i & 1) as u32).expect("tag");
-    }));
+    let thread_clock_ns = best(5, || {
+        per_op(2_000_000, |_| {
+            std::hint::black_box(client::thread_cpu_ns());
+        })
+    });
+    let clock_thread_cputime_ns = best(5, || {
+        per_op(200_000, |_| {
+            std::hint::black_box(sys::thread_cputime_ns());
+        })
+    });
+    let tag_switch_ns = best(5, || {
+        per_op(2_000_000, |i| {
+            client::set_tag(1 + (i & 1) as u32).expect("tag");
+        })
+    });
     drop(_g);
     let ebpf = switch::ebpf_cost(&agent)?;
     let (attribution, share_pp, steal) = attribution(&agent)?;

@@ -2,9 +2,9 @@
 //! and its CPU with 1000 keyspaces active (each charged CPU again and again
 //! by a registered thread cycling through them).
 
-use anyhow::{bail, Context, Result};
-use keyspace_governor::client::{self, Client};
+use anyhow::{Context, Result, bail};
 use governor_tests::Agent;
+use keyspace_governor::client::{self, Client};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -41,7 +41,14 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
 
 fn rss_mib(pid: u32) -> Result<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).context("VmRSS")?.trim().trim_end_matches("kB").trim().parse()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .context("VmRSS")?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()?;
     Ok(kib / 1024.0)
 }
 
@@ -52,7 +59,8 @@ pub fn agent_at_1000_keyspaces() -> Result<AgentLoad> {
     // A thread of its own: the harness's thread is registered elsewhere.
     let pid = agent.pid();
     let socket = agent.socket.clone();
-    let cpu_pct_of_core = std::thread::spawn(move || charge_all(&socket, pid, KEYSPACES)).join().expect("load thread")?;
+    let cpu_pct_of_core =
+        std::thread::spawn(move || charge_all(&socket, pid, KEYSPACES)).join().expect("load thread")?;
     let live = agent.status()?.keyspaces.len() as u32;
     if live < KEYSPACES {
         bail!("only {live} of {KEYSPACES} keyspaces live in the agent");
@@ -65,7 +73,13 @@ pub fn agent_at_1000_keyspaces() -> Result<AgentLoad> {
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
-    Ok(AgentLoad { keyspaces: live, scrape_ms: times[times.len() / 2], scrape_bytes: bytes, rss_mib: rss_mib(agent.pid())?, cpu_pct_of_core })
+    Ok(AgentLoad {
+        keyspaces: live,
+        scrape_ms: times[times.len() / 2],
+        scrape_bytes: bytes,
+        rss_mib: rss_mib(agent.pid())?,
+        cpu_pct_of_core,
+    })
 }
 
 /// Registers, charges every keyspace, then keeps charging them all for

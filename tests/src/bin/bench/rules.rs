@@ -10,7 +10,9 @@ use std::time::Duration;
 
 /// `n` rules that match no process here.
 fn unmatched_rules(n: usize) -> String {
-    (0..n).map(|i| format!("[[rules]]\nname = \"r{i}\"\nkeyspace = {}\ncomm-prefix = \"nomatch{i}\"\n\n", 100_000 + i)).collect()
+    (0..n)
+        .map(|i| format!("[[rules]]\nname = \"r{i}\"\nkeyspace = {}\ncomm-prefix = \"nomatch{i}\"\n\n", 100_000 + i))
+        .collect()
 }
 
 /// Per-run cost (raw, statistics' floor included) of the switch program

@@ -3,11 +3,12 @@
 //! and end to end, as the slowdown of a same-CPU pipe ping-pong.
 
 use anyhow::{Context, Result};
-use governor_tests::{run_workload, Agent};
+use governor_tests::{Agent, run_workload};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-const CALIBRATION: [&str; 2] = [keyspace_governor_common::PROG_CALIBRATE, keyspace_governor_common::PROG_CALIBRATE_CLOCK];
+const CALIBRATION: [&str; 2] =
+    [keyspace_governor_common::PROG_CALIBRATE, keyspace_governor_common::PROG_CALIBRATE_CLOCK];
 
 /// The CPU the ping-pongs run on: the last one, away from the agent's
 /// usual CPU 0 housekeeping where there is a choice.
@@ -112,9 +113,10 @@ pub fn per_run(
     let mut out = BTreeMap::new();
     for (name, time, runs) in stats()? {
         if let Some((_, t0, r0)) = before.iter().find(|b| b.0 == name)
-            && runs > *r0 {
-                out.insert(name, (time - t0) as f64 / (runs - r0) as f64);
-            }
+            && runs > *r0
+        {
+            out.insert(name, (time - t0) as f64 / (runs - r0) as f64);
+        }
     }
     Ok(out)
 }
@@ -132,14 +134,21 @@ pub fn ebpf_cost(agent: &Agent) -> Result<BTreeMap<String, f64>> {
     };
     let mut out = BTreeMap::new();
     let reg = per_run(agent_stats, || pingpong(Some(&agent.socket), 20_000).map(drop))?;
-    out.insert("registered".to_string(), reg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN));
+    out.insert(
+        "registered".to_string(),
+        reg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN),
+    );
     out.insert("timer".to_string(), reg.get(keyspace_governor_common::PROG_TIMER).copied().unwrap_or(f64::NAN));
     let unreg = per_run(agent_stats, || pingpong(None, 20_000).map(drop))?;
-    out.insert("unregistered".to_string(), unreg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN));
+    out.insert(
+        "unregistered".to_string(),
+        unreg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN),
+    );
     // The agent's programs are still attached; the calibration programs'
     // own figures are what matters in this pass.
     let calib = calibration(&CALIBRATION)?;
-    let calib_stats = || CALIBRATION.iter().map(|n| program_runs(&calib, n).map(|(t, r)| (n.to_string(), t, r))).collect();
+    let calib_stats =
+        || CALIBRATION.iter().map(|n| program_runs(&calib, n).map(|(t, r)| (n.to_string(), t, r))).collect();
     let c = per_run(calib_stats, || pingpong(None, 20_000).map(drop))?;
     out.insert("floor".to_string(), c.get(CALIBRATION[0]).copied().unwrap_or(f64::NAN));
     out.insert("clock".to_string(), c.get(CALIBRATION[1]).copied().unwrap_or(f64::NAN));

@@ -3,9 +3,9 @@
 //! the agent per acquire and per release), the tenant cap held on real CPU,
 //! and how soon a dead agent stops holding anyone back.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
+use governor_tests::{Agent, essential_config, spawn_workload_started};
 use keyspace_governor::client::{Client, Demand};
-use governor_tests::{essential_config, spawn_workload_started, Agent};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -104,7 +104,8 @@ impl Rpc {
     }
 
     fn acquire_release(&mut self, keyspace: u32) -> Result<()> {
-        let granted = self.call(&format!("{{\"op\":\"acquire\",\"keyspace\":{keyspace},\"estimate_us\":{ESTIMATE_US}}}\n"))?;
+        let granted =
+            self.call(&format!("{{\"op\":\"acquire\",\"keyspace\":{keyspace},\"estimate_us\":{ESTIMATE_US}}}\n"))?;
         let ticket = granted["ticket"].as_u64().with_context(|| format!("not granted: {granted}"))?;
         let released = self.call(&format!("{{\"op\":\"release\",\"ticket\":{ticket},\"consumed_us\":0}}\n"))?;
         if released["reply"] != "released" {

@@ -11,8 +11,8 @@
 //! the server lets it. Latencies go into HDR histograms, per phase and per
 //! second of the phase (by intended send time).
 
-use anyhow::{bail, Context, Result};
-use governor_reader::proto::{read_frame, Reply, Request};
+use anyhow::{Context, Result, bail};
+use governor_reader::proto::{Reply, Request, read_frame};
 use governor_reader::store::SplitMix;
 use hdrhistogram::Histogram;
 use std::collections::{BTreeMap, VecDeque};
@@ -91,7 +91,6 @@ impl Log {
             }
         }
     }
-
 }
 
 type Shared = Arc<Mutex<Log>>;
@@ -170,7 +169,8 @@ pub fn start(addr: SocketAddr, lights: &[Light], noisy: Option<&Noisy>, start: I
             writers.push((stream, pending));
         }
         let t = t.clone();
-        run.threads.push(spawn(format!("{}-send", t.name), move || send_open_loop(&t, writers, log, start + offset, end))?);
+        run.threads
+            .push(spawn(format!("{}-send", t.name), move || send_open_loop(&t, writers, log, start + offset, end))?);
     }
     if let Some(n) = noisy {
         let log: Shared = Arc::new(Mutex::new(Log::new()));
@@ -186,7 +186,13 @@ pub fn start(addr: SocketAddr, lights: &[Light], noisy: Option<&Noisy>, start: I
 /// Sends a light tenant's requests on schedule, round robin over its
 /// connections, then half-closes them (the server answers what it has and
 /// closes, which ends the readers).
-fn send_open_loop(t: &Light, mut conns: Vec<(TcpStream, Arc<Mutex<VecDeque<Instant>>>)>, log: Shared, first: Instant, end: Instant) -> Result<()> {
+fn send_open_loop(
+    t: &Light,
+    mut conns: Vec<(TcpStream, Arc<Mutex<VecDeque<Instant>>>)>,
+    log: Shared,
+    first: Instant,
+    end: Instant,
+) -> Result<()> {
     fine_timer_slack();
     client_priority();
     let interval = Duration::from_secs_f64(1.0 / t.rate);
@@ -222,12 +228,18 @@ fn send_open_loop(t: &Light, mut conns: Vec<(TcpStream, Arc<Mutex<VecDeque<Insta
 
 /// Reads one connection's replies in order and records each against the
 /// intended send time of its request.
-fn read_replies(mut stream: TcpStream, pending: Arc<Mutex<VecDeque<Instant>>>, log: Shared, start: Instant) -> Result<()> {
+fn read_replies(
+    mut stream: TcpStream,
+    pending: Arc<Mutex<VecDeque<Instant>>>,
+    log: Shared,
+    start: Instant,
+) -> Result<()> {
     client_priority();
     let mut buf = Vec::new();
     while read_frame(&mut stream, &mut buf).context("reading a reply")?.is_some() {
         let done = Instant::now();
-        let intended = pending.lock().unwrap_or_else(|p| p.into_inner()).pop_front().context("a reply to no request")?;
+        let intended =
+            pending.lock().unwrap_or_else(|p| p.into_inner()).pop_front().context("a reply to no request")?;
         let reply = Reply::decode(&buf)?;
         let second = intended.saturating_duration_since(start).as_secs() as usize;
         lock(&log).add(second, (done - intended).as_micros() as u64, &reply);
@@ -278,10 +290,10 @@ impl Run {
     pub fn p99_of_second(&self, tenants: &[String], second: usize) -> Option<u64> {
         let mut h: Histogram<u64> = Histogram::new(3).expect("3 significant digits");
         for t in tenants {
-            if let Some(log) = self.logs.get(t) {
-                if let Some(s) = lock(log).per_second.get(second) {
-                    h.add(s).ok()?;
-                }
+            if let Some(log) = self.logs.get(t)
+                && let Some(s) = lock(log).per_second.get(second)
+            {
+                h.add(s).ok()?;
             }
         }
         (!h.is_empty()).then(|| h.value_at_quantile(0.99))

@@ -41,7 +41,7 @@ mod plot;
 mod report;
 mod server;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use governor_tests::Agent;
 use load::{Light, Noisy};
 use serde_json::json;
@@ -122,12 +122,16 @@ impl Progress {
         }
     }
 
-    fn second(&mut self, spec: &phase::Spec, s: u64, cpu: &[(String, f64)], light_p99_us: Option<u64>) {
+    fn second(&mut self, spec: &phase::Spec<'_>, s: u64, cpu: &[(String, f64)], light_p99_us: Option<u64>) {
         let cpu: Vec<String> = cpu.iter().map(|(n, c)| format!("{n} {c:.2}")).collect();
         let p99 = light_p99_us.map_or("-".to_string(), report::ms);
         let line = format!(
             "  [{}/3 {:<9}] {:>2}/{} s  cpu (cores): {}  light p99 {p99}",
-            spec.index, spec.name, s, spec.seconds, cpu.join("  ")
+            spec.index,
+            spec.name,
+            s,
+            spec.seconds,
+            cpu.join("  ")
         );
         if self.tty && !self.json {
             print!("\r{line}\x1b[K");
@@ -181,7 +185,8 @@ fn main() -> Result<()> {
     let cores = f64::from(status.logical_cores);
     let (lights, noisy) = tenants(&o);
     let keyspaces: Vec<u32> = lights.iter().map(|l| l.keyspace).chain([noisy.keyspace]).collect();
-    let mut server = server::ReaderServer::start(&agent.socket, &keyspaces, ROWS, o.chunk_blocks, o.worker_slice_us, &o.levels)?;
+    let mut server =
+        server::ReaderServer::start(&agent.socket, &keyspaces, ROWS, o.chunk_blocks, o.worker_slice_us, &o.levels)?;
     let ratio = CAP_CORES / cores;
     progress.say(&format!(
         "governor agent up: backend {}, thread clock {}, {cores} cores, embedded default configuration (measuring; cpu-throttle off)",
@@ -213,13 +218,25 @@ fn main() -> Result<()> {
     // cells in the agent. A cold first second would flatter the ratios
     // against the alone phase.
     progress.say(&format!("warming up: {WARM_UP_SECONDS} s of the light tenants' load, not measured"));
-    let warm = load::start(server.addr, &lights, None, Instant::now() + std::time::Duration::from_millis(50), WARM_UP_SECONDS)?;
+    let warm = load::start(
+        server.addr,
+        &lights,
+        None,
+        Instant::now() + std::time::Duration::from_millis(50),
+        WARM_UP_SECONDS,
+    )?;
     warm.finish().context("warm-up load")?;
     let measuring = "agent measuring (cpu-throttle off)".to_string();
     let mut phases = Vec::new();
     for (i, name, with_noisy) in [(1, "alone", false), (2, "monitor", true)] {
-        progress.say(&format!("\nphase {i}/3 {name}: {}, {measuring}", if with_noisy { "light + noisy" } else { "light tenants alone" }));
-        phases.push(phase::run(&spec(i, name, measuring.clone(), with_noisy), &agent, &mut server, &mut progress).with_context(|| context(&agent, &server))?);
+        progress.say(&format!(
+            "\nphase {i}/3 {name}: {}, {measuring}",
+            if with_noisy { "light + noisy" } else { "light tenants alone" }
+        ));
+        phases.push(
+            phase::run(&spec(i, name, measuring.clone(), with_noisy), &agent, &mut server, &mut progress)
+                .with_context(|| context(&agent, &server))?,
+        );
     }
     let config = cap_config(ratio);
     let t_restart = Instant::now();
@@ -232,7 +249,10 @@ fn main() -> Result<()> {
         reattached
     ));
     progress.say(&format!("phase 3/3 enforcing: light + noisy, {enforcing}"));
-    phases.push(phase::run(&spec(3, "enforcing", enforcing, true), &agent, &mut server, &mut progress).with_context(|| context(&agent, &server))?);
+    phases.push(
+        phase::run(&spec(3, "enforcing", enforcing, true), &agent, &mut server, &mut progress)
+            .with_context(|| context(&agent, &server))?,
+    );
     if std::env::var_os("DEMO_DEBUG").is_some() {
         eprintln!("agent log:\n{}\nreader-server log:\n{}", agent.log_text(), server.log_text());
     }

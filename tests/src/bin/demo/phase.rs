@@ -2,9 +2,9 @@
 //! the agent and the server every second, and turn samples and latency
 //! histograms into the phase's numbers.
 
+use crate::Progress;
 use crate::load::{self, Light, Log, Noisy};
 use crate::server::ReaderServer;
-use crate::Progress;
 use anyhow::{Context, Result};
 use governor_reader::proto::ServerStats;
 use governor_tests::Agent;
@@ -51,7 +51,11 @@ impl Sample {
         let server = server.stats().context("server stats")?;
         if std::env::var_os("DEMO_DEBUG").is_some() {
             let n = status.keyspaces.iter().find(|k| k.keyspace_id == 900);
-            eprintln!("status took {:?}; noisy {:?}", after - before, n.map(|k| (k.cpu_seconds, &k.bucket, k.inflight_requests, k.estimate_us)));
+            eprintln!(
+                "status took {:?}; noisy {:?}",
+                after - before,
+                n.map(|k| (k.cpu_seconds, &k.bucket, k.inflight_requests, k.estimate_us))
+            );
         }
         let steal_s = governor_tests::steal_ns() as f64 / 1e9;
         Ok(Sample { at, agent: status.keyspaces.into_iter().map(|k| (k.keyspace_id, k)).collect(), server, steal_s })
@@ -190,7 +194,7 @@ fn merged<'a>(hs: impl Iterator<Item = &'a Histogram<u64>>) -> Histogram<u64> {
 }
 
 /// Runs one phase: load from now for `seconds`, a sample per second.
-pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut Progress) -> Result<PhaseResult> {
+pub fn run(spec: &Spec<'_>, agent: &Agent, server: &mut ReaderServer, progress: &mut Progress) -> Result<PhaseResult> {
     let start = Instant::now() + Duration::from_millis(50);
     let run = load::start(server.addr, spec.lights, spec.noisy, start, spec.seconds as f64)?;
     std::thread::sleep(start.saturating_duration_since(Instant::now()));
@@ -214,7 +218,7 @@ pub fn run(spec: &Spec, agent: &Agent, server: &mut ReaderServer, progress: &mut
     Ok(summarize(spec, &samples, &tail, &logs))
 }
 
-fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<String, Log>) -> PhaseResult {
+fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap<String, Log>) -> PhaseResult {
     let (first, last) = (&samples[0], &samples[samples.len() - 1]);
     let span = (last.at - first.at).as_secs_f64();
     let per_window = |f: &dyn Fn(&Sample) -> f64| -> Vec<f64> {
@@ -222,7 +226,11 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
     };
     let windows = |ks: u32| per_window(&|s: &Sample| s.cpu_s(ks));
     let mut tenants = BTreeMap::new();
-    let roles = spec.lights.iter().map(|l| (&l.name, l.keyspace, "light")).chain(spec.noisy.map(|n| (&n.name, n.keyspace, "noisy")));
+    let roles = spec
+        .lights
+        .iter()
+        .map(|l| (&l.name, l.keyspace, "light"))
+        .chain(spec.noisy.map(|n| (&n.name, n.keyspace, "noisy")));
     for (name, ks, role) in roles {
         let log = &logs[name];
         let cpu_cores = (last.cpu_s(ks) - first.cpu_s(ks)) / span;
@@ -231,7 +239,10 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
         let rel = |truth: f64| if truth > 0.0 { (agent_total - truth) / truth * 100.0 } else { 0.0 };
         let (w0, r0) = first.agent_counts(ks);
         let (w1, r1) = tail.agent_counts(ks);
-        let (s0, s1) = (first.server.keyspaces.get(&ks).cloned().unwrap_or_default(), tail.server.keyspaces.get(&ks).cloned().unwrap_or_default());
+        let (s0, s1) = (
+            first.server.keyspaces.get(&ks).cloned().unwrap_or_default(),
+            tail.server.keyspaces.get(&ks).cloned().unwrap_or_default(),
+        );
         let admitted = (s1.gets + s1.scans).saturating_sub(s0.gets + s0.scans);
         let busy_server: u64 = s1.busy.values().sum::<u64>() - s0.busy.values().sum::<u64>();
         tenants.insert(
@@ -249,7 +260,11 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
                 windows_ticket_poll_cores: per_window(&|s: &Sample| s.ticket_poll_s(ks)),
                 windows_waiting_pct: per_window(&|s: &Sample| s.waiting_s(ks) * 100.0),
                 latency: Latency::of(&log.latency),
-                p99_per_second_us: log.per_second.iter().map(|h| if h.is_empty() { 0 } else { h.value_at_quantile(0.99) }).collect(),
+                p99_per_second_us: log
+                    .per_second
+                    .iter()
+                    .map(|h| if h.is_empty() { 0 } else { h.value_at_quantile(0.99) })
+                    .collect(),
                 busy: log.busy.clone(),
                 errors: log.errors,
                 late_sends: log.late_sends,
@@ -270,8 +285,18 @@ fn summarize(spec: &Spec, samples: &[Sample], tail: &Sample, logs: &BTreeMap<Str
         .collect();
     let noisy = spec.noisy.map(|n| {
         let t = &tenants[&n.name];
-        let worst = t.windows_cores.iter().skip(1).map(|w| (w - spec.cap_cores).abs() / spec.cap_cores * 100.0).fold(0.0, f64::max);
-        CapCheck { cap_cores: spec.cap_cores, cpu_cores: t.cpu_cores, windows_cores: t.windows_cores.clone(), worst_window_error_pct: worst }
+        let worst = t
+            .windows_cores
+            .iter()
+            .skip(1)
+            .map(|w| (w - spec.cap_cores).abs() / spec.cap_cores * 100.0)
+            .fold(0.0, f64::max);
+        CapCheck {
+            cap_cores: spec.cap_cores,
+            cpu_cores: t.cpu_cores,
+            windows_cores: t.windows_cores.clone(),
+            worst_window_error_pct: worst,
+        }
     });
     let windows_steal_pct = samples
         .windows(2)

@@ -9,7 +9,8 @@ use plotters::prelude::*;
 use serde_json::json;
 use std::path::Path;
 
-const LIGHT_COLORS: [RGBColor; 3] = [RGBColor(0x1f, 0x77, 0xb4), RGBColor(0x2c, 0xa0, 0x2c), RGBColor(0x94, 0x67, 0xbd)];
+const LIGHT_COLORS: [RGBColor; 3] =
+    [RGBColor(0x1f, 0x77, 0xb4), RGBColor(0x2c, 0xa0, 0x2c), RGBColor(0x94, 0x67, 0xbd)];
 const NOISY_COLOR: RGBColor = RGBColor(0xd6, 0x27, 0x28);
 const CAP_COLOR: RGBColor = RGBColor(0x33, 0x33, 0x33);
 
@@ -23,7 +24,8 @@ fn hex(c: RGBColor) -> String {
 
 /// Which stroke colour draws which tenant (for readers of the SVG).
 pub fn series(lights: &[Light], noisy: &Noisy) -> serde_json::Value {
-    let mut v: Vec<_> = lights.iter().enumerate().map(|(i, l)| json!({"tenant": l.name, "color": hex(light_color(i))})).collect();
+    let mut v: Vec<_> =
+        lights.iter().enumerate().map(|(i, l)| json!({"tenant": l.name, "color": hex(light_color(i))})).collect();
     v.push(json!({"tenant": noisy.name, "color": hex(NOISY_COLOR)}));
     json!(v)
 }
@@ -47,7 +49,14 @@ pub fn write(path: &Path, phases: &[PhaseResult], lights: &[Light], noisy: &Nois
     draw(path, phases, lights, noisy, cap, cores).map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))
 }
 
-fn draw(path: &Path, phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cap: f64, cores: f64) -> Result<(), Box<dyn std::error::Error>> {
+fn draw(
+    path: &Path,
+    phases: &[PhaseResult],
+    lights: &[Light],
+    noisy: &Noisy,
+    cap: f64,
+    cores: f64,
+) -> Result<(), Box<dyn std::error::Error>> {
     let len = phases.iter().map(|p| p.seconds.round()).fold(1.0, f64::max);
     let x_end = len * phases.len() as f64;
     let root = SVGBackend::new(path, (1000, 720)).into_drawing_area();
@@ -86,13 +95,19 @@ fn draw(path: &Path, phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, ca
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], CAP_COLOR));
     // Beside the alone phase, between the light tenants (near 0) and the
     // noisy tenant's unthrottled CPU (near the top).
-    cpu.configure_series_labels().position(SeriesLabelPosition::MiddleLeft).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+    cpu.configure_series_labels()
+        .position(SeriesLabelPosition::MiddleLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
 
     // The light tenants' p99 per second.
     let ms = |us: u64| us as f64 / 1e3;
     let all: Vec<f64> = phases
         .iter()
-        .flat_map(|p| lights.iter().filter_map(|l| p.tenants.get(&l.name)).flat_map(|t| t.p99_per_second_us.iter().copied()))
+        .flat_map(|p| {
+            lights.iter().filter_map(|l| p.tenants.get(&l.name)).flat_map(|t| t.p99_per_second_us.iter().copied())
+        })
         .filter(|&v| v > 0)
         .map(ms)
         .collect();
@@ -136,7 +151,11 @@ fn draw(path: &Path, phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, ca
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], CAP_COLOR));
     }
     // Above the alone phase, the lowest.
-    lat.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+    lat.configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }

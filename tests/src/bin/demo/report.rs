@@ -14,7 +14,20 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
         println!("\nphase {}/{} {} ({:.1} s): {}", i + 1, phases.len(), p.name, p.seconds, p.mode);
         println!(
             "  {:<8} {:>4} | {:>9} {:>6} | {:>9} {:>7} | {:>6} {:>5} {:>6} {:>7} {:>9} | {:>8} {:>8} {:>8}",
-            "tenant", "ks", "agent cpu", "node", "thr clock", "diff", "ok", "busy", "waited", "refused", "mean wait", "p50", "p99", "p99.9"
+            "tenant",
+            "ks",
+            "agent cpu",
+            "node",
+            "thr clock",
+            "diff",
+            "ok",
+            "busy",
+            "waited",
+            "refused",
+            "mean wait",
+            "p50",
+            "p99",
+            "p99.9"
         );
         println!("  {}", "-".repeat(124));
         let names = lights.iter().map(|l| &l.name).chain(std::iter::once(&noisy.name));

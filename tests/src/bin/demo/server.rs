@@ -2,9 +2,9 @@
 //! across all three phases (and across the agent's restart), and a
 //! connection for its `stats` requests.
 
-use anyhow::{bail, Context, Result};
-use governor_reader::proto::{read_frame, Reply, Request, ServerStats};
-use governor_tests::{reader_server_bin, Scratch};
+use anyhow::{Context, Result, bail};
+use governor_reader::proto::{Reply, Request, ServerStats, read_frame};
+use governor_tests::{Scratch, reader_server_bin};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -22,14 +22,28 @@ pub struct ReaderServer {
 impl ReaderServer {
     /// Starts `reader-server` against the agent at `socket` and waits until
     /// it listens.
-    pub fn start(socket: &Path, keyspaces: &[u32], rows: u64, chunk_blocks: usize, worker_slice_us: u64, levels: &str) -> Result<ReaderServer> {
+    pub fn start(
+        socket: &Path,
+        keyspaces: &[u32],
+        rows: u64,
+        chunk_blocks: usize,
+        worker_slice_us: u64,
+        levels: &str,
+    ) -> Result<ReaderServer> {
         let dir = Scratch::new("reader");
         let log = dir.0.join("reader-server.log");
         let ks: Vec<String> = keyspaces.iter().map(|k| k.to_string()).collect();
         let mut child = Command::new(reader_server_bin())
             .arg("--socket")
             .arg(socket)
-            .args(["--keyspaces", &ks.join(","), "--rows", &rows.to_string(), "--chunk-blocks", &chunk_blocks.to_string()])
+            .args([
+                "--keyspaces",
+                &ks.join(","),
+                "--rows",
+                &rows.to_string(),
+                "--chunk-blocks",
+                &chunk_blocks.to_string(),
+            ])
             .args(["--worker-slice-us", &worker_slice_us.to_string(), "--levels", levels])
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).context("creating the server log")?)

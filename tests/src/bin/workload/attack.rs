@@ -19,9 +19,9 @@
 //!   with K idle threads.
 
 use super::{arg, socket};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use keyspace_governor::proto::{Reply, Request};
-use keyspace_governor::region::{fd, RegionSizes, SlotView, Table};
+use keyspace_governor::region::{RegionSizes, SlotView, Table, fd};
 use keyspace_governor::sys;
 use keyspace_governor_common::{SLOT_DEAD, SLOT_LIVE};
 use serde_json::json;
@@ -138,13 +138,18 @@ fn outcome(rc: i64) -> String {
 fn resize_attempts(fd: RawFd, len: usize) -> Vec<(&'static str, String)> {
     let page = sys::page_size() as libc::off_t;
     let len = len as libc::off_t;
-    // SAFETY (every call below): plain syscalls on a descriptor this process
-    // holds, with integer arguments; the kernel checks them.
+    // Plain syscalls on a descriptor this process holds, with integer
+    // arguments; the kernel checks them.
+    let sized = |f: &dyn Fn() -> libc::c_int| outcome(f() as i64);
     vec![
-        ("ftruncate-grow", outcome(unsafe { libc::ftruncate(fd, len + page) } as i64)),
-        ("fallocate-grow", outcome(unsafe { libc::fallocate(fd, 0, len, page) } as i64)),
-        ("ftruncate-shrink", outcome(unsafe { libc::ftruncate(fd, (len - page).max(0)) } as i64)),
-        ("ftruncate-to-zero", outcome(unsafe { libc::ftruncate(fd, 0) } as i64)),
+        // SAFETY: see above.
+        ("ftruncate-grow", sized(&|| unsafe { libc::ftruncate(fd, len + page) })),
+        // SAFETY: see above.
+        ("fallocate-grow", sized(&|| unsafe { libc::fallocate(fd, 0, len, page) })),
+        // SAFETY: see above.
+        ("ftruncate-shrink", sized(&|| unsafe { libc::ftruncate(fd, (len - page).max(0)) })),
+        // SAFETY: see above.
+        ("ftruncate-to-zero", sized(&|| unsafe { libc::ftruncate(fd, 0) })),
     ]
 }
 
@@ -201,7 +206,9 @@ fn fds(args: &[String]) -> Result<serde_json::Value> {
             ops.insert(op.to_string(), json!(r));
         }
         let after = sys::region_len(fd).map(|l| json!(l)).unwrap_or_else(|e| json!(e.to_string()));
-        regions.push(json!({"fd": i, "region": name, "read_only": read_only(i), "len": len, "len_after": after, "ops": ops}));
+        regions.push(
+            json!({"fd": i, "region": name, "read_only": read_only(i), "len": len, "len_after": after, "ops": ops}),
+        );
     }
     Ok(json!({ "regions": regions }))
 }
@@ -385,7 +392,9 @@ fn pipeline(args: &[String]) -> Result<serde_json::Value> {
     idle_threads(threads)?;
     let mut s = Session::open(&socket(args))?;
     let batch: String = (0..count)
-        .map(|i| serde_json::to_string(&Request::RegisterThread { tid: tids[i % tids.len()] }).expect("serializes") + "\n")
+        .map(|i| {
+            serde_json::to_string(&Request::RegisterThread { tid: tids[i % tids.len()] }).expect("serializes") + "\n"
+        })
         .collect();
     let start = Instant::now();
     s.send(&batch)?;

@@ -23,7 +23,7 @@
 //! after the second is its keyspace's.
 
 use super::{arg, burn, socket};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use keyspace_governor::client::{self, Client};
 use keyspace_governor::sys;
 use serde_json::json;
@@ -149,7 +149,8 @@ impl Kind {
 }
 
 pub fn threads(args: &[String]) -> Result<serde_json::Value> {
-    let kinds: Vec<Kind> = arg(args, "--kinds", "sleepy".to_string()).split(',').map(Kind::parse).collect::<Result<_>>()?;
+    let kinds: Vec<Kind> =
+        arg(args, "--kinds", "sleepy".to_string()).split(',').map(Kind::parse).collect::<Result<_>>()?;
     let base: u32 = arg(args, "--keyspace-base", 100);
     let keyspaces: u32 = arg(args, "--keyspaces", kinds.len() as u32).max(1);
     let seconds: f64 = arg(args, "--seconds", 1.0);
@@ -272,8 +273,10 @@ pub fn pingpong(args: &[String]) -> Result<serde_json::Value> {
 
 /// An idle second thread, parked for the life of the process.
 fn second_thread() {
-    std::thread::spawn(|| loop {
-        std::thread::park();
+    std::thread::spawn(|| {
+        loop {
+            std::thread::park();
+        }
     });
 }
 
@@ -299,4 +302,3 @@ pub fn pingpong_peer(args: &[String]) -> Result<serde_json::Value> {
     }
     Ok(json!({}))
 }
-

@@ -6,13 +6,13 @@ mod kinds;
 mod server;
 mod tickets;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use keyspace_governor::client::{self, Client};
 use keyspace_governor::sys;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T {
@@ -171,8 +171,7 @@ fn untagged(args: &[String]) -> Result<serde_json::Value> {
         })
     };
     let hs: Vec<_> = (0..3).map(run).collect();
-    let times: Vec<(u64, Option<u64>)> =
-        hs.into_iter().map(|h| h.join().expect("no panic")).collect::<Result<_>>()?;
+    let times: Vec<(u64, Option<u64>)> = hs.into_iter().map(|h| h.join().expect("no panic")).collect::<Result<_>>()?;
     Ok(json!({
         "tagged_ns": times[0].0,
         "tagged_thread_clock_ns": times[0].1,
@@ -234,7 +233,11 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else { bail!("usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|async-server|late|hold|corrupt [--socket PATH] ...") };
+    let Some(verb) = args.first() else {
+        bail!(
+            "usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|async-server|late|hold|corrupt [--socket PATH] ..."
+        )
+    };
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),

@@ -10,8 +10,8 @@ use keyspace_governor::client::{Client, Demand};
 use keyspace_governor::sys;
 use serde_json::json;
 use std::io::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(Default)]

@@ -2,13 +2,13 @@
 //! tickets on command, and a hostile process that scribbles on the regions.
 
 use super::{arg, burn, socket};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use keyspace_governor::client::{self, Client, Demand};
 use keyspace_governor::sys;
 use serde_json::json;
 use std::io::{BufRead, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Burns `us` µs of this thread's CPU.
@@ -31,7 +31,8 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
     let work: u64 = arg(args, "--work-us", 1000);
     let timeout = Duration::from_millis(arg(args, "--timeout-ms", 1000));
     let client = Client::connect(socket(args))?;
-    let (granted, refused, fail_open) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (granted, refused, fail_open) =
+        (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     // Σ of what tickets were charged, and of the thread CPU clock over the
     // same stretches of work (measured inside each ticket, independently).
     let (charged, ran) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -222,7 +223,8 @@ pub fn late(args: &[String]) -> Result<serde_json::Value> {
     let end = Instant::now() + Duration::from_secs_f64(seconds);
     let handles: Vec<_> = (0..threads)
         .map(|_| {
-            let (client, first_checked, granted, checked) = (client.clone(), first_checked.clone(), granted.clone(), checked.clone());
+            let (client, first_checked, granted, checked) =
+                (client.clone(), first_checked.clone(), granted.clone(), checked.clone());
             std::thread::spawn(move || -> Result<()> {
                 client.register_current_thread()?;
                 while Instant::now() < end {

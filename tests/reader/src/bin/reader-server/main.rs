@@ -26,9 +26,9 @@
 mod serve;
 mod stats;
 
-use anyhow::{bail, Context, Result};
-use keyspace_governor::client::Client;
+use anyhow::{Context, Result, bail};
 use governor_reader::store::{CostModel, KeyspaceData};
+use keyspace_governor::client::Client;
 use serve::Server;
 use std::io::Write;
 use std::sync::OnceLock;
@@ -63,7 +63,8 @@ fn parse_args() -> Result<Args> {
             "--listen" => a.listen = value()?,
             "--socket" => a.socket = value()?,
             "--keyspaces" => {
-                a.keyspaces = value()?.split(',').map(|k| k.trim().parse().context("--keyspaces")).collect::<Result<_>>()?
+                a.keyspaces =
+                    value()?.split(',').map(|k| k.trim().parse().context("--keyspaces")).collect::<Result<_>>()?
             }
             "--rows" => a.rows = value()?.parse().context("--rows")?,
             "--chunk-blocks" => a.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
@@ -89,10 +90,10 @@ fn parse_args() -> Result<Args> {
 struct StderrLog;
 
 impl log::Log for StderrLog {
-    fn enabled(&self, m: &log::Metadata) -> bool {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
         m.level() <= log::Level::Info
     }
-    fn log(&self, r: &log::Record) {
+    fn log(&self, r: &log::Record<'_>) {
         if self.enabled(r.metadata()) {
             eprintln!("reader-server: {} {}: {}", r.level(), r.target(), r.args());
         }
@@ -106,7 +107,11 @@ fn main() -> Result<()> {
     let args = parse_args()?;
     let _ = log::set_logger(&StderrLog).map(|()| log::set_max_level(log::LevelFilter::Info));
     let t0 = Instant::now();
-    let data = args.keyspaces.iter().map(|&k| (k, KeyspaceData::generate(k, args.rows))).collect::<std::collections::BTreeMap<_, _>>();
+    let data = args
+        .keyspaces
+        .iter()
+        .map(|&k| (k, KeyspaceData::generate(k, args.rows)))
+        .collect::<std::collections::BTreeMap<_, _>>();
     for ks in data.values() {
         eprintln!(
             "reader-server: keyspace {}: {} rows in {} blocks ({:.1} MiB, {:.1} MiB stored)",
@@ -119,9 +124,11 @@ fn main() -> Result<()> {
     }
     eprintln!("reader-server: data generated in {:.2?}", t0.elapsed());
     let sample = data.values().next().context("no keyspace")?;
-    let costs = CostModel::measure(sample, 2000, keyspace_governor::client::thread_cputime_ns).context("measuring the cost model")?;
+    let costs = CostModel::measure(sample, 2000, keyspace_governor::client::thread_cputime_ns)
+        .context("measuring the cost model")?;
     eprintln!("reader-server: a point get costs {:.1} µs, a scanned block {:.1} µs", costs.get_us, costs.scan_block_us);
-    let client = Client::connect(&args.socket).with_context(|| format!("connecting to the governor agent at {}", args.socket))?;
+    let client = Client::connect(&args.socket)
+        .with_context(|| format!("connecting to the governor agent at {}", args.socket))?;
     let server = SERVER.get_or_init(|| Server {
         client,
         stats: stats::Stats::new(data.keys().copied()),
@@ -137,10 +144,10 @@ fn main() -> Result<()> {
         .worker_threads(args.workers)
         .enable_all()
         .on_thread_start(move || {
-            if !slice.is_zero() {
-                if let Err(e) = keyspace_governor::client::set_thread_slice(slice) {
-                    log::warn!("asking the kernel for a {slice:?} scheduler slice: {e}");
-                }
+            if !slice.is_zero()
+                && let Err(e) = keyspace_governor::client::set_thread_slice(slice)
+            {
+                log::warn!("asking the kernel for a {slice:?} scheduler slice: {e}");
             }
             let server = SERVER.get().expect("set before the runtime starts");
             if let Err(e) = server.client.register_current_thread() {
@@ -150,7 +157,8 @@ fn main() -> Result<()> {
         .build()
         .context("building the tokio runtime")?;
     rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        let listener =
+            tokio::net::TcpListener::bind(&args.listen).await.with_context(|| format!("binding {}", args.listen))?;
         let addr = listener.local_addr()?;
         println!("listening {addr}");
         std::io::stdout().flush()?;
@@ -170,7 +178,7 @@ fn main() -> Result<()> {
 
 /// Completes on SIGINT or SIGTERM.
 async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
+    use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("installing the SIGTERM handler");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}

@@ -14,14 +14,14 @@
 //! work, becomes a busy reply carrying the governor's refusal code.
 
 use crate::stats::{Counters, Stats};
-use keyspace_governor::client::{Client, Demand};
-use keyspace_governor::client::thread_cputime_ns;
-use governor_reader::proto::{Op, Reply, Request, MAX_FRAME};
+use governor_reader::proto::{MAX_FRAME, Op, Reply, Request};
 use governor_reader::store::{CostModel, KeyspaceData, Scan, StoreError};
+use keyspace_governor::client::thread_cputime_ns;
+use keyspace_governor::client::{Client, Demand};
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -275,7 +275,14 @@ async fn get(ks: &KeyspaceData, c: &Counters, row: u64) -> Result<Reply, StoreEr
     Ok(Reply::Row(value))
 }
 
-async fn scan(ks: &KeyspaceData, c: &Counters, start: u64, count: u32, chunk_blocks: usize, lower: Option<&Levels>) -> Result<Reply, StoreError> {
+async fn scan(
+    ks: &KeyspaceData,
+    c: &Counters,
+    start: u64,
+    count: u32,
+    chunk_blocks: usize,
+    lower: Option<&Levels>,
+) -> Result<Reply, StoreError> {
     let mut s = Scan::new(ks, start, u64::from(count));
     loop {
         if let Some(levels) = lower {

@@ -3,8 +3,8 @@
 
 use governor_reader::proto::{KeyspaceStats, ServerStats};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 /// One keyspace's counters (see [`KeyspaceStats`] for what each means).
@@ -73,7 +73,13 @@ impl Counters {
             gets: get(&self.gets),
             scans: get(&self.scans),
             rows_read: get(&self.rows_read),
-            busy: self.busy.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            busy: self
+                .busy
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
             waited: get(&self.waited),
             wait_us: get(&self.wait_us),
             thread_cpu_ns: get(&self.thread_cpu_ns),
