@@ -83,7 +83,15 @@ pub enum Request {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "kebab-case")]
 pub enum Reply {
-    Hello { backend: BackendKind, sizes: RegionSizes, instance: u64 },
+    Hello {
+        backend: BackendKind,
+        sizes: RegionSizes,
+        instance: u64,
+        /// `crate::region::ADMISSION_LAYOUT` of the agent (0: an agent from
+        /// before the field).
+        #[serde(default)]
+        layout: u32,
+    },
     Registered { slot: u32, generation: u64 },
     Keyspace { cell: u32, generation: u64 },
     Unregistered,
@@ -306,6 +314,31 @@ pub struct AdmissionStatus {
     /// Best-effort global bucket (`enforce-global-limit = false`): grants
     /// that overdrew it instead of being refused.
     pub global_overdrafts: u64,
+    /// Keyspaces without a cell, held together by the overflow bucket.
+    #[serde(default)]
+    pub overflow: OverflowStatus,
+}
+
+/// The overflow bucket: keyspaces that got no cell (the table is full, or
+/// their server's uid holds `agent.max-keyspaces-per-uid` cells) share it,
+/// held to the tenant cap (or the smallest quota), the write-byte limits and
+/// the concurrency limit together. Not empty is a warning: raise
+/// `agent.max-keyspaces` (or the per-uid quota).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct OverflowStatus {
+    /// Keyspaces refused a cell in the last minute.
+    pub keyspaces: Vec<u32>,
+    /// Cell requests refused since start.
+    pub cells_refused: u64,
+    /// Its CPU bucket (`tenant_cap`, `config` or `pd`: what it is held
+    /// to), when it has one.
+    pub bucket: Option<BucketStatus>,
+    pub granted: u64,
+    pub refused: u64,
+    pub inflight_requests: u64,
+    pub pending_write_bytes: u64,
+    /// CPU its tickets consumed (their thread clocks), since start.
+    pub cpu_seconds: f64,
 }
 
 /// One token bucket.

@@ -205,6 +205,20 @@ fn every_malformed_file_is_rejected_naming_key_and_line() {
 fn unknown_keys_are_reported_as_unknown_key() {
     let errors = ValidatedConfig::from_toml_str("[agent]\nmax-thread = 64\n").unwrap_err();
     assert_eq!(errors.errors, vec![ConfigError::UnknownKey { key: "agent.max-thread".into(), line: Some(2) }]);
+    // Nested tables: the unknown one is named, as written.
+    for (text, key, line) in [
+        ("[multitenancy.admission_control]\nmode = \"enforced\"\n", "multitenancy", 1),
+        ("[resource-control.cpu-throttle.bogus]\nx = 1\n", "resource-control.cpu-throttle.bogus", 1),
+        ("[agent]\nmax-threads = 64\n[agent.nested]\nx = 1\n", "agent.nested", 3),
+        (
+            "[resource-control]\nenabled = true\n[resource-control.cpu-throttle]\nbogus-key = 1\n",
+            "resource-control.cpu-throttle.bogus-key",
+            4,
+        ),
+    ] {
+        let errors = ValidatedConfig::from_toml_str(text).unwrap_err();
+        assert_eq!(errors.errors, vec![ConfigError::UnknownKey { key: key.into(), line: Some(line) }], "{text:?}");
+    }
 }
 
 #[test]

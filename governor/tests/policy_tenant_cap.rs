@@ -167,3 +167,36 @@ fn cap_mode_always_enforces_the_global_bucket() {
     assert_eq!(p.keyspace(9).unwrap().bucket().available_us(), 560_000 - 480_000, "tenant tokens rolled back");
     p.release(g, 480_000);
 }
+
+#[test]
+fn keyspaces_without_a_cell_are_held_together_to_one_tenant_cap_and_the_global_cap() {
+    // 8 cores: tenant cap 0.05 (0.4 core), global 0.6 (4.8 cores); a table of
+    // 16 cells and 40 greedy keyspaces: the 24 that find no cell share the
+    // overflow bucket.
+    let p = Policy::with_cells(essential_settings(CORES, 0.05), 16, 0).unwrap();
+    let loads: Vec<Load> = (1..=40).map(|ks| Load { keyspace: ks, cost_us: 500, per_step: 1000 }).collect();
+    run(&p, &loads, 0, SEC, MS);
+    let out = run(&p, &loads, SEC, SEC, MS);
+    let with_cell: Vec<u32> = p.keyspace_entries().iter().map(|e| e.id()).collect();
+    assert_eq!(with_cell.len(), 16);
+    let (mut cell_us, mut overflow_us) = (0.0, 0.0);
+    for (l, us) in loads.iter().zip(&out.consumed_us) {
+        if with_cell.contains(&l.keyspace) {
+            assert!(*us as f64 <= 400_000.0 * 1.01, "keyspace {} ran {us} µs in 1 s over its cap", l.keyspace);
+            cell_us += *us as f64;
+        } else {
+            overflow_us += *us as f64;
+        }
+    }
+    // Together no more than one tenant's cap (they compete with the 16 for
+    // the global tokens, so they may get less).
+    assert!(
+        (200_000.0..=400_000.0 * 1.01).contains(&overflow_us),
+        "24 keyspaces without a cell ran {overflow_us} µs in 1 s"
+    );
+    // 16 × 0.4 + 0.4 cores asked for, 4.8 allowed: the global cap holds over all.
+    assert_close(cell_us + overflow_us, 4_800_000.0, 0.02, "every keyspace over 1 s");
+    let o = p.snapshot().overflow;
+    assert_eq!(o.source, Some(QuotaSource::TenantCap));
+    assert!(o.counters.refused_keyspace > 0, "{o:?}");
+}

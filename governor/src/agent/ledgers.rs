@@ -78,7 +78,7 @@ impl Ledgers {
             // settled like any release; the rest goes back.
             let consumed_us = rec.consumed_ns.load(Ordering::Relaxed) / 1000;
             policy::release(r, &g, consumed_us.min(g.global_us.max(g.tenant_us)));
-            let b = g.cell.and_then(|(c, _)| r.keyspace_cell(c)).map_or(r.bucket(crate::region::GLOBAL), |x| x.0);
+            let b = r.counted_on(g.cell());
             b.count(counter::RECLAIMED, 1);
             rec.state.store(TICKET_FREE, Ordering::Release);
             out.tickets += 1;

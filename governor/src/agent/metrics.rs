@@ -401,6 +401,23 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     );
     f.gauge("governor_keyspace_cells", "Keyspace cells in use", f64::from(a.cells_in_use));
     f.gauge("governor_keyspace_cells_capacity", "Keyspace cells in the shared table", f64::from(a.cells));
+    let o = &a.overflow;
+    f.gauge(
+        "governor_keyspace_overflow_keyspaces",
+        "Keyspaces refused a cell in the last minute, held together by the overflow bucket (raise agent.max-keyspaces)",
+        o.keyspaces.len() as f64,
+    );
+    f.counter(
+        "governor_keyspace_cells_refused_total",
+        "Cell requests refused (table full, or the uid's agent.max-keyspaces-per-uid reached)",
+        o.cells_refused,
+    );
+    f.counters(
+        "governor_keyspace_overflow_requests_total",
+        "Requests of keyspaces without a cell, by outcome",
+        "outcome",
+        &[("granted".into(), o.granted), ("refused".into(), o.refused)],
+    );
     let t = &status.threads;
     f.gauge("governor_thread_slots", "Registered threads", f64::from(t.registered));
     f.gauge("governor_thread_slots_capacity", "Thread slots in the shared region", f64::from(t.capacity));

@@ -19,6 +19,7 @@
 //! - `status`: what `governor status` shows.
 
 mod autoscale;
+mod cells;
 mod cgroups;
 mod ledgers;
 mod live_config;
@@ -106,9 +107,8 @@ pub(crate) struct Shared {
     pub(crate) policy: Policy,
     ledgers: Mutex<ledgers::Ledgers>,
     usage: Mutex<usage::Usage>,
-    /// Who asked for each keyspace cell the agent gave out: (uid, the
-    /// cell's generation then), for `agent.max-keyspaces-per-uid`.
-    cell_owners: Mutex<std::collections::HashMap<u32, (u32, u64)>>,
+    /// Who got each keyspace cell, and the keyspaces that got none.
+    cell_grants: Mutex<cells::CellGrants>,
     keyspaces_per_uid: std::sync::atomic::AtomicU32,
     /// `agent.metrics-max-keyspaces`, read at each scrape.
     metrics_max_keyspaces: std::sync::atomic::AtomicUsize,
@@ -203,8 +203,8 @@ impl Shared {
         Ok(())
     }
 
-    fn lock_cell_owners(&self) -> MutexGuard<'_, std::collections::HashMap<u32, (u32, u64)>> {
-        self.cell_owners.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_cell_grants(&self) -> MutexGuard<'_, cells::CellGrants> {
+        self.cell_grants.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Keyspace cells a registered thread is tagged with now: never evicted.
@@ -281,7 +281,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let shared = Arc::new(Shared {
         slots: Mutex::new(slots::Slots::new(measurement.sizes.slots, opts.config.agent().max_threads_per_uid)),
         usage: Mutex::new(usage::Usage::new(&opts.config)),
-        cell_owners: Mutex::new(std::collections::HashMap::new()),
+        cell_grants: Mutex::new(cells::CellGrants::default()),
         keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid.into(),
         metrics_max_keyspaces: (opts.config.agent().metrics_max_keyspaces as usize).into(),
         config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),

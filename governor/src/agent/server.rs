@@ -370,40 +370,18 @@ fn hello(shared: &Shared, conn: u64) -> (Reply, Option<Vec<RawFd>>) {
     fds[fd::LEDGER] = ledger;
     let mut sizes = m.sizes;
     sizes.ledger = keyspace_governor_common::admission::LEDGER_LEN;
-    (Reply::Hello { backend: m.kind, sizes, instance: shared.instance }, Some(fds))
+    let layout = crate::region::ADMISSION_LAYOUT;
+    (Reply::Hello { backend: m.kind, sizes, instance: shared.instance, layout }, Some(fds))
 }
 
 /// The cell of keyspace `id`, given one if it has none, within the asking
-/// uid's quota of cells (root has none).
+/// uid's quota of cells (`cells::CellGrants`).
 fn keyspace(shared: &Shared, id: u32, uid: u32) -> (Reply, Option<Vec<RawFd>>) {
-    let r = shared.policy.regions();
-    let before = r.directory().find(id);
-    let mut owners = shared.lock_cell_owners();
-    if before.is_none() && uid != 0 {
-        // Cells evicted (or given to another keyspace) since count no more.
-        owners.retain(|&cell, &mut (_, generation)| {
-            r.keyspace_cell(cell).is_some_and(|(_, p)| {
-                p.generation.load(std::sync::atomic::Ordering::Acquire) == generation
-                    && p.entry().0 == keyspace_governor_common::admission::DIR_LIVE
-            })
-        });
-        let held = owners.values().filter(|(u, _)| *u == uid).count();
-        if held >= shared.keyspaces_per_uid.load(std::sync::atomic::Ordering::Relaxed) as usize {
-            return (
-                Reply::Error {
-                    message: format!(
-                        "uid {uid} already has {held} keyspace cells in use (agent.max-keyspaces-per-uid); \
-                         keyspace {id} gets none until some go idle"
-                    ),
-                },
-                None,
-            );
-        }
-    }
-    match shared.policy.ensure_keyspace(id, super::now_us()) {
-        Ok((cell, generation)) => {
-            if before.is_none() {
-                owners.insert(cell, (uid, generation));
+    let per_uid = shared.keyspaces_per_uid.load(std::sync::atomic::Ordering::Relaxed);
+    let granted = shared.lock_cell_grants().cell_for(&shared.policy, id, uid, per_uid, super::now_us());
+    match granted {
+        Ok((cell, generation, new)) => {
+            if new {
                 let m = shared.lock_measurement();
                 shared.lock_usage().note(&m, cell, id, generation);
             }

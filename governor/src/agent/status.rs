@@ -3,7 +3,7 @@
 
 use super::Shared;
 use crate::policy::{KeyspaceCounters, QuotaSource};
-use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, StatusReport};
+use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, OverflowStatus, StatusReport};
 use std::sync::atomic::Ordering;
 
 fn source_name(s: QuotaSource) -> &'static str {
@@ -19,6 +19,28 @@ fn refused(c: &KeyspaceCounters) -> u64 {
 }
 
 impl Shared {
+    fn overflow_status(&self, snap: &crate::policy::PolicySnapshot) -> OverflowStatus {
+        let o = &snap.overflow;
+        let seen = self.lock_cell_grants().overflow();
+        OverflowStatus {
+            keyspaces: seen.recent,
+            cells_refused: seen.refused_total,
+            bucket: o.source.map(|src| BucketStatus {
+                source: source_name(src).into(),
+                available_us: o.bucket.available_us,
+                capacity_us: o.bucket.capacity_us.max(0) as u64,
+                refill_us: o.bucket.refill_us,
+                inflight_us: o.bucket.inflight_us,
+                debt_us: (-o.bucket.available_us).max(0) as u64,
+            }),
+            granted: o.counters.granted,
+            refused: refused(&o.counters),
+            inflight_requests: o.inflight_requests,
+            pending_write_bytes: o.pending_write_bytes,
+            cpu_seconds: o.counters.consumed_us as f64 / 1e6,
+        }
+    }
+
     pub(crate) fn status(&self) -> StatusReport {
         self.status_of(&self.policy.snapshot())
     }
@@ -129,6 +151,7 @@ impl Shared {
                 reclaimed: c.reclaimed,
                 monitor_breaches: c.concurrency_monitor_breaches,
                 global_overdrafts: c.global_best_effort_overdraft,
+                overflow: self.overflow_status(snap),
             },
             keyspaces,
             counters_read_at_ns,

@@ -220,28 +220,53 @@ fn custom_slice(v: Option<(u32, u32)>) -> Check {
     }
 }
 
-fn agent(socket: &Path) -> Check {
+/// The running agent, and its keyspace table: keyspaces without a cell
+/// are held together by the overflow bucket, a warning.
+fn agent(socket: &Path) -> Vec<Check> {
     match super::status::run(socket) {
-        Ok(s) => ok(
-            "agent",
-            format!(
-                "answering at {}: backend {}, thread clock {}, up {:.0} s",
-                socket.display(),
-                s.backend.as_str(),
-                s.thread_clock_source,
-                s.uptime_seconds
-            ),
-        ),
-        Err(e) => {
-            warn("agent", crate::error_chain(&e), "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)")
+        Ok(s) => {
+            let a = &s.admission;
+            let table = if a.overflow.keyspaces.is_empty() {
+                ok("keyspace-table", format!("{} / {} keyspace cells in use; none overflowed", a.cells_in_use, a.cells))
+            } else {
+                warn(
+                    "keyspace-table",
+                    format!(
+                        "{} keyspaces got no cell in the last minute ({} / {} cells in use): they share the overflow \
+                         bucket, held together to the tenant limits",
+                        a.overflow.keyspaces.len(),
+                        a.cells_in_use,
+                        a.cells
+                    ),
+                    "raise agent.max-keyspaces (restart), or agent.max-keyspaces-per-uid if one uid holds its quota",
+                )
+            };
+            vec![
+                ok(
+                    "agent",
+                    format!(
+                        "answering at {}: backend {}, thread clock {}, up {:.0} s",
+                        socket.display(),
+                        s.backend.as_str(),
+                        s.thread_clock_source,
+                        s.uptime_seconds
+                    ),
+                ),
+                table,
+            ]
         }
+        Err(e) => vec![warn(
+            "agent",
+            crate::error_chain(&e),
+            "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)",
+        )],
     }
 }
 
 /// Runs every check.
 pub fn run(socket: &Path) -> Report {
     let (k, version) = kernel();
-    let checks = vec![
+    let mut checks = vec![
         k,
         btf(),
         capabilities(),
@@ -251,8 +276,8 @@ pub fn run(socket: &Path) -> Report {
         clocksource(),
         cgroups(),
         custom_slice(version),
-        agent(socket),
     ];
+    checks.extend(agent(socket));
     let ebpf_backend = !checks.iter().any(|c| c.status == Level::Fail);
     Report { checks, ebpf_backend }
 }

@@ -44,7 +44,26 @@ pub fn render(s: &StatusReport) -> String {
         "tickets      {} granted, {} refused, {} waited, {} fail-open, {} reclaimed",
         a.granted, a.refused, a.waited, a.fail_open, a.reclaimed
     );
-    let _ = writeln!(out, "cells        {} / {} keyspace cells in use\n", a.cells_in_use, a.cells);
+    let _ = writeln!(out, "cells        {} / {} keyspace cells in use", a.cells_in_use, a.cells);
+    let o = &a.overflow;
+    if !o.keyspaces.is_empty() || o.granted + o.refused > 0 {
+        let held = o.bucket.as_ref().map_or("request limits only".to_string(), |b| {
+            format!(
+                "{} bucket, {} / {} µs available, refill {} µs",
+                b.source, b.available_us, b.capacity_us, b.refill_us
+            )
+        });
+        let _ = writeln!(
+            out,
+            "overflow     WARNING {} keyspaces without a cell in the last minute ({} cell requests refused; raise \
+             agent.max-keyspaces): held together, {held}; {} granted, {} refused",
+            o.keyspaces.len(),
+            o.cells_refused,
+            o.granted,
+            o.refused
+        );
+    }
+    out.push('\n');
     let _ = writeln!(
         out,
         "{:>12} {:>12} {:>8} {:>10} {:>23} {:>10} {:>9} {:>9}",

@@ -165,7 +165,16 @@ impl Attachment {
         stream.set_write_timeout(Some(CALL_TIMEOUT))?;
         let (reply, fds, reader) = handshake(stream)?;
         let (backend, sizes, instance) = match reply {
-            Reply::Hello { backend, sizes, instance } => (backend, sizes, instance),
+            Reply::Hello { layout, .. } if layout != crate::region::ADMISSION_LAYOUT => {
+                return Err(ClientError::Refused {
+                    message: format!(
+                        "the agent's admission regions have layout {layout}, this client reads layout {}: build the \
+                         server against the agent's release",
+                        crate::region::ADMISSION_LAYOUT
+                    ),
+                });
+            }
+            Reply::Hello { backend, sizes, instance, .. } => (backend, sizes, instance),
             Reply::Error { message } => return Err(ClientError::Refused { message }),
             other => return Err(ClientError::Protocol { detail: format!("expected hello, got {other:?}") }),
         };

@@ -297,10 +297,7 @@ pub(crate) fn charged<R>(att: &Attachment, cell: Option<u32>, f: impl FnOnce() -
 }
 
 fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
-    let b = g
-        .cell
-        .and_then(|(c, _)| att.admission.keyspace_cell(c))
-        .map_or(att.admission.bucket(crate::region::GLOBAL), |x| x.0);
+    let b = att.admission.counted_on(g.cell());
     b.count(counter::WAITED, 1);
     b.count(counter::WAIT_US, waited.as_micros() as u64);
 }
@@ -323,7 +320,8 @@ impl Client {
             }
             // Counted by the background thread once the cell is in.
             super::helper::Cell::Pending => self.inner.helper.pool_rejection(att.epoch, keyspace),
-            super::helper::Cell::Refused => {}
+            // No cell for it: counted where it is held, the overflow bucket.
+            super::helper::Cell::Refused => att.admission.counted_on(None).count(counter::POOL_REJECTED, 1),
         }
     }
 
@@ -375,7 +373,8 @@ impl Client {
             Some(c) => c,
             None => match att.cell_of(keyspace) {
                 Ok(c) => Some(c),
-                // No cell (the table is full): the request passes unthrottled.
+                // No cell (the table is full, or the uid's quota of cells is
+                // spent): the overflow bucket holds it to the tenant limits.
                 Err(ClientError::Refused { .. }) => None,
                 Err(_) => {
                     *t = self.fail_open(keyspace, None);

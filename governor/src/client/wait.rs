@@ -197,8 +197,7 @@ impl Line {
                 Progress::Ready(g) => {
                     self.q = None;
                     if self.waited {
-                        let b =
-                            g.cell().and_then(|c| r.keyspace_cell(c)).map_or(r.bucket(crate::region::GLOBAL), |x| x.0);
+                        let b = r.counted_on(g.cell());
                         b.count(counter::WAITED, 1);
                         b.count(counter::WAIT_US, self.started.elapsed().as_micros() as u64);
                     }

@@ -103,7 +103,20 @@ impl SourceMap {
                 Some(k) if k.ends_with(&format!(".{field}")) || k == field => {
                     k.strip_suffix(field).unwrap_or("").trim_end_matches('.')
                 }
-                Some(k) if self.entries.iter().any(|(_, e, h)| *h && e == k) => k,
+                // A table header naming the unknown key on its path
+                // (`[multitenancy.admission_control]` with `multitenancy`
+                // unknown): the key is the path up to it.
+                Some(k) if self.entries.iter().any(|(_, e, h)| *h && e == k) => {
+                    let parts: Vec<&str> = k.split('.').collect();
+                    match parts.iter().position(|p| *p == field) {
+                        Some(i) => {
+                            let key = parts[..=i].join(".");
+                            let line = self.line_of(&key).or(line);
+                            return ConfigError::UnknownKey { key, line };
+                        }
+                        None => k,
+                    }
+                }
                 Some(k) if self.inline_tables.iter().any(|t| t == k) => k,
                 _ => table,
             };
@@ -137,6 +150,23 @@ mod tests {
         assert_eq!(map.line_of("agent.max-threads"), None);
         assert_eq!(map.key_at_line(8), Some("agent"));
         assert_eq!(map.table_at_line(7), "resource-control.cpu-throttle");
+    }
+
+    #[test]
+    fn an_unknown_table_on_a_header_path_is_named_as_written() {
+        #[derive(Debug, serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct Root {
+            agent: Option<std::collections::BTreeMap<String, i64>>,
+        }
+        for (text, want) in [
+            ("[multitenancy.admission_control]\nmode = 1\n", "line 1: multitenancy: unknown key"),
+            ("[agent]\nx = 1\n[multitenancy]\nmode = 1\n", "line 3: multitenancy: unknown key"),
+        ] {
+            let e = toml::from_str::<Root>(text).unwrap_err();
+            assert_eq!(SourceMap::new(text).convert(&e).to_string(), want, "{text:?}");
+        }
     }
 
     #[test]

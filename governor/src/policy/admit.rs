@@ -141,16 +141,23 @@ struct Cells<'a> {
     global: &'a BucketView,
     global_params: &'a ParamsView,
     tenant: Option<(&'a BucketView, &'a ParamsView)>,
+    /// `tenant`'s index in the bucket region (what a waiter sleeps on).
+    tenant_index: u32,
 }
 
 impl<'a> Cells<'a> {
-    /// A cell given to another keyspace since `cell` was looked up (its
-    /// generation moved) is not this request's: it is left alone.
+    /// The keyspace's own bucket, or the overflow bucket for a keyspace
+    /// without a cell ([`AdmissionRegions::tenant_bucket`]). A cell given to
+    /// another keyspace since `cell` was looked up (its generation moved) is
+    /// not this request's: it is left alone.
+    #[inline]
     fn of(r: &'a AdmissionRegions, cell: Option<(u32, u64)>) -> Self {
+        let tenant = r.tenant_bucket(cell);
         Cells {
             global: r.bucket(GLOBAL),
             global_params: r.params.get(GLOBAL).expect("global parameters"),
-            tenant: spare::tenant_of(r, cell),
+            tenant: tenant.map(|(_, b, p)| (b, p)),
+            tenant_index: tenant.map_or(GLOBAL, |t| t.0),
         }
     }
 }
@@ -573,8 +580,7 @@ impl Queued {
                         continue;
                     };
                     if !tenant.reached(pos) {
-                        let bucket = self.g.cell.map_or(GLOBAL, |(c, _)| c + crate::region::FIRST_KEYSPACE);
-                        return Progress::Waiting { bucket, pos };
+                        return Progress::Waiting { bucket: cells.tenant_index, pos };
                     }
                     self.tenant_us = self.est;
                     self.stage = Stage::Global(None);
@@ -805,7 +811,9 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
 #[inline]
 fn keep_refund(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
     let granted = g.tenant_us;
-    if granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell) {
+    // The overflow bucket's tokens are shared by keyspaces without cells: a
+    // thread keeps no spare of them.
+    if g.cell.is_none() || granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell) {
         return false;
     }
     let Some((b, p)) = cells.tenant else { return false };

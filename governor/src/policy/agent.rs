@@ -15,7 +15,7 @@ use super::fair::{fair_allocate, FairInput};
 use super::keyspace::QuotaSource;
 use super::manager::{Engine, Policy};
 use super::window::UsageSample;
-use crate::region::{GLOBAL, LOW_PRIORITY};
+use crate::region::{GLOBAL, LOW_PRIORITY, OVERFLOW};
 
 /// What one [`Policy::tick`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -71,7 +71,7 @@ impl Policy {
         e.next_refill_at_us = e.last_refill_us + interval;
         let r = self.regions();
         let e = &mut *e;
-        for (i, book) in [(GLOBAL, &mut e.global), (LOW_PRIORITY, &mut e.low_priority)] {
+        for (i, book) in [(GLOBAL, &mut e.global), (LOW_PRIORITY, &mut e.low_priority), (OVERFLOW, &mut e.overflow)] {
             let amount = book.refill_us.saturating_mul(intervals);
             let kept = r.bucket(i).give(amount, book.capacity_us);
             book.refilled_us += amount;

@@ -25,6 +25,8 @@ impl Policy {
     /// - Estimates, burst switches, write threshold, admission mode and
     ///   limit, idle TTL: take effect at once.
     /// - `window-size` / `stats-interval`: the monitor window is resized.
+    /// - `max-read-cpu-ratio`, `low-priority-dag-*`, and what the overflow
+    ///   bucket is held to: the node's buckets are resized.
     pub fn update_settings_at(&self, next: Settings, now_us: u64) -> Result<(), RegionError> {
         let prev = std::mem::replace(&mut *self.lock_settings(), next.clone());
         self.publish_knobs(&next);
@@ -71,6 +73,10 @@ impl Policy {
         if !next.enable_dynamic_adjustment {
             e.global.refill_us = e.global.base_refill_us;
         }
+        // The node's buckets follow `max-read-cpu-ratio`, the low-priority
+        // ratio and switch, and the overflow bucket the cap or the quotas,
+        // whatever else changed (each one only when its size did).
+        self.setup_node_buckets(&mut e, &next);
         Ok(())
     }
 

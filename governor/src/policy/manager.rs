@@ -23,7 +23,7 @@ use super::pd::PdTracker;
 use super::settings::{millicores_to_us_per_interval, Settings};
 use super::window::MonitorWindow;
 use super::AdmissionMode;
-use crate::region::{AdmissionMemory, AdmissionRegions, ParamsView, RegionError, GLOBAL, LOW_PRIORITY};
+use crate::region::{AdmissionMemory, AdmissionRegions, ParamsView, RegionError, GLOBAL, LOW_PRIORITY, OVERFLOW};
 
 /// Keyspace cells of a policy built by [`Policy::new`].
 pub const DEFAULT_CELLS: u32 = keyspace_governor_common::DEFAULT_MAX_KEYSPACES;
@@ -37,6 +37,8 @@ pub(crate) struct Engine {
     pub live: BTreeSet<u32>,
     pub global: BucketBook,
     pub low_priority: BucketBook,
+    /// The bucket shared by keyspaces without a cell.
+    pub overflow: BucketBook,
     pub last_refill_us: u64,
     pub next_refill_at_us: u64,
     pub window: MonitorWindow,
@@ -84,6 +86,7 @@ impl Policy {
             live: BTreeSet::new(),
             global: BucketBook::default(),
             low_priority: BucketBook::default(),
+            overflow: BucketBook::default(),
             last_refill_us: now_us,
             next_refill_at_us: now_us + settings.refill_interval_us,
             window: MonitorWindow::new(settings.window_size_us, settings.max_window_cpu_us()),
@@ -176,14 +179,38 @@ impl Policy {
         p.flags.store(f, Ordering::Release);
     }
 
-    /// Sizes the global and low-priority buckets and fills them.
-    fn setup_node_buckets(&self, e: &mut Engine, s: &Settings) {
+    /// Sizes the node's buckets (global, low-priority, overflow) for `s`,
+    /// filling what a bucket gains in capacity. A bucket whose size did not
+    /// change is left alone (an online change of another key never disturbs
+    /// it, nor the global bucket's dynamic refill).
+    pub(crate) fn setup_node_buckets(&self, e: &mut Engine, s: &Settings) {
         let r = self.regions();
-        for (i, refill, book, on) in [
-            (GLOBAL, s.global_refill_us(), &mut e.global, true),
-            (LOW_PRIORITY, s.low_priority_refill_us(), &mut e.low_priority, s.low_priority_dag_global_enabled),
+        let overflow = self.overflow_source(e, s);
+        let overflow_flags = match overflow {
+            Some((QuotaSource::TenantCap, _)) => P_THROTTLED | P_CAP,
+            Some(_) => P_THROTTLED,
+            None => 0,
+        };
+        for (i, refill, book, flags) in [
+            (GLOBAL, s.global_refill_us(), &mut e.global, P_THROTTLED),
+            (
+                LOW_PRIORITY,
+                s.low_priority_refill_us(),
+                &mut e.low_priority,
+                if s.low_priority_dag_global_enabled { P_THROTTLED } else { 0 },
+            ),
+            (OVERFLOW, overflow.map_or(0, |x| x.1), &mut e.overflow, overflow_flags),
         ] {
             let capacity = s.capacity_for(refill);
+            let p = r.params.get(i).expect("node bucket parameters");
+            let same = book.base_refill_us == refill
+                && book.capacity_us == capacity
+                && book.max_debt_us == s.max_debt_for(refill)
+                && p.flags.load(Ordering::Relaxed) & !P_SHRINK_DEBT == flags
+                && book.refilled_us > 0;
+            if same {
+                continue;
+            }
             let fill = capacity.saturating_sub(book.capacity_us);
             *book = BucketBook {
                 base_refill_us: refill,
@@ -193,14 +220,34 @@ impl Policy {
                 refilled_us: book.refilled_us + fill,
                 ..*book
             };
-            let p = r.params.get(i).expect("node bucket parameters");
-            p.flags.store(if on { P_THROTTLED } else { 0 }, Ordering::Relaxed);
+            p.flags.store(flags, Ordering::Relaxed);
             Self::publish_book(p, book);
             let b = r.bucket(i);
+            book.discarded_us += b.clamp_available(capacity);
             let kept = b.give(fill, capacity);
             book.discarded_us += fill - kept;
+            if i == GLOBAL {
+                b.burst_budget_us.store(i64::try_from(refill).unwrap_or(i64::MAX), Ordering::Release);
+            }
         }
-        r.bucket(GLOBAL).burst_budget_us.store(e.global.refill_us as i64, Ordering::Release);
+    }
+
+    /// What the overflow bucket (keyspaces without a cell) is held to: the
+    /// tenant cap in tenant-cap mode; else the smallest quota in force,
+    /// configured or from PD, so a quota'd keyspace that found no cell gets
+    /// no more than any quota; without quotas none (a keyspace without a
+    /// quota passes the CPU check, as it would with a cell). Concurrency and
+    /// write-byte limits hold on it whatever this says.
+    pub(crate) fn overflow_source(&self, e: &Engine, s: &Settings) -> Option<(QuotaSource, u64)> {
+        if let Some(cap) = s.tenant_cap_refill_us(s.tenant_max_cpu_ratio) {
+            return Some((QuotaSource::TenantCap, cap));
+        }
+        let configured = s
+            .keyspace_cpu_quotas_millicores
+            .values()
+            .map(|&mc| (QuotaSource::Config, millicores_to_us_per_interval(mc, s.refill_interval_us)));
+        let pd = e.pd.applied().map(|us| (QuotaSource::Pd, us));
+        configured.chain(pd).min_by_key(|x| x.1)
     }
 
     /// The cell of `keyspace`, giving it one (with the bucket its settings

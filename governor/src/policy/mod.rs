@@ -65,7 +65,7 @@ pub use {
     manager::{Policy, DEFAULT_CELLS},
     pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracked, PdTracker},
     settings::{millicores_to_us_per_interval, Settings},
-    snapshot::{KeyspaceSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot},
+    snapshot::{KeyspaceSnapshot, OverflowSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot},
     window::{MonitorWindow, UsageSample},
 };
 

@@ -201,6 +201,11 @@ impl PdTracker {
         self.tracked.get(&keyspace).is_some_and(|t| t.unlimited)
     }
 
+    /// Every quota currently applied, µs per refill interval.
+    pub fn applied(&self) -> impl Iterator<Item = u64> + '_ {
+        self.tracked.values().filter_map(|t| t.applied_us)
+    }
+
     /// The quota currently applied for a keyspace, µs per refill interval.
     pub fn applied_us(&self, keyspace: u32) -> Option<u64> {
         self.tracked.get(&keyspace).and_then(|t| t.applied_us)
@@ -237,6 +242,10 @@ impl Policy {
             if let Err(err) = self.set_source(&mut e, &s, ks, wanted, now_us) {
                 log::warn!("PD quota for keyspace {ks} not applied: {err}");
             }
+        }
+        // The overflow bucket follows the smallest quota in force.
+        if !actions.is_empty() {
+            self.setup_node_buckets(&mut e, &s);
         }
         actions
     }

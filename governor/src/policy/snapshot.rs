@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::keyspace::{BucketSnapshot, KeyspaceCounters, KeyspaceEntry, QuotaSource};
 use super::manager::Policy;
 use super::AdmissionMode;
-use crate::region::{GLOBAL, LOW_PRIORITY};
+use crate::region::{GLOBAL, LOW_PRIORITY, OVERFLOW};
 
 /// One keyspace with a bucket, as exported.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -85,6 +85,18 @@ pub struct PolicySnapshot {
     pub counters: PolicyCountersSnapshot,
     pub pending_writes: PendingWritesSnapshot,
     pub keyspaces: Vec<KeyspaceSnapshot>,
+    pub overflow: OverflowSnapshot,
+}
+
+/// The overflow bucket: what holds keyspaces without a cell.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OverflowSnapshot {
+    /// What it is held to (`None`: no CPU bucket, only the request limits).
+    pub source: Option<QuotaSource>,
+    pub bucket: BucketSnapshot,
+    pub inflight_requests: u64,
+    pub pending_write_bytes: u64,
+    pub counters: KeyspaceCounters,
 }
 
 impl Policy {
@@ -139,12 +151,27 @@ impl Policy {
                 global_bytes: r.bucket(GLOBAL).pending_write_bytes.load(Ordering::Relaxed),
             },
             keyspaces,
+            overflow: self.overflow(),
         }
     }
 
     /// The global bucket.
     pub fn global_bucket(&self) -> BucketSnapshot {
         BucketSnapshot::of(self.regions().bucket(GLOBAL), &self.engine().global)
+    }
+
+    /// The overflow bucket.
+    pub fn overflow(&self) -> OverflowSnapshot {
+        let s = self.settings();
+        let e = self.engine();
+        let b = self.regions().bucket(OVERFLOW);
+        OverflowSnapshot {
+            source: self.overflow_source(&e, &s).map(|x| x.0),
+            bucket: BucketSnapshot::of(b, &e.overflow),
+            inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
+            pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
+            counters: KeyspaceCounters::of(b),
+        }
     }
 
     /// The low-priority DAG bucket.
@@ -199,6 +226,10 @@ impl Policy {
             for (i, v) in b.counter_values().into_iter().enumerate() {
                 sum[i] += v;
             }
+        }
+        // Keyspaces without a cell count into the overflow bucket.
+        for (i, v) in r.bucket(OVERFLOW).counter_values().into_iter().enumerate() {
+            sum[i] += v;
         }
         let g = r.bucket(GLOBAL);
         let low = r.bucket(LOW_PRIORITY);

@@ -191,8 +191,17 @@ pub mod fd {
 pub const GLOBAL: u32 = 0;
 /// Index of the low-priority DAG bucket.
 pub const LOW_PRIORITY: u32 = 1;
+/// Index of the overflow bucket: what holds a keyspace that has no cell
+/// (the table is full, or its server's uid holds its quota of cells) to the
+/// tenant limits, shared by every such keyspace.
+pub const OVERFLOW: u32 = 2;
 /// Index of keyspace cell 0; keyspace cell `c` is at `c + FIRST_KEYSPACE`.
-pub const FIRST_KEYSPACE: u32 = 2;
+pub const FIRST_KEYSPACE: u32 = 3;
+
+/// The admission regions' layout (bucket indices, cell layouts): a client
+/// attaches only to an agent that publishes the same. Raised with every
+/// change a client of another build would misread.
+pub const ADMISSION_LAYOUT: u32 = 2;
 
 /// The measurement regions: per-CPU anchors, thread slots, keyspace CPU
 /// totals (BPF maps, or memfds in the fallback backend).
@@ -218,7 +227,8 @@ impl MeasureRegions {
 /// and parameters read-only.
 pub struct AdmissionRegions {
     pub header: Table<HeaderView>,
-    /// [`GLOBAL`], [`LOW_PRIORITY`], then keyspace cells from [`FIRST_KEYSPACE`].
+    /// [`GLOBAL`], [`LOW_PRIORITY`], [`OVERFLOW`], then keyspace cells from
+    /// [`FIRST_KEYSPACE`].
     pub buckets: Table<BucketView>,
     /// Indexed as `buckets`; written by the agent only.
     pub params: Table<ParamsView>,
@@ -253,7 +263,7 @@ impl AdmissionRegions {
         Directory::new(&self.params)
     }
 
-    /// Bucket `i` ([`GLOBAL`], [`LOW_PRIORITY`] or a keyspace's).
+    /// Bucket `i` ([`GLOBAL`], [`LOW_PRIORITY`], [`OVERFLOW`] or a keyspace's).
     #[inline]
     pub fn bucket(&self, i: u32) -> &BucketView {
         self.buckets.get(i).unwrap_or_else(|| self.buckets.get(GLOBAL).expect("the global bucket"))
@@ -264,6 +274,37 @@ impl AdmissionRegions {
     pub fn keyspace_cell(&self, c: u32) -> Option<(&BucketView, &ParamsView)> {
         let i = c.checked_add(FIRST_KEYSPACE)?;
         Some((self.buckets.get(i)?, self.params.get(i)?))
+    }
+
+    /// The tenant bucket a request of `cell` is held by, with its index: the
+    /// keyspace's own while `cell` (and its generation) is current; the
+    /// overflow bucket for a keyspace without a cell. `None` for a cell given
+    /// to another keyspace since it was looked up: a grant of it settles
+    /// into nothing.
+    #[inline]
+    pub fn tenant_bucket(&self, cell: Option<(u32, u64)>) -> Option<(u32, &BucketView, &ParamsView)> {
+        match cell {
+            None => Some((OVERFLOW, self.buckets.get(OVERFLOW)?, self.params.get(OVERFLOW)?)),
+            Some((c, generation)) => {
+                let (b, p) = self.keyspace_cell(c)?;
+                (p.generation.load(std::sync::atomic::Ordering::Acquire) == generation).then_some((
+                    c + FIRST_KEYSPACE,
+                    b,
+                    p,
+                ))
+            }
+        }
+    }
+
+    /// The bucket a request of `cell` counts into (waits, top-ups): its
+    /// keyspace's, the overflow bucket without a cell, the global one for a
+    /// cell gone since.
+    #[inline]
+    pub fn counted_on(&self, cell: Option<u32>) -> &BucketView {
+        match cell {
+            None => self.bucket(OVERFLOW),
+            Some(c) => self.keyspace_cell(c).map_or(self.bucket(GLOBAL), |x| x.0),
+        }
     }
 }
 

@@ -20,8 +20,10 @@ fn work_us(us: u64) {
 }
 
 /// `workload tickets --keyspace K --threads N --seconds S --work-us W
-/// [--timeout-ms T]`: N registered threads run requests of keyspace K as
-/// fast as they are admitted, each W µs of CPU under its ticket. Prints
+/// [--timeout-ms T] [--keyspaces M]`: N registered threads run requests of
+/// keyspace K as fast as they are admitted, each W µs of CPU under its
+/// ticket (with M > 1: keyspaces K..K+M, each thread taking the next one for
+/// every request). Prints
 /// `started` once every thread is registered, then one JSON line (with
 /// `loop_seconds`, the wall time from `started` to the last worker's end).
 pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
@@ -30,6 +32,7 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
     let seconds: f64 = arg(args, "--seconds", 5.0);
     let work: u64 = arg(args, "--work-us", 1000);
     let timeout = Duration::from_millis(arg(args, "--timeout-ms", 1000));
+    let spread: u32 = arg(args, "--keyspaces", 1u32).max(1);
     let client = Client::connect(socket(args))?;
     let (granted, refused, fail_open) =
         (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -38,7 +41,7 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
     let (charged, ran) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let ready = Arc::new(std::sync::Barrier::new(threads + 1));
     let handles: Vec<_> = (0..threads)
-        .map(|_| {
+        .map(|i| {
             let (client, granted, refused, fail_open, ready) =
                 (client.clone(), granted.clone(), refused.clone(), fail_open.clone(), ready.clone());
             let (charged, ran) = (charged.clone(), ran.clone());
@@ -47,8 +50,11 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
                 ready.wait();
                 let end = Instant::now() + Duration::from_secs_f64(seconds);
                 let cpu0 = sys::thread_cputime_ns();
+                let mut next = i as u32;
                 while Instant::now() < end {
-                    match client.acquire(keyspace, Demand::new().timeout(timeout)) {
+                    let ks = keyspace + next % spread;
+                    next = next.wrapping_add(1);
+                    match client.acquire(ks, Demand::new().timeout(timeout)) {
                         Ok(mut t) => {
                             if t.is_fail_open() {
                                 fail_open.fetch_add(1, Ordering::Relaxed);
