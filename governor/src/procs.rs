@@ -149,6 +149,52 @@ pub fn process_cgroups(pid: u32) -> Vec<(bool, String)> {
         .collect()
 }
 
+/// A mounted cgroup hierarchy and the controllers it offers (v2: those
+/// listed in its `cgroup.controllers`; v1: those it was mounted with).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CgroupHierarchy {
+    pub dir: PathBuf,
+    pub v2: bool,
+    pub controllers: Vec<String>,
+}
+
+/// Every mounted cgroup hierarchy (the v2 one and each v1 one).
+pub fn cgroup_hierarchies() -> Vec<CgroupHierarchy> {
+    let Ok(mounts) = Process::myself().and_then(|me| me.mountinfo()) else { return Vec::new() };
+    let mut out: Vec<CgroupHierarchy> = Vec::new();
+    for m in mounts {
+        let h = match m.fs_type.as_str() {
+            "cgroup2" => {
+                let controllers = std::fs::read_to_string(m.mount_point.join("cgroup.controllers")).unwrap_or_default();
+                CgroupHierarchy {
+                    dir: m.mount_point,
+                    v2: true,
+                    controllers: controllers.split_whitespace().map(str::to_string).collect(),
+                }
+            }
+            "cgroup" => {
+                let mut controllers: Vec<String> =
+                    m.super_options.keys().filter(|k| !matches!(k.as_str(), "rw" | "ro")).cloned().collect();
+                controllers.sort();
+                CgroupHierarchy { dir: m.mount_point, v2: false, controllers }
+            }
+            _ => continue,
+        };
+        // A hierarchy mounted twice (bind mounts) is read once.
+        if !out.iter().any(|o| o.v2 == h.v2 && o.controllers == h.controllers) {
+            out.push(h);
+        }
+    }
+    out
+}
+
+/// The cgroups of process `pid`, one per hierarchy, as (v2, the v1
+/// hierarchy's controllers, path).
+pub fn process_cgroup_paths(pid: u32) -> Vec<(bool, Vec<String>, String)> {
+    let Some(groups) = process(pid).and_then(|p| p.cgroups().ok()) else { return Vec::new() };
+    groups.into_iter().map(|g| (g.hierarchy == 0, g.controllers, g.pathname)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -148,6 +148,32 @@ pub struct ConfigUpdates {
     pub path: Option<String>,
 }
 
+/// The CPU the caps are fractions of (`agent::server_cpu`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerCpuStatus {
+    /// Cores: `max-read-cpu-ratio` and `tenant-max-cpu-ratio` are fractions of this.
+    pub cores: f64,
+    /// `config` (`resource-control.server-cpu-cores`), `node` (the node's
+    /// online CPUs), `cpu-quota` or `cpuset` (one server cgroup's limit), or
+    /// `servers` (the sum of several).
+    pub source: String,
+    /// The file and values it was read from, as an operator reads them.
+    pub detail: String,
+    /// The node's online CPUs.
+    pub node_cores: u32,
+    /// Each distinct limit binding the registered servers, with their pids.
+    pub servers: Vec<ServerLimitStatus>,
+}
+
+/// One limit binding one or more registered server processes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerLimitStatus {
+    pub cores: f64,
+    pub source: String,
+    pub detail: String,
+    pub pids: Vec<u32>,
+}
+
 /// What `governor status` shows.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
@@ -155,7 +181,11 @@ pub struct StatusReport {
     /// Where threads read the clock: `tsc` (the agent's published mapping),
     /// `vdso` (CLOCK_MONOTONIC) or `thread-cputime` (fallback backend).
     pub thread_clock_source: String,
+    /// The node's logical cores.
     pub logical_cores: u32,
+    /// The CPU the caps are fractions of, and where it came from.
+    #[serde(default)]
+    pub server_cpu: ServerCpuStatus,
     pub uptime_seconds: f64,
     /// The monitor window the ratios are computed over.
     pub window_seconds: f64,
@@ -359,7 +389,7 @@ pub struct KeyspaceStatus {
     pub keyspace_id: u32,
     /// Cumulative charged on-CPU time.
     pub cpu_seconds: f64,
-    /// On-CPU time over the monitor window / (cores × window).
+    /// On-CPU time over the monitor window / (the servers' cores × window).
     pub window_ratio: f64,
     /// Its token bucket, when it has one.
     pub bucket: Option<BucketStatus>,

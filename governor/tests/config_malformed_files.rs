@@ -19,6 +19,8 @@ const CASES: &[(&str, &str, usize)] = &[
     ("[resource-control]\nmax-read-cpu-ratio = 1.5\n", "resource-control.max-read-cpu-ratio", 2),
     ("[resource-control]\nmax-read-cpu-ratio = 0.0\n", "resource-control.max-read-cpu-ratio", 2),
     ("[resource-control]\nmax-read-cpu-ratio = nan\n", "resource-control.max-read-cpu-ratio", 2),
+    ("[resource-control]\nserver-cpu-cores = -1\n", "resource-control.server-cpu-cores", 2),
+    ("[resource-control]\nserver-cpu-cores = 0.001\n", "resource-control.server-cpu-cores", 2),
     ("[resource-control]\nmax-read-cpu-ratio = \"0.6\"\n", "resource-control.max-read-cpu-ratio", 2),
     ("[resource-control]\nenabled = true\nbogus-key = 1\n", "resource-control.bogus-key", 3),
     // [resource-control.cpu-throttle]: intervals.

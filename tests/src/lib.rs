@@ -360,8 +360,12 @@ pub fn run_demo(args: &[&str], svg: &Path) -> Result<serde_json::Value> {
 
 /// Starts the workload and returns it once it printed `started`.
 pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, BufReader<std::process::ChildStdout>)> {
-    let mut child =
-        Command::new(workload_bin()).args(args).arg("--socket").arg(socket).stdout(Stdio::piped()).spawn()?;
+    let child = Command::new(workload_bin()).args(args).arg("--socket").arg(socket).stdout(Stdio::piped()).spawn()?;
+    once_started(child)
+}
+
+/// A workload spawned with its stdout piped, once it printed `started`.
+fn once_started(mut child: Child) -> Result<(Child, BufReader<std::process::ChildStdout>)> {
     let mut out = BufReader::new(child.stdout.take().context("stdout")?);
     let mut line = String::new();
     out.read_line(&mut line)?;
@@ -369,6 +373,34 @@ pub fn spawn_workload_started(socket: &Path, args: &[&str]) -> Result<(Child, Bu
         bail!("workload said {line:?} instead of started");
     }
     Ok((child, out))
+}
+
+/// The `tickets` workload on keyspaces `first..first+n` (4 threads, 1 ms
+/// of work per ticket, 2 s deadlines) for `seconds`: the full-table load.
+pub fn spawn_keyspaces_load(
+    socket: &Path,
+    first: &str,
+    n: &str,
+    seconds: &str,
+) -> Result<(Child, BufReader<std::process::ChildStdout>)> {
+    spawn_workload_started(
+        socket,
+        &[
+            "tickets",
+            "--keyspace",
+            first,
+            "--keyspaces",
+            n,
+            "--threads",
+            "4",
+            "--seconds",
+            seconds,
+            "--work-us",
+            "1000",
+            "--timeout-ms",
+            "2000",
+        ],
+    )
 }
 
 /// The Essential profile (tenant-cpu-cap.md §4.1) with a tenant cap of
@@ -551,6 +583,102 @@ impl std::fmt::Display for Stretch {
             self.runqueue_ns / 1000,
             asleep / 1000
         )
+    }
+}
+
+/// The cgroup (relative path) of `pid` in the hierarchy with the cpu
+/// controller: the v1 `cpu` one on a hybrid host, else v2.
+pub fn cpu_cgroup(pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let v1 = text.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, c, p) = (f.next()?, f.next()?, f.next()?);
+        c.split(',').any(|c| c == "cpu").then(|| p.to_string())
+    });
+    v1.or_else(|| text.lines().find_map(|l| l.strip_prefix("0::").map(str::to_string)))
+}
+
+/// Where the hierarchy with the cpu controller is mounted.
+pub fn cpu_hierarchy() -> std::path::PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    let mount = mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let cpu_v1 = f[2] == "cgroup" && f[3].split(',').any(|o| o == "cpu");
+            let v2 = f[2] == "cgroup2"
+                && std::fs::read_to_string(format!("{}/cgroup.controllers", f[1])).unwrap_or_default().contains("cpu");
+            (cpu_v1 || v2).then(|| f[1].to_string())
+        })
+        .next_back()
+        .unwrap();
+    std::path::PathBuf::from(mount)
+}
+
+/// The CFS bandwidth settings of a cgroup directory, as written there.
+pub fn bandwidth(dir: &std::path::Path) -> String {
+    ["cpu.max", "cpu.cfs_quota_us", "cpu.cfs_period_us"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+        .map(|v| v.trim().to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A cgroup of this test in the hierarchy with the cpu controller, with a
+/// CFS bandwidth limit; removed when dropped (its processes gone first).
+pub struct CpuCgroup {
+    pub dir: PathBuf,
+}
+
+impl CpuCgroup {
+    /// `/governor-test-<tag>-<pid>`, limited to `cores`.
+    pub fn new(tag: &str, cores: f64) -> CpuCgroup {
+        let dir = cpu_hierarchy().join(format!("governor-test-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+        let g = CpuCgroup { dir };
+        g.limit(cores);
+        g
+    }
+
+    /// Sets the limit to `cores` (period 100 ms), on either cgroup version.
+    pub fn limit(&self, cores: f64) {
+        let quota = (cores * 100_000.0).round() as u64;
+        if self.dir.join("cpu.max").exists() {
+            std::fs::write(self.dir.join("cpu.max"), format!("{quota} 100000")).unwrap();
+        } else {
+            std::fs::write(self.dir.join("cpu.cfs_period_us"), "100000").unwrap();
+            std::fs::write(self.dir.join("cpu.cfs_quota_us"), quota.to_string()).unwrap();
+        }
+    }
+
+    /// The workload with `args`, started inside this cgroup; returned once
+    /// it printed `started`.
+    pub fn spawn_workload(
+        &self,
+        socket: &Path,
+        args: &[&str],
+    ) -> Result<(Child, BufReader<std::process::ChildStdout>)> {
+        let quoted: Vec<String> = args.iter().map(|a| format!("'{a}'")).collect();
+        let script = format!(
+            "echo $$ > '{}/cgroup.procs' && exec '{}' {} --socket '{}'",
+            self.dir.display(),
+            workload_bin().display(),
+            quoted.join(" "),
+            socket.display()
+        );
+        once_started(Command::new("sh").arg("-c").arg(script).stdout(Stdio::piped()).spawn()?)
+    }
+}
+
+impl Drop for CpuCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 

@@ -35,8 +35,8 @@ fn a_capped_keyspace_names_its_cap_and_its_bucket() {
     assert_eq!(v["quota_source"], "tenant_cap", "{v:#}");
     assert_eq!(v["keyspace"]["keyspace_id"], 31);
     let text = why(&v);
-    let cores = agent.status().unwrap().logical_cores;
-    let cap = format!("tenant-max-cpu-ratio 0.25 = {:.2} cores of {cores}", 0.25 * f64::from(cores));
+    let cores = agent.status().unwrap().server_cpu.cores;
+    let cap = format!("tenant-max-cpu-ratio 0.25 = {:.2} cores of the servers' {cores:.2}", 0.25 * cores);
     assert!(text.contains(&cap), "no {cap:?} in {text}");
     // Nothing asked for tokens: a full bucket, not throttled.
     let b = &v["keyspace"]["bucket"];

@@ -4,7 +4,7 @@
 //! holds over everything. Real agent, real eBPF, client processes, and the
 //! kernel's schedstat as the measure of CPU.
 
-use governor_tests::{Agent, Holder, Steal, process_schedstat_ns, spawn_workload_started};
+use governor_tests::{Agent, Holder, Steal, process_schedstat_ns};
 use std::io::BufRead;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -36,27 +36,7 @@ fn a_full_table_holds_every_keyspace_to_the_caps() {
     let agent = Agent::start("ebpf", &config).unwrap();
     // One server process serves keyspaces 1..=16 (they take every cell), a
     // second one keyspaces 17..=48 (none left for them); 4 threads each.
-    let load = |first: &str, n: &str| {
-        spawn_workload_started(
-            &agent.socket,
-            &[
-                "tickets",
-                "--keyspace",
-                first,
-                "--keyspaces",
-                n,
-                "--threads",
-                "4",
-                "--seconds",
-                "10",
-                "--work-us",
-                "1000",
-                "--timeout-ms",
-                "2000",
-            ],
-        )
-        .unwrap()
-    };
+    let load = |first: &str, n: &str| governor_tests::spawn_keyspaces_load(&agent.socket, first, n, "10").unwrap();
     let (mut with_cells, mut with_cells_out) = load("1", "16");
     governor_tests::eventually("16 cells in use", || agent.status().unwrap().admission.cells_in_use == CELLS);
     let (mut without, mut without_out) = load("17", "32");

@@ -6,8 +6,8 @@
 //! and the key.
 
 use governor_tests::{
-    Agent, Scratch, eventually, governor_bin, process_schedstat_ns, process_tree as tree, resume,
-    spawn_workload_started, stop, workload_bin,
+    Agent, Scratch, bandwidth, cpu_cgroup, cpu_hierarchy, eventually, governor_bin, process_schedstat_ns,
+    process_tree as tree, resume, spawn_workload_started, stop, workload_bin,
 };
 use std::collections::BTreeSet;
 use std::process::{Child, Command, Output, Stdio};
@@ -317,45 +317,6 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     let removed = governor(&agent, &["rules", "remove", "keep"]);
     assert!(removed.status.success(), "{}", text(&removed));
     assert!(agent.status().unwrap().rules.is_empty());
-}
-
-/// The cgroup (relative path) of `pid` in the hierarchy with the cpu
-/// controller: the v1 `cpu` one on a hybrid host, else v2.
-fn cpu_cgroup(pid: u32) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    let v1 = text.lines().find_map(|l| {
-        let mut f = l.splitn(3, ':');
-        let (_, c, p) = (f.next()?, f.next()?, f.next()?);
-        c.split(',').any(|c| c == "cpu").then(|| p.to_string())
-    });
-    v1.or_else(|| text.lines().find_map(|l| l.strip_prefix("0::").map(str::to_string)))
-}
-
-/// Where the hierarchy with the cpu controller is mounted.
-fn cpu_hierarchy() -> std::path::PathBuf {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
-    let mount = mounts
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let cpu_v1 = f[2] == "cgroup" && f[3].split(',').any(|o| o == "cpu");
-            let v2 = f[2] == "cgroup2"
-                && std::fs::read_to_string(format!("{}/cgroup.controllers", f[1])).unwrap_or_default().contains("cpu");
-            (cpu_v1 || v2).then(|| f[1].to_string())
-        })
-        .next_back()
-        .unwrap();
-    std::path::PathBuf::from(mount)
-}
-
-/// The CFS bandwidth settings of a cgroup directory, as written there.
-fn bandwidth(dir: &std::path::Path) -> String {
-    ["cpu.max", "cpu.cfs_quota_us", "cpu.cfs_period_us"]
-        .iter()
-        .filter_map(|f| std::fs::read_to_string(dir.join(f)).ok())
-        .map(|v| v.trim().to_string())
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 #[test]

@@ -176,6 +176,43 @@ tickets_smoke() {
     }' || { cat /tmp/tickets-agent.log; return 1; }
 }
 
+# The caps are fractions of the server's cgroup (cgroup v2 here): a server
+# in a cgroup with cpu.max "100000 100000" (1 core), a tenant cap of 0.4:
+# status names the cgroup's cpu.max and 1 core, the tenant's bucket refills
+# 0.4 core, and by the workers' own thread clocks (the kernel's books) the
+# tickets consumed about 0.4 core and the workers ran far below the 0.8
+# that 0.4 of the 2 vCPUs would give.
+server_cpu_v2() {
+    printf '[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nprofile = "essential"\ntenant-max-cpu-ratio = 0.4\n' >/tmp/servercpu.toml
+    start_agent servercpu || return 1
+    echo +cpu >/sys/fs/cgroup/cgroup.subtree_control 2>/dev/null
+    mkdir -p /sys/fs/cgroup/server-1core
+    echo "100000 100000" >/sys/fs/cgroup/server-1core/cpu.max || return 1
+    sh -c "echo \$\$ > /sys/fs/cgroup/server-1core/cgroup.procs && exec ./workload tickets --socket $sock --keyspace 5 --threads 4 --seconds 6 --work-us 1000" >/tmp/servercpu.out &
+    srv=$!
+    sleep 4
+    sc_json=$(governor status --socket "$sock" --json | tr -d '\n ')
+    sc_ks=$(governor keyspace 5 --socket "$sock" --json | tr -d '\n ')
+    wait "$srv"
+    sc_out=$(tail -n 1 /tmp/servercpu.out)
+    kill "$agent"
+    wait "$agent"
+    rmdir /sys/fs/cgroup/server-1core
+    sc_field() { echo "$1" | sed -n "s/.*\"$2\": *\([^,}]*\).*/\1/p" | head -n 1; }
+    sc_cpu=$(echo "$sc_json" | sed -n 's/.*"server_cpu":{"cores":\([0-9.]*\),"source":"\([a-z-]*\)","detail":"\([^"]*\)".*/\1 \2 \3/p')
+    sc_refill=$(echo "$sc_ks" | sed -n 's/.*"refill_us":\([0-9]*\).*/\1/p')
+    echo "server CPU: $sc_cpu; tenant refill $sc_refill us; workload: $sc_out"
+    echo "$sc_cpu" | grep -q '^1.0 cpu-quota /sys/fs/cgroup/server-1core/cpu.max' || { echo FAILED; cat /tmp/servercpu-agent.log; return 1; }
+    awk -v refill="$sc_refill" -v all_ns="$(sc_field "$sc_out" thread_cpu_ns)" -v loop="$(sc_field "$sc_out" loop_seconds)" \
+        -v consumed_ns="$(sc_field "$sc_out" ticket_consumed_ns)" 'BEGIN {
+        cores = consumed_ns / 1e9 / loop; all = all_ns / 1e9 / loop
+        printf "server in a 1-core cgroup, tenant cap 0.4: tickets consumed %.3f cores, workers ran %.3f cores in all, by their thread clocks\n", cores, all
+        # Under emulation a waiting acquire costs more outside the tickets.
+        ok = refill == 4000 && cores >= 0.34 && cores <= 0.42 && all <= 0.6
+        if (!ok) { print "FAILED"; exit 1 }
+    }' || { cat /tmp/servercpu-agent.log; return 1; }
+}
+
 cd /opt/governor || exit 1
 step doctor governor doctor
 step agent-backend agent_backend
@@ -186,6 +223,7 @@ step kernel_exact ./kernel_exact --test-threads 1 --nocapture
 step client_api ./client_api --test-threads 1 --nocapture
 step cgroup-v2 cgroup_v2
 step tickets tickets_smoke
+step server-cpu server_cpu_v2
 # What CI runs on every kernel and architecture (only when named in --only):
 # exactly-once attribution on the eBPF backend and the long slice.
 case ",${vm_test_only:-}," in

@@ -161,6 +161,17 @@ impl Enforcer {
         self.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())
     }
 
+    /// The cgroup directories whose limits the agent writes (its slice, and
+    /// the operators' cgroups it caps in place): a server's limit is never
+    /// read from them, or a rule cap would shrink the number it is a
+    /// fraction of.
+    pub(crate) fn written_dirs(&self) -> Vec<PathBuf> {
+        let Some((root, _)) = &self.hierarchy else { return Vec::new() };
+        let mut dirs = vec![root.join(&self.slice)];
+        dirs.extend(self.state.in_place.values().map(|p| root.join(p.rel.trim_start_matches('/'))));
+        dirs
+    }
+
     /// Where enforcement happens, for status.
     pub(crate) fn describe(&self) -> String {
         match (&self.hierarchy, &self.unavailable) {

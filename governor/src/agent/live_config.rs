@@ -141,9 +141,9 @@ impl Shared {
             let _ = self.apply_rules(&running.config);
             return Err(vec![why]);
         }
-        if let Err(e) =
-            self.policy.update_settings_at(Settings::from_config(&next, f64::from(self.cores)), super::now_us())
-        {
+        let server_cpu_cores = next.resource_control().server_cpu_cores;
+        let cores = self.lock_server_cpu().cores_with(server_cpu_cores);
+        if let Err(e) = self.policy.update_settings_at(Settings::from_config(&next, cores), super::now_us()) {
             running.rejected += 1;
             if rules_change {
                 let _ = self.apply_rules(&running.config);
@@ -161,6 +161,7 @@ impl Shared {
         self.keyspaces_per_uid.store(a.max_keyspaces_per_uid, Ordering::Relaxed);
         self.metrics_max_keyspaces.store(a.metrics_max_keyspaces as usize, Ordering::Relaxed);
         self.lock_slots().set_per_uid(a.max_threads_per_uid);
+        self.lock_server_cpu().set_configured(server_cpu_cores);
         running.config = next;
         running.accepted += 1;
         if diff.changes.is_empty() {

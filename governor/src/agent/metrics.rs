@@ -399,6 +399,15 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         "Tickets the agent returned from clients that went away",
         a.reclaimed,
     );
+    let c = &status.server_cpu;
+    f.gauges(
+        "governor_server_cpu_cores",
+        "Cores the caps and the node budget are fractions of, by where the number came from \
+         (config, node, cpu-quota, cpuset, servers)",
+        "source",
+        &[(c.source.clone(), c.cores)],
+    );
+    f.gauge("governor_node_cpu_cores", "The node's online CPUs", f64::from(c.node_cores));
     f.gauge("governor_keyspace_cells", "Keyspace cells in use", f64::from(a.cells_in_use));
     f.gauge("governor_keyspace_cells_capacity", "Keyspace cells in the shared table", f64::from(a.cells));
     let o = &a.overflow;

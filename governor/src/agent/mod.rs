@@ -27,6 +27,7 @@ mod metrics;
 mod pd;
 mod rules;
 mod server;
+mod server_cpu;
 pub mod slots;
 mod status;
 mod usage;
@@ -127,7 +128,8 @@ pub(crate) struct Shared {
     /// Random, non-zero; published in the header.
     instance: u64,
     started: Instant,
-    cores: u32,
+    /// The CPU every cap is a fraction of (a leaf: no lock is taken under it).
+    server_cpu: Mutex<server_cpu::ServerCpu>,
 }
 
 impl Shared {
@@ -196,7 +198,8 @@ impl Shared {
             }
             cells.push(cell);
         }
-        let caps = rule_caps(config, self.cores);
+        let cores = self.lock_server_cpu().cores_with(config.resource_control().server_cpu_cores);
+        let caps = rule_caps(config, cores);
         let mut m = self.lock_measurement();
         let weighted = config.cpu_throttle().enabled && config.cpu_throttle().enable_fair_allocation;
         self.lock_rules().apply(&mut m, list, &cells, caps, weighted);
@@ -225,7 +228,7 @@ impl Shared {
 /// its configured quota, else the tenant cap; nothing while cpu-throttle is
 /// off (measuring only). Thread rules are measured, not capped: a cgroup
 /// holds processes, and their threads share it.
-fn rule_caps(config: &ValidatedConfig, cores: u32) -> std::collections::HashMap<u32, f64> {
+fn rule_caps(config: &ValidatedConfig, cores: f64) -> std::collections::HashMap<u32, f64> {
     let t = config.cpu_throttle();
     if !t.enabled {
         return Default::default();
@@ -237,7 +240,7 @@ fn rule_caps(config: &ValidatedConfig, cores: u32) -> std::collections::HashMap<
         .filter_map(|r| {
             let cap = match t.keyspace_cpu_quotas.get(r.keyspace) {
                 Some(millicores) => millicores as f64 / 1000.0,
-                None if t.tenant_max_cpu_ratio > 0.0 => t.tenant_max_cpu_ratio * f64::from(cores),
+                None if t.tenant_max_cpu_ratio > 0.0 => t.tenant_max_cpu_ratio * cores,
                 None => return None,
             };
             Some((r.keyspace, cap))
@@ -263,8 +266,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let metrics_addr = metrics_listener.local_addr().ok();
     server::raise_fd_limit();
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
-    let cores = sys::logical_cores();
-    let settings = Settings::from_config(&opts.config, cores as f64);
+    let server_cpu = server_cpu::ServerCpu::new(opts.config.resource_control().server_cpu_cores);
+    let settings = Settings::from_config(&opts.config, server_cpu.current().cores);
     let policy = Policy::with_cells(settings, measurement.sizes.keyspaces, now_us())?;
     let instance = sys::random_u64() | 1;
     let header = policy.regions().header();
@@ -295,7 +298,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         ledgers: Mutex::new(ledgers::Ledgers::default()),
         instance,
         started: Instant::now(),
-        cores,
+        server_cpu: Mutex::new(server_cpu),
     });
     if let Some(addr) = metrics_addr {
         log::info!("serving /metrics on http://{addr}/metrics");
@@ -364,6 +367,7 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
     // The first tick runs at once; then one per `tick`.
     let mut next = None::<Instant>;
     let mut last_reclaim = Instant::now();
+    let mut last_limits = Instant::now();
     let mut last_sample = None::<Instant>;
     // The TSC clock only serves the eBPF backend's thread clock.
     let mut tsc =
@@ -397,6 +401,10 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
             let mut m = shared.lock_measurement();
             shared.lock_slots().reclaim(&mut m);
             last_reclaim = Instant::now();
+        }
+        if last_limits.elapsed() >= Duration::from_secs(1) {
+            shared.refresh_server_cpu();
+            last_limits = Instant::now();
         }
         let stats = shared.policy.settings().stats_interval_us;
         let sample = if last_sample.is_none_or(|t| t.elapsed() >= Duration::from_micros(stats)) {

@@ -270,8 +270,14 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 let r = tokio::task::spawn_blocking(move || {
                     // /proc first, then the locks: status never waits on it.
                     let task = super::slots::resolve(peer, tid)?;
-                    let mut m = s.lock_measurement();
-                    s.lock_slots().register_resolved(&mut m, conn, uid, task)
+                    let registered = {
+                        let mut m = s.lock_measurement();
+                        s.lock_slots().register_resolved(&mut m, conn, uid, task)
+                    };
+                    if registered.is_ok() {
+                        s.server_registered(peer, conn);
+                    }
+                    registered
                 })
                 .await;
                 match r {
@@ -299,6 +305,11 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
         shared.lock_slots().drop_connection(&mut m, conn);
     }
     grants.close(&shared);
+    {
+        // A server's last connection: the caps may follow its cgroup out.
+        let s = shared.clone();
+        let _ = tokio::task::spawn_blocking(move || s.server_connection_closed(conn)).await;
+    }
     let back = shared.lock_ledgers().reclaim(conn, &shared.policy);
     if back.tickets > 0 {
         log::info!(

@@ -52,6 +52,7 @@ impl Shared {
         let pd = self.pd.status(self);
         let s = self.policy.settings();
         let r = self.policy.regions();
+        let server_cpu = self.lock_server_cpu().status();
         let m = self.lock_measurement();
         let usage = self.lock_usage();
         let (span_us, window) = self.policy.window_cpu();
@@ -75,7 +76,7 @@ impl Shared {
                     window_ratio: if span_us == 0 {
                         0.0
                     } else {
-                        window.get(&id).copied().unwrap_or(0) as f64 / (span_us as f64 * self.cores as f64)
+                        window.get(&id).copied().unwrap_or(0) as f64 / (span_us as f64 * server_cpu.cores)
                     },
                     bucket: k.map(|k| BucketStatus {
                         source: source_name(k.source).into(),
@@ -117,7 +118,8 @@ impl Shared {
         StatusReport {
             backend: m.kind,
             thread_clock_source: thread_clock_source.to_string(),
-            logical_cores: self.cores,
+            logical_cores: crate::sys::logical_cores(),
+            server_cpu,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             window_seconds: span_us as f64 / 1e6,
             threads: self.lock_slots().stats(),

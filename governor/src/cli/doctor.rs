@@ -222,6 +222,32 @@ fn custom_slice(v: Option<(u32, u32)>) -> Check {
 
 /// The running agent, and its keyspace table: keyspaces without a cell
 /// are held together by the overflow bucket, a warning.
+/// The number the caps are fractions of, and whether the servers can use it.
+fn server_cpu(c: &crate::proto::ServerCpuStatus) -> Check {
+    let what = format!(
+        "caps are fractions of {:.2} cores ({}: {}); the node has {} CPUs, {} server cgroup limit(s) seen",
+        c.cores,
+        c.source,
+        c.detail,
+        c.node_cores,
+        c.servers.len()
+    );
+    let detected: f64 = c.servers.iter().map(|l| l.cores).sum::<f64>().min(f64::from(c.node_cores));
+    if c.source == "config" && !c.servers.is_empty() && c.cores > detected * 1.01 {
+        warn(
+            "server-cpu",
+            format!(
+                "{what}: more than the {detected:.2} cores the registered servers' cgroups allow, so caps bite late"
+            ),
+            "set resource-control.server-cpu-cores = 0 to follow the servers' cgroups, or to what they may use",
+        )
+    } else if c.source == "config" && c.cores > f64::from(c.node_cores) {
+        warn("server-cpu", format!("{what}: more than the node has"), "set resource-control.server-cpu-cores = 0")
+    } else {
+        ok("server-cpu", what)
+    }
+}
+
 fn agent(socket: &Path) -> Vec<Check> {
     match super::status::run(socket) {
         Ok(s) => {
@@ -253,6 +279,7 @@ fn agent(socket: &Path) -> Vec<Check> {
                     ),
                 ),
                 table,
+                server_cpu(&s.server_cpu),
             ]
         }
         Err(e) => vec![warn(

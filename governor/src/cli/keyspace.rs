@@ -53,10 +53,11 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     } else {
         match source.as_str() {
             "tenant_cap" => why.push(format!(
-                "its quota is the uniform tenant cap: tenant-max-cpu-ratio {} = {:.2} cores of {}",
+                "its quota is the uniform tenant cap: tenant-max-cpu-ratio {} = {:.2} cores of the servers' {:.2} ({})",
                 a.tenant_max_cpu_ratio,
-                a.tenant_max_cpu_ratio * f64::from(s.logical_cores),
-                s.logical_cores
+                a.tenant_max_cpu_ratio * s.server_cpu.cores,
+                s.server_cpu.cores,
+                s.server_cpu.detail
             )),
             "config" => why.push("its quota is configured (resource-control.cpu-throttle.keyspace-cpu-quotas)".into()),
             "pd" => why.push(match pd_row(s, id) {
@@ -94,7 +95,7 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         }
     }
     why.push(format!(
-        "it used {:.2} % of the node over the monitor window ({:.3} CPU seconds in all); each request asks for about {} µs (its estimate)",
+        "it used {:.2} % of the servers' CPU over the monitor window ({:.3} CPU seconds in all); each request asks for about {} µs (its estimate)",
         k.window_ratio * 100.0,
         k.cpu_seconds,
         k.estimate_us

@@ -19,7 +19,16 @@ pub fn render(s: &StatusReport) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "backend      {}", s.backend.as_str());
     let _ = writeln!(out, "thread clock {}", s.thread_clock_source);
-    let _ = writeln!(out, "cores        {}", s.logical_cores);
+    let c = &s.server_cpu;
+    let _ = writeln!(
+        out,
+        "cores        {} on the node; caps are fractions of {:.2} ({}: {})",
+        s.logical_cores, c.cores, c.source, c.detail
+    );
+    for l in c.servers.iter().filter(|_| c.servers.len() > 1 || c.source == "config") {
+        let pids: Vec<String> = l.pids.iter().map(u32::to_string).collect();
+        let _ = writeln!(out, "  server     pid {}: {:.2} cores ({})", pids.join(","), l.cores, l.detail);
+    }
     let _ = writeln!(out, "uptime       {:.1} s", s.uptime_seconds);
     let _ = writeln!(
         out,
@@ -67,7 +76,7 @@ pub fn render(s: &StatusReport) -> String {
     let _ = writeln!(
         out,
         "{:>12} {:>12} {:>8} {:>10} {:>23} {:>10} {:>9} {:>9}",
-        "keyspace", "cpu seconds", "of node", "bucket", "available / capacity µs", "granted", "refused", "waited"
+        "keyspace", "cpu seconds", "of CPU", "bucket", "available / capacity µs", "granted", "refused", "waited"
     );
     for k in &s.keyspaces {
         let (source, tokens) = match &k.bucket {
@@ -143,14 +152,14 @@ pd           {} ({reach}, {last}, {} rounds)",
     out
 }
 
-/// "cpu-throttle on, tenant cap 25% of the node, concurrency monitor".
+/// "cpu-throttle on, tenant cap 25% of the servers' CPU, concurrency monitor".
 fn admission_line(a: &AdmissionStatus) -> String {
     if !a.enabled {
         return "off (resource-control.enabled = false): everything admitted".into();
     }
     let mut parts = vec![if a.throttle { "cpu-throttle on" } else { "cpu-throttle off" }.to_string()];
     if a.throttle && a.tenant_max_cpu_ratio > 0.0 {
-        parts.push(format!("tenant cap {:.1}% of the node", a.tenant_max_cpu_ratio * 100.0));
+        parts.push(format!("tenant cap {:.1}% of the servers' CPU", a.tenant_max_cpu_ratio * 100.0));
     }
     parts.push(format!("concurrency {}", a.admission_mode));
     parts.join(", ")

@@ -30,7 +30,7 @@ pub struct Row {
     pub keyspace_id: u32,
     /// Cores used over the interval.
     pub cpu_cores: f64,
-    /// Share of the node over the monitor window.
+    /// Share of the servers' CPU over the monitor window.
     pub window_ratio: f64,
     /// Bucket fill, % of capacity (none without a bucket).
     pub bucket_fill_pct: Option<f64>,

@@ -49,6 +49,12 @@ pub struct RawResourceControl {
     /// (`cores × ratio`). Default `0.6`, the value both seeds use, leaving
     /// 40% of the node for writes, raft and compaction.
     pub max_read_cpu_ratio: f64,
+    /// The cores the storage servers may use, which `max-read-cpu-ratio`
+    /// and `tenant-max-cpu-ratio` are fractions of. `0` (default): read from
+    /// the cgroups of the processes that register threads (CFS quota and
+    /// cpuset, v1 and v2, re-read every second), the node's online CPUs
+    /// while none is registered or limited.
+    pub server_cpu_cores: f64,
     /// Keeps the legacy QPS/bytes read limiter running next to the CPU
     /// throttle. Default `true` to match the seed sample.
     pub enable_qps_bytes_limiter: bool,
@@ -63,6 +69,7 @@ impl Default for RawResourceControl {
             stats_interval: ConfigDuration::from_secs(1),
             window_size: ConfigDuration::from_secs(60),
             max_read_cpu_ratio: 0.6,
+            server_cpu_cores: 0.0,
             enable_qps_bytes_limiter: false,
             cpu_throttle: RawCpuThrottle::default(),
         }

@@ -37,6 +37,15 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         format!("must be at least stats-interval ({}), got {}", rc.stats_interval, rc.window_size),
     );
     c.ratio(RC, "max-read-cpu-ratio", rc.max_read_cpu_ratio, false);
+    c.check(
+        rc.server_cpu_cores == 0.0 || (0.01..=65_536.0).contains(&rc.server_cpu_cores),
+        RC,
+        "server-cpu-cores",
+        format!(
+            "must be 0 (read from the servers' cgroups) or a number of cores in [0.01, 65536], got {}",
+            rc.server_cpu_cores
+        ),
+    );
     // Keys of the original system governor does not implement: refused, not
     // ignored, so nobody believes they act.
     c.check(
@@ -172,6 +181,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             stats_interval: rc.stats_interval,
             window_size: rc.window_size,
             max_read_cpu_ratio: rc.max_read_cpu_ratio,
+            server_cpu_cores: rc.server_cpu_cores,
             enable_qps_bytes_limiter: rc.enable_qps_bytes_limiter,
             cpu_throttle: CpuThrottle {
                 profile: t.profile,

@@ -48,6 +48,7 @@ pub struct ResourceControl {
     pub stats_interval: ConfigDuration,
     pub window_size: ConfigDuration,
     pub max_read_cpu_ratio: f64,
+    pub server_cpu_cores: f64,
     pub enable_qps_bytes_limiter: bool,
     pub cpu_throttle: CpuThrottle,
 }

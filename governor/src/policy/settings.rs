@@ -181,7 +181,7 @@ impl Settings {
         if ratio.is_nan() || ratio <= 0.0 {
             return None;
         }
-        let millicores = (self.cpu_cores.max(1.0) * ratio * 1000.0) as u64;
+        let millicores = (self.cpu_cores.max(0.0) * ratio * 1000.0) as u64;
         Some(millicores_to_us_per_interval(millicores, self.refill_interval_us.max(1)).max(1))
     }
 

@@ -118,6 +118,20 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    // `--caps`: the caps' error figures alone (the full table, a server's cgroup).
+    if std::env::args().any(|a| a == "--caps") {
+        let overflow = tickets::overflow_cap_error_pct()?;
+        let (cgroup, cgroup_schedstat) = tickets::cgroup_cap_error_pct()?;
+        println!(
+            "{}",
+            json!({
+                "overflow_cap_error_pct": round2(overflow),
+                "cgroup_cap_error_pct": round2(cgroup),
+                "cgroup_cap_schedstat_error_pct": round2(cgroup_schedstat),
+            })
+        );
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--tickets") {
         let f = tickets::fast_path()?;
         println!(
@@ -173,6 +187,8 @@ fn main() -> Result<()> {
     let admission = tickets::fast_path()?;
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
+    let overflow_cap = tickets::overflow_cap_error_pct()?;
+    let (cgroup_cap, cgroup_cap_schedstat) = tickets::cgroup_cap_error_pct()?;
     let (cold_ns, mutex_cold_ns) = adoption::cold_ns()?;
     let w = adoption::wait_cpu_us()?;
     let first_use_poll = adoption::first_use_poll_max_us()?;
@@ -261,6 +277,9 @@ fn main() -> Result<()> {
         o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));
         o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
         o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));
+        o.insert("overflow_cap_error_pct".into(), json!(round2(overflow_cap)));
+        o.insert("cgroup_cap_error_pct".into(), json!(round2(cgroup_cap)));
+        o.insert("cgroup_cap_schedstat_error_pct".into(), json!(round2(cgroup_cap_schedstat)));
         o.insert("ebpf_unmatched_switch_raw_ns".into(), json!(round(unmatched_none)));
         o.insert("ebpf_unmatched_switch_1000_rules_raw_ns".into(), json!(round(unmatched_1000)));
         o.insert("ebpf_unmatched_switch_1000_rules_delta_ns".into(), json!(round(unmatched_1000 - unmatched_none)));

@@ -216,3 +216,56 @@ pub fn fail_open_ms() -> Result<f64> {
     let f = f.context("no acquire was admitted within 1 s of the agent's death")?;
     Ok((f - d).as_secs_f64() * 1e3)
 }
+
+/// The table full (16 cells, 48 keyspaces on two server processes, a node
+/// budget of 0.6 of the cores and a tenant cap of 0.1): the workload's CPU
+/// by schedstat against the global cap, signed, in %.
+pub fn overflow_cap_error_pct() -> Result<f64> {
+    let global_ratio = 0.6;
+    let config = format!(
+        "[resource-control]\nmax-read-cpu-ratio = {global_ratio}\n[resource-control.cpu-throttle]\n\
+         profile = \"essential\"\ntenant-max-cpu-ratio = 0.1\n[agent]\nmax-threads = 256\nmax-keyspaces = 16\n"
+    );
+    let agent = Agent::start("ebpf", &config)?;
+    let load = |first: &str, n: &str| governor_tests::spawn_keyspaces_load(&agent.socket, first, n, "9");
+    let (mut with_cells, _a) = load("1", "16")?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while agent.status()?.admission.cells_in_use < 16 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (mut without, _b) = load("17", "32")?;
+    let pids = [with_cells.id(), without.id()];
+    let cpu = || pids.iter().map(|&p| governor_tests::process_schedstat_ns(p)).sum::<u64>();
+    std::thread::sleep(Duration::from_millis(1500));
+    let (cpu0, t0) = (cpu(), Instant::now());
+    std::thread::sleep(Duration::from_secs(6));
+    let total = (cpu() - cpu0) as f64 / 1e9 / t0.elapsed().as_secs_f64();
+    for child in [&mut with_cells, &mut without] {
+        if !child.wait()?.success() {
+            bail!("a tickets workload failed");
+        }
+    }
+    let cap = global_ratio * cores();
+    Ok((total - cap) / cap * 100.0)
+}
+
+/// A server in a cgroup limited to 1 core, tenant cap 0.4 (of that core):
+/// the worst 1 s window of the tenant's charged CPU against 0.4 core, and
+/// the server's CPU by schedstat over all of them, signed, both in %.
+pub fn cgroup_cap_error_pct() -> Result<(f64, f64)> {
+    let group = governor_tests::CpuCgroup::new("bench-server-cpu", 1.0);
+    let agent = Agent::start("ebpf", &essential_config(0.4))?;
+    let (mut child, _out) = group.spawn_workload(
+        &agent.socket,
+        &["tickets", "--keyspace", "1", "--threads", "8", "--seconds", "9", "--work-us", "1000"],
+    )?;
+    let mut windows = agent.sample_windows(1, 8, Some(child.id()))?;
+    windows.remove(0);
+    if !child.wait()?.success() {
+        bail!("the tickets workload failed");
+    }
+    let cap = 0.4;
+    let worst = windows.iter().map(|w| (w.cores - cap).abs() / cap * 100.0).fold(0.0, f64::max);
+    let by_kernel = windows.iter().map(|w| w.process_cores).sum::<f64>() / windows.len() as f64;
+    Ok((worst, (by_kernel - cap) / cap * 100.0))
+}
