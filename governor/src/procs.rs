@@ -149,6 +149,15 @@ pub fn process_cgroups(pid: u32) -> Vec<(bool, String)> {
         .collect()
 }
 
+/// The CPU time of process `tgid`, every thread it ran (exited ones too),
+/// as the kernel keeps it in `/proc/<tgid>/stat` (utime + stime, clock
+/// ticks: 10 ms at USER_HZ 100), in ns.
+pub fn process_cpu_ns(tgid: u32) -> Option<u64> {
+    let stat = process(tgid)?.stat().ok()?;
+    let ticks = stat.utime.saturating_add(stat.stime);
+    Some(ticks.saturating_mul(1_000_000_000) / procfs::ticks_per_second().max(1))
+}
+
 /// A mounted cgroup hierarchy and the controllers it offers (v2: those
 /// listed in its `cgroup.controllers`; v1: those it was mounted with).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -163,6 +163,10 @@ pub struct ServerCpuStatus {
     pub node_cores: u32,
     /// Each distinct limit binding the registered servers, with their pids.
     pub servers: Vec<ServerLimitStatus>,
+    /// CPU the servers ran outside any keyspace tag (threads not tagged, or
+    /// never registered), counted in the monitor's global CPU since start.
+    #[serde(default)]
+    pub untagged_cpu_seconds: f64,
 }
 
 /// One limit binding one or more registered server processes.
@@ -403,6 +407,11 @@ pub struct KeyspaceStatus {
     /// apart from `refused`, and feeding no autoscaling rule.
     #[serde(default)]
     pub pool_rejections: u64,
+    /// Top-ups of running requests refused (the request ran on, or was
+    /// aborted where the server asked for that): apart from `refused`,
+    /// which counts admissions the server saw refused.
+    #[serde(default)]
+    pub topups_refused: u64,
     /// The rules that charge unmodified processes to it, comma-separated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,

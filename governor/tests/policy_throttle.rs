@@ -149,6 +149,7 @@ fn quota_shrink_enters_debt_until_inflight_drains() {
     let snap = p.snapshot().keyspaces[0].clone();
     assert!(snap.in_debt_mode);
     assert_eq!((snap.available_us, snap.base_refill_us, snap.capacity_us), (0, 10_000, 100_000));
+    assert_eq!(snap.debt_us, 5_000, "the seed's shrink debt: 15 000 µs in flight over the new 10 000");
     assert_eq!(p.allocate(1, Some(1), 0).unwrap_err(), Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 });
     p.tick(50 * MS, None);
     assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 0);

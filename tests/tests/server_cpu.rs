@@ -165,3 +165,70 @@ fn servers_with_distinct_limits_add_up() {
     second.kill().unwrap();
     second.wait().unwrap();
 }
+
+#[test]
+fn a_servers_untagged_cpu_counts_in_the_global_ratio_and_lowers_the_refill() {
+    let _s = serial();
+    // Node budget 0.5 of the cores (1 core here), a 3 s window, the
+    // throttle seed's watermarks (0.8 / 0.5) and dynamic adjustment.
+    let config = "[resource-control]\nstats-interval = \"1s\"\nwindow-size = \"3s\"\nmax-read-cpu-ratio = 0.5\n\
+                  [resource-control.cpu-throttle]\nenabled = true\n";
+    let agent = Agent::start("ebpf", config).unwrap();
+    let base = agent.status().unwrap().admission.global.refill_us;
+    // One thread takes tickets for keyspace 1; two more spin untagged (one
+    // registered, one never), as a server's gRPC and compaction threads.
+    let (mut child, mut out) = governor_tests::spawn_workload_started(
+        &agent.socket,
+        &[
+            "tickets",
+            "--keyspace",
+            "1",
+            "--threads",
+            "1",
+            "--seconds",
+            "7",
+            "--work-us",
+            "200",
+            "--untagged-threads",
+            "2",
+        ],
+    )
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(4500));
+    let s = agent.status().unwrap();
+    let (ratio, refill) = (s.admission.global_ratio, s.admission.global.refill_us);
+    // Keyspace 1's share of the same window, in the global ratio's units
+    // (cores × max-read-cpu-ratio × window-size): what the ratio read when
+    // only tagged CPU counted.
+    let share = s.keyspaces.iter().find(|k| k.keyspace_id == 1).map_or(0.0, |k| k.window_ratio);
+    let tagged_ratio = share * s.window_seconds * s.server_cpu.cores / (s.server_cpu.cores * 0.5 * 3.0);
+    eprintln!("global ratio {ratio:.3} (tagged CPU alone {tagged_ratio:.3}), global refill {refill} of {base} µs");
+    assert!(ratio > 0.8 && tagged_ratio < 0.8, "global ratio {ratio:.3}, tagged alone {tagged_ratio:.3}");
+    // Above the high watermark the refill is base × 0.8 / ratio.
+    let expected = base as f64 * 0.8 / ratio;
+    assert!((refill as f64 - expected).abs() <= expected * 0.05, "global refill {refill} µs, expected {expected:.0}");
+    // The untagged count against the kernel's: stopped, so both hold still.
+    let pids = governor_tests::process_tree(child.id());
+    governor_tests::stop(&pids).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2300));
+    let s = agent.status().unwrap();
+    let ran = governor_tests::process_schedstat_ns(child.id()) as f64 / 1e9;
+    let tagged = s.keyspaces.iter().find(|k| k.keyspace_id == 1).map_or(0.0, |k| k.cpu_seconds);
+    let untagged = s.server_cpu.untagged_cpu_seconds;
+    governor_tests::resume(&pids);
+    eprintln!("the server ran {ran:.3} s by schedstat, {tagged:.3} s tagged, {untagged:.3} s counted untagged");
+    let truth = ran - tagged;
+    assert!(
+        (untagged - truth).abs() <= truth * 0.03 + 0.03,
+        "untagged {untagged:.3} s, schedstat − tagged {truth:.3} s"
+    );
+    // The window's global against its tagged part, as all the server's CPU
+    // against its tagged CPU by the kernel (a steady load: the same mix).
+    let (seen, truth) = (ratio / tagged_ratio, ran / tagged);
+    assert!((seen - truth).abs() <= truth * 0.15, "global / tagged {seen:.2} in the window, {truth:.2} by schedstat");
+    let metrics = scrape_metrics(&s.metrics_addr.unwrap());
+    assert!(metrics.contains("governor_server_untagged_cpu_seconds_total "), "{metrics}");
+    let mut last = String::new();
+    out.read_line(&mut last).unwrap();
+    assert!(child.wait().unwrap().success());
+}

@@ -222,7 +222,15 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         &[("granted".into(), c.topup_granted), ("refused".into(), c.topup_refused)],
     );
 
-    // Tenant cap (tenant-cpu-cap.md §5.4).
+    // Tenant cap (tenant-cpu-cap.md §5.4), its name and label as the seed
+    // writes them (a counter without the `_total` suffix).
+    f.counters(
+        "cpu_throttle_allocations",
+        "Requests refused at admission, by reason: tenant_cap_exhausted (a tenant at its hard cap), \
+         global_exhausted (the node's global bucket)",
+        "reason",
+        &[("tenant_cap_exhausted".into(), c.tenant_cap_exhausted), ("global_exhausted".into(), c.global_exhausted)],
+    );
     f.gauge(
         "cpu_throttle_tenant_cap_ratio",
         "tenant-max-cpu-ratio in force (0: no uniform cap)",
@@ -408,6 +416,13 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         &[(c.source.clone(), c.cores)],
     );
     f.gauge("governor_node_cpu_cores", "The node's online CPUs", f64::from(c.node_cores));
+    let untagged = prometheus::Counter::new(
+        "governor_server_untagged_cpu_seconds_total",
+        "CPU the registered servers ran outside any keyspace tag, counted in the monitor's global CPU",
+    )
+    .expect("valid metric name");
+    untagged.inc_by(c.untagged_cpu_seconds.max(0.0));
+    f.registry.register(Box::new(untagged)).expect("registered once");
     f.gauge("governor_keyspace_cells", "Keyspace cells in use", f64::from(a.cells_in_use));
     f.gauge("governor_keyspace_cells_capacity", "Keyspace cells in the shared table", f64::from(a.cells));
     let o = &a.overflow;

@@ -409,8 +409,9 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
         let stats = shared.policy.settings().stats_interval_us;
         let sample = if last_sample.is_none_or(|t| t.elapsed() >= Duration::from_micros(stats)) {
             last_sample = Some(Instant::now());
+            let servers = shared.servers_ran();
             let m = shared.lock_measurement();
-            Some(shared.lock_usage().sample(&m, &shared.policy))
+            Some(shared.lock_usage().sample(&m, &shared.policy, &servers))
         } else {
             None
         };

@@ -170,6 +170,14 @@ impl Rules {
         }
     }
 
+    /// Processes the rules charge (all or some of their threads): their
+    /// CPU is in the rule keyspaces' counts.
+    pub(crate) fn matched_tgids(&self) -> HashSet<u32> {
+        let mut out: HashSet<u32> = self.decided.iter().filter(|(_, (tag, _))| *tag != 0).map(|(t, _)| *t).collect();
+        out.extend(self.threads.values().map(|t| t.tgid));
+        out
+    }
+
     /// Keyspace cells the rules charge (never evicted while a rule names them).
     pub(crate) fn cells(&self) -> impl Iterator<Item = u32> + '_ {
         self.active.iter().map(|a| a.tag - 1)

@@ -18,11 +18,18 @@
 //! again every second (an operator or Kubernetes may resize the cgroup); a
 //! change resizes the buckets, the tenant caps and the rule caps at once,
 //! and is logged.
+//!
+//! The servers' CPU is also what the monitor's global count is made of, as
+//! the seed defines global CPU: every thread of a server, tagged or not
+//! (gRPC, raft, compaction, threads never registered). Their tagged CPU is
+//! in the keyspaces' counts already; what they ran beyond it
+//! ([`ServerCpu::ran_since_last`], `/proc/<pid>/stat`) is added untagged
+//! (`agent::usage`).
 
 use super::Shared;
 use crate::policy::Settings;
 use crate::proto::{ServerCpuStatus, ServerLimitStatus};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::MutexGuard;
 
@@ -217,6 +224,19 @@ pub(crate) struct ServerCpu {
     current: Limit,
     /// The cgroups the agent writes limits into (`cgroups::Enforcer::written_dirs`).
     skip: Vec<PathBuf>,
+    /// Each server's CPU (every thread) at the last reading, ns.
+    cpu_last: BTreeMap<u32, u64>,
+}
+
+/// The servers' CPU over one monitor sample, for the global count.
+#[derive(Debug, Default)]
+pub(crate) struct ServersRan {
+    /// CPU the servers ran, every thread, ns.
+    pub(crate) ns: u64,
+    /// How many servers were read.
+    pub(crate) servers: usize,
+    /// Cells the rules charge: CPU charged to them is not the servers'.
+    pub(crate) rule_cells: HashSet<u32>,
 }
 
 fn configured(key: f64) -> Option<f64> {
@@ -233,6 +253,7 @@ impl ServerCpu {
             limits: BTreeMap::new(),
             current: Limit::node(node),
             skip: Vec::new(),
+            cpu_last: BTreeMap::new(),
         };
         s.current = s.combine(s.configured);
         s
@@ -289,6 +310,10 @@ impl ServerCpu {
         if !self.limits.contains_key(&tgid) {
             self.limits.insert(tgid, limit_in(&places_of(tgid), self.node, &self.skip));
         }
+        // Its CPU counts from here on: before it registered, it was no server.
+        if let std::collections::btree_map::Entry::Vacant(e) = self.cpu_last.entry(tgid) {
+            e.insert(crate::procs::process_cpu_ns(tgid).unwrap_or(0));
+        }
         self.settle()
     }
 
@@ -306,6 +331,7 @@ impl ServerCpu {
         for tgid in gone {
             self.servers.remove(&tgid);
             self.limits.remove(&tgid);
+            self.cpu_last.remove(&tgid);
         }
         self.settle()
     }
@@ -317,6 +343,23 @@ impl ServerCpu {
         let (node, skip) = (self.node, &self.skip);
         self.limits = self.servers.keys().map(|&tgid| (tgid, limit_in(&places_of(tgid), node, skip))).collect();
         self.settle()
+    }
+
+    /// CPU the servers ran since the last call, every thread, ns, leaving
+    /// out `exclude` (processes the rules charge: their CPU is in the rule
+    /// keyspaces' counts); and how many servers were counted.
+    pub(crate) fn ran_since_last(&mut self, exclude: &HashSet<u32>) -> (u64, usize) {
+        let (mut ns, mut servers) = (0u64, 0usize);
+        for (&tgid, last) in &mut self.cpu_last {
+            let Some(now) = crate::procs::process_cpu_ns(tgid) else { continue };
+            let ran = now.saturating_sub(*last);
+            *last = now;
+            if !exclude.contains(&tgid) {
+                ns = ns.saturating_add(ran);
+                servers += 1;
+            }
+        }
+        (ns, servers)
     }
 
     pub(crate) fn status(&self) -> ServerCpuStatus {
@@ -337,6 +380,7 @@ impl ServerCpu {
             detail: c.describe(),
             node_cores: self.node,
             servers: by_binding.into_values().collect(),
+            untagged_cpu_seconds: 0.0,
         }
     }
 }
@@ -344,6 +388,16 @@ impl ServerCpu {
 impl Shared {
     pub(crate) fn lock_server_cpu(&self) -> MutexGuard<'_, ServerCpu> {
         self.server_cpu.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The servers' CPU since the last monitor sample.
+    pub(crate) fn servers_ran(&self) -> ServersRan {
+        let (exclude, rule_cells) = {
+            let r = self.lock_rules();
+            (r.matched_tgids(), r.cells().collect())
+        };
+        let (ns, servers) = self.lock_server_cpu().ran_since_last(&exclude);
+        ServersRan { ns, servers, rule_cells }
     }
 
     fn written_dirs(&self) -> Vec<PathBuf> {

@@ -52,9 +52,10 @@ impl Shared {
         let pd = self.pd.status(self);
         let s = self.policy.settings();
         let r = self.policy.regions();
-        let server_cpu = self.lock_server_cpu().status();
+        let mut server_cpu = self.lock_server_cpu().status();
         let m = self.lock_measurement();
         let usage = self.lock_usage();
+        server_cpu.untagged_cpu_seconds = usage.untagged_ns as f64 / 1e9;
         let (span_us, window) = self.policy.window_cpu();
         let rules = self.lock_rules();
         let rule_names = rules.names_by_keyspace();
@@ -93,6 +94,7 @@ impl Shared {
                     inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
                     pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
                     pool_rejections: c.pool_rejected,
+                    topups_refused: c.topups_refused,
                     rule: rule_names.get(&id).cloned(),
                 }
             })

@@ -7,8 +7,10 @@
 //! the cell. Values are checked before use: a client can write the cells
 //! (it charges its own intervals there), so a counter that goes backwards or
 //! jumps past what the node's cores could run is noticed and clamped, never
-//! wrapped into the policy.
+//! wrapped into the policy. The global count adds what the servers ran
+//! outside any tag (`agent::server_cpu`).
 
+use super::server_cpu::ServersRan;
 use crate::config::ValidatedConfig;
 use crate::measure::Measurement;
 use crate::policy::{Policy, UsageSample};
@@ -41,6 +43,11 @@ pub(crate) struct Usage {
     lag_ns: u64,
     /// Counters found going backwards or jumping (clamped).
     pub(crate) anomalies: u64,
+    /// The servers' CPU outside any tag, counted into `global_ns`.
+    pub(crate) untagged_ns: u64,
+    /// What the servers' coarse counters (clock ticks) fell short of their
+    /// tagged CPU by, carried into the next sample (≤ 0, bounded).
+    carry_ns: i64,
 }
 
 impl Usage {
@@ -52,6 +59,8 @@ impl Usage {
             cores: sys::logical_cores() as u64,
             lag_ns: cfg.agent.timer_period.get().as_nanos() as u64 + CHARGE_SLACK_NS,
             anomalies: 0,
+            untagged_ns: 0,
+            carry_ns: 0,
         }
     }
 
@@ -66,8 +75,10 @@ impl Usage {
         elapsed.saturating_add(self.lag_ns).saturating_mul(self.cores)
     }
 
-    /// Reads every live keyspace cell and returns the interval's usage.
-    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy) -> UsageSample {
+    /// Reads every live keyspace cell and returns the interval's usage: the
+    /// keyspaces' charges, and as global CPU those plus what the servers
+    /// (`servers`) ran untagged.
+    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, servers: &ServersRan) -> UsageSample {
         let now = sys::monotonic_ns();
         let elapsed = now.saturating_sub(self.last_sample_ns).max(1);
         self.last_sample_ns = now;
@@ -75,6 +86,7 @@ impl Usage {
         let r = policy.regions();
         let mut out = Vec::new();
         let mut seen = Vec::new();
+        let mut tagged_by_servers = 0u64;
         for (id, c) in r.directory().live() {
             let Some(value) = m.regions.keyspaces.get(c).map(|k| k.cpu_ns.load(Ordering::Relaxed)) else { continue };
             let generation = r.keyspace_cell(c).map_or(0, |(_, p)| p.generation.load(Ordering::Acquire));
@@ -96,13 +108,37 @@ impl Usage {
             entry.last_ns = value;
             entry.total_ns += delta;
             self.global_ns += delta;
+            if !servers.rule_cells.contains(&c) {
+                tagged_by_servers += delta;
+            }
             seen.push(c);
             if delta > 0 {
                 out.push((id, delta / 1000));
             }
         }
         self.cells.retain(|c, _| seen.contains(c));
+        let untagged = self.untagged(servers, tagged_by_servers);
+        self.untagged_ns += untagged;
+        self.global_ns += untagged;
         UsageSample { global_cpu_cumulative_us: self.global_ns / 1000, keyspace_cpu_us: out }
+    }
+
+    /// What the servers ran beyond their tagged CPU. Their counters move in
+    /// clock ticks, the tags' by the ns: a sample where the ticks trail the
+    /// tags carries the shortfall to the next, at most a tick per server
+    /// (so a server gone between samples, whose last CPU nobody read,
+    /// cannot hide the others' for long).
+    fn untagged(&mut self, servers: &ServersRan, tagged: u64) -> u64 {
+        let tick = (1_000_000_000 / procfs::ticks_per_second().max(1)) as i64;
+        let diff =
+            i64::try_from(servers.ns).unwrap_or(i64::MAX) - i64::try_from(tagged).unwrap_or(i64::MAX) + self.carry_ns;
+        if diff >= 0 {
+            self.carry_ns = 0;
+            diff as u64
+        } else {
+            self.carry_ns = diff.max(-tick * (servers.servers as i64 + 1));
+            0
+        }
     }
 
     /// Records where a keyspace's count starts when the agent gives it a cell.

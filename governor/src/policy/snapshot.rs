@@ -118,7 +118,14 @@ impl Policy {
                     refill_us: e.bucket.refill_us,
                     base_refill_us: e.bucket.base_refill_us,
                     inflight_us: e.bucket.inflight_us,
-                    debt_us: (-e.bucket.available_us).max(0) as u64,
+                    // Overdrawn tokens, and in shrink debt what is in
+                    // flight above the new quota (the seed's debt state).
+                    debt_us: (-e.bucket.available_us).max(0) as u64
+                        + if e.bucket.in_debt {
+                            e.bucket.inflight_us.saturating_sub(e.bucket.base_refill_us)
+                        } else {
+                            0
+                        },
                     in_debt_mode: e.bucket.in_debt,
                     ratio: e.ratio(),
                     estimate_us: e.estimate_us(),

@@ -20,10 +20,12 @@ fn work_us(us: u64) {
 }
 
 /// `workload tickets --keyspace K --threads N --seconds S --work-us W
-/// [--timeout-ms T] [--keyspaces M]`: N registered threads run requests of
-/// keyspace K as fast as they are admitted, each W µs of CPU under its
-/// ticket (with M > 1: keyspaces K..K+M, each thread taking the next one for
-/// every request). Prints
+/// [--timeout-ms T] [--keyspaces M] [--untagged-threads U]`: N registered
+/// threads run requests of keyspace K as fast as they are admitted, each W
+/// µs of CPU under its ticket (with M > 1: keyspaces K..K+M, each thread
+/// taking the next one for every request); U more threads spin as long
+/// without any tag (every other one registered, the rest not: a server's
+/// gRPC or compaction threads). Prints
 /// `started` once every thread is registered, then one JSON line (with
 /// `loop_seconds`, the wall time from `started` to the last worker's end).
 pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
@@ -33,13 +35,30 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
     let work: u64 = arg(args, "--work-us", 1000);
     let timeout = Duration::from_millis(arg(args, "--timeout-ms", 1000));
     let spread: u32 = arg(args, "--keyspaces", 1u32).max(1);
+    let untagged: usize = arg(args, "--untagged-threads", 0);
     let client = Client::connect(socket(args))?;
     let (granted, refused, fail_open) =
         (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     // Σ of what tickets were charged, and of the thread CPU clock over the
     // same stretches of work (measured inside each ticket, independently).
     let (charged, ran) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let ready = Arc::new(std::sync::Barrier::new(threads + 1));
+    let ready = Arc::new(std::sync::Barrier::new(threads + untagged + 1));
+    let spinners: Vec<_> = (0..untagged)
+        .map(|i| {
+            let (client, ready) = (client.clone(), ready.clone());
+            std::thread::spawn(move || -> Result<u64> {
+                if i % 2 == 0 {
+                    client.register_current_thread()?;
+                }
+                ready.wait();
+                let (end, cpu0) = (Instant::now() + Duration::from_secs_f64(seconds), sys::thread_cputime_ns());
+                while Instant::now() < end {
+                    burn(50);
+                }
+                Ok(sys::thread_cputime_ns() - cpu0)
+            })
+        })
+        .collect();
     let handles: Vec<_> = (0..threads)
         .map(|i| {
             let (client, granted, refused, fail_open, ready) =
@@ -87,6 +106,10 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
     for h in handles {
         cpu += h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
     }
+    let mut untagged_cpu = 0;
+    for h in spinners {
+        untagged_cpu += h.join().map_err(|_| anyhow::anyhow!("spinner panicked"))??;
+    }
     Ok(json!({
         "loop_seconds": started.elapsed().as_secs_f64(),
         "granted": granted.load(Ordering::Relaxed),
@@ -95,6 +118,7 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
         "thread_cpu_ns": cpu,
         "ticket_consumed_ns": charged.load(Ordering::Relaxed),
         "work_cpu_ns": ran.load(Ordering::Relaxed),
+        "untagged_cpu_ns": untagged_cpu,
     }))
 }
 
