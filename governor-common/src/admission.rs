@@ -123,6 +123,39 @@ pub mod counter {
     pub const COUNT: usize = 32;
 }
 
+/// How long acquires waited in line, per bucket: the seed's
+/// `tikv_cpu_token_wait_duration_seconds` and
+/// `tikv_cpu_token_runtime_wait_duration_seconds`, by result. Each
+/// histogram is [`SLOTS`] counters: one per bound, one past the last (+Inf),
+/// and the sum of µs. Written by the client when a wait ends (never on the
+/// fast path: acquires served at once are the counters' difference).
+pub mod hist {
+    /// Upper bounds of the wait buckets, µs.
+    pub const BOUNDS_US: [u64; 12] =
+        [500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000];
+    /// Counters per histogram.
+    pub const SLOTS: usize = BOUNDS_US.len() + 2;
+    /// Admissions that waited and were granted, or refused at their deadline.
+    pub const WAIT_GRANTED: usize = 0;
+    pub const WAIT_REFUSED: usize = SLOTS;
+    /// Top-ups of running requests that waited, granted or refused.
+    pub const RUNTIME_GRANTED: usize = 2 * SLOTS;
+    pub const RUNTIME_REFUSED: usize = 3 * SLOTS;
+    pub const LEN: usize = 4 * SLOTS;
+
+    /// The bucket a wait of `us` falls in (`BOUNDS_US.len()`: past the last).
+    pub const fn bucket(us: u64) -> usize {
+        let mut i = 0;
+        while i < BOUNDS_US.len() {
+            if us <= BOUNDS_US[i] {
+                return i;
+            }
+            i += 1;
+        }
+        BOUNDS_US.len()
+    }
+}
+
 /// The agent's header page (memfd; clients read-only).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -217,6 +250,8 @@ pub struct BucketCell {
     /// HOT_INFLIGHT_US, unused…]`.
     pub hot: [[u64; 8]; HOT_SHARDS],
     pub counters: [u64; counter::COUNT],
+    /// Wait-time histograms ([`hist`]).
+    pub hist: [u64; hist::LEN],
 }
 
 /// Cache lines the hot counters are spread over.
@@ -239,6 +274,7 @@ impl Default for BucketCell {
             _pad: 0,
             hot: [[0; 8]; HOT_SHARDS],
             counters: [0; counter::COUNT],
+            hist: [0; hist::LEN],
         }
     }
 }
@@ -293,7 +329,7 @@ pub const fn dir_key(keyspace_id: u32, state: u32) -> u64 {
 const _: () = assert!(size_of::<AgentCell>() == 64);
 const _: () = assert!(size_of::<KnobsCell>() == 64);
 const _: () = assert!(size_of::<HeaderPage>() == 192);
-const _: () = assert!(size_of::<BucketCell>() == 576);
+const _: () = assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN);
 const _: () = assert!(size_of::<ParamsCell>() == 64);
 const _: () = assert!(size_of::<TicketRecord>() == 64);
 const _: () = assert!(align_of::<BucketCell>() == 8);

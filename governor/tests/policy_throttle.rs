@@ -477,3 +477,41 @@ fn a_top_up_never_touches_a_cell_given_to_another_holder() {
     // Nothing pins the cell, so it could go once idle (a configured quota stays, though).
     assert_eq!(b.ledger_available_us(), b.available_us);
 }
+
+#[test]
+fn the_low_priority_bucket_is_switched_on_and_off_online() {
+    // 8 cores × low-priority-dag-cpu-ratio 0.1 × 10 ms: 8 000 µs a refill,
+    // 80 000 µs of capacity.
+    let off = premium(|s| s.low_priority_dag_global_enabled = false);
+    let on = Settings { low_priority_dag_global_enabled: true, ..off.clone() };
+    let p = Policy::new(off.clone(), 0).unwrap();
+    let take = |n: u32| (0..n).map(|_| p.allocate_low_priority(1, Some(30_000), 0)).collect::<Vec<_>>();
+    assert!(take(3).iter().all(|g| g.is_ok()), "off: 90 000 µs of low-priority work admitted past the bucket");
+    p.update_settings_at(on, 0).unwrap();
+    let after = take(3);
+    assert_eq!(after.iter().filter(|g| g.is_ok()).count(), 2, "on: the bucket's 80 000 µs hold two of three");
+    assert_eq!(after[2].as_ref().unwrap_err(), &Refusal::LowPriorityCpuExhausted { keyspace: 1 });
+    p.update_settings_at(off, 0).unwrap();
+    assert!(take(1)[0].is_ok(), "off again: admitted");
+}
+
+#[test]
+fn turning_adaptive_estimates_off_puts_the_static_estimate_back() {
+    let s = premium(|s| {
+        s.keyspace_cpu_quotas_millicores = [(1, 4000)].into();
+        s.enable_adaptive_estimate = true;
+    });
+    let static_us = s.static_estimate_us(1);
+    let p = Policy::new(s.clone(), 0).unwrap();
+    p.tick(0, Some(&sample(0, &[])));
+    // Requests that take 5 ms each: the estimate learns towards it.
+    for _ in 0..20 {
+        let g = p.allocate(1, None, 0).unwrap();
+        p.release(g, 5_000);
+    }
+    p.tick(SEC, Some(&sample(100_000, &[(1, 100_000)])));
+    let learned = p.snapshot().keyspaces[0].estimate_us;
+    assert!(learned > static_us, "learned {learned} µs, static {static_us} µs");
+    p.update_settings_at(Settings { enable_adaptive_estimate: false, ..s }, SEC).unwrap();
+    assert_eq!(p.snapshot().keyspaces[0].estimate_us, static_us, "the learned value does not outlive the setting");
+}

@@ -240,3 +240,58 @@ fn past_the_limit_the_smallest_keyspaces_fold_into_other() {
     assert!((0.025..0.035).contains(&other), "other {other} s for 30 ms of CPU");
     assert_eq!(sample(&body, "governor_metrics_keyspaces_folded", ""), Some(2.0));
 }
+
+#[test]
+fn wait_histograms_count_every_admission_by_result() {
+    let _s = serial();
+    // 0.25 core for keyspace 7: four workers wait in line, and with a 1 ms
+    // deadline some give up.
+    let agent = Agent::start("ebpf", &essential_config(0.25 / cores())).unwrap();
+    let patient = run_workload(
+        &agent.socket,
+        &["tickets", "--keyspace", "7", "--threads", "4", "--seconds", "2", "--work-us", "1000"],
+    )
+    .unwrap();
+    let hasty = run_workload(
+        &agent.socket,
+        &["tickets", "--keyspace", "7", "--threads", "4", "--seconds", "1", "--work-us", "1000", "--timeout-ms", "1"],
+    )
+    .unwrap();
+    let (_, _, text) = get(&metrics_addr(&agent), "/metrics");
+    let s = agent.status().unwrap();
+    let k = s.keyspaces.iter().find(|k| k.keyspace_id == 7).unwrap();
+    let name = "tikv_cpu_token_wait_duration_seconds";
+    let of = |series: &str, result: &str, le: Option<&str>| {
+        let labels = match le {
+            Some(le) => format!("keyspace_id=\"7\",result=\"{result}\",le=\"{le}\""),
+            None => format!("keyspace_id=\"7\",result=\"{result}\""),
+        };
+        sample(&text, &format!("{name}{series}"), &labels).unwrap_or_else(|| panic!("no {name}{series}{{{labels}}}"))
+    };
+    eprintln!(
+        "workloads: {patient} {hasty}; keyspace 7: {} granted, {} waited, {} refused",
+        k.granted, k.waited, k.refused
+    );
+    // Every admission is one observation, by its result.
+    assert_eq!(of("_count", "granted", None) as u64, k.granted);
+    assert_eq!(of("_count", "refused", None) as u64, k.refused);
+    assert!(k.waited > 100 && k.refused > 10, "the cap held them: {k:?}");
+    // Those that waited are above the first bucket or in it; at most the
+    // served-at-once ones and the short waits sit at or below 0.5 ms.
+    let at_once = of("_bucket", "granted", Some("0.0005"));
+    assert!(at_once >= (k.granted - k.waited) as f64 && at_once <= k.granted as f64, "{at_once}");
+    let mean = of("_sum", "granted", None) / k.waited as f64;
+    assert!((0.0002..=0.5).contains(&mean), "mean wait of those that waited: {mean} s");
+    // A 1 ms deadline: every refusal that waited waited about that long.
+    let refused_by_2_5ms = of("_bucket", "refused", Some("0.0025"));
+    let refused_late = of("_bucket", "refused", Some("+Inf")) - refused_by_2_5ms;
+    assert!(refused_late <= k.refused as f64 * 0.2, "{refused_late} refusals waited past 2.5 ms for a 1 ms deadline");
+    // Buckets never decrease, and the exposition is valid.
+    let buckets: Vec<f64> = ["0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "+Inf"]
+        .iter()
+        .map(|le| of("_bucket", "granted", Some(le)))
+        .collect();
+    assert!(buckets.windows(2).all(|w| w[0] <= w[1]), "{buckets:?}");
+    let problems = governor_tests::promtool_check(&text);
+    assert!(problems.is_empty(), "promtool: {problems:?}");
+}

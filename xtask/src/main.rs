@@ -287,9 +287,37 @@ fn light_client() -> Result<()> {
     run(stable().args(["doc", "--no-deps"]).args(features).env("RUSTDOCFLAGS", "-D warnings"))?;
     // What a server links must package and build from its own sources as
     // crates.io would serve them (together: the client needs its layouts).
+    forget_unpacked_packages()?;
     run(stable()
         .args(["publish", "--dry-run", "--allow-dirty", "-p", "keyspace-governor-common", "-p", "keyspace-governor"])
         .current_dir(root()))
+}
+
+/// A dry run unpacks our own packages into cargo's registry sources, and a
+/// later one with the same version reuses that copy instead of what it just
+/// packaged (seen: a layout added to the common crate, and the client built
+/// against the stale copy). They are not published, so no copy there is
+/// anyone else's: removed before each dry run.
+fn forget_unpacked_packages() -> Result<()> {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .context("neither CARGO_HOME nor HOME is set")?;
+    for kind in ["src", "cache"] {
+        let Ok(indexes) = std::fs::read_dir(home.join("registry").join(kind)) else { continue };
+        for index in indexes.flatten() {
+            let Ok(entries) = std::fs::read_dir(index.path()) else { continue };
+            for e in entries.flatten() {
+                if !e.file_name().to_string_lossy().starts_with("keyspace-governor-") {
+                    continue;
+                }
+                let p = e.path();
+                if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) }
+                    .with_context(|| format!("removing {}", p.display()))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `c` with the aarch64 cross linker and qemu-user runner.

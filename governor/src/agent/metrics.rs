@@ -147,6 +147,9 @@ struct Row {
     granted: u64,
     refused: u64,
     pool_rejected: u64,
+    topups_granted: u64,
+    topups_refused: u64,
+    wait_hist: crate::policy::WaitHistograms,
 }
 
 impl Row {
@@ -164,6 +167,9 @@ impl Row {
         self.granted += o.granted;
         self.refused += o.refused;
         self.pool_rejected += o.pool_rejected;
+        self.topups_granted += o.topups_granted;
+        self.topups_refused += o.topups_refused;
+        self.wait_hist.add(&o.wait_hist);
     }
 }
 
@@ -268,6 +274,9 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 granted: k.granted,
                 refused: k.refused,
                 pool_rejected: k.pool_rejections,
+                topups_granted: b.map_or(0, |b| b.counters.topups_granted),
+                topups_refused: k.topups_refused,
+                wait_hist: b.map_or_else(Default::default, |b| b.counters.wait_hist),
             };
             (k.keyspace_id, row)
         })
@@ -557,5 +566,56 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
 
     let mut out = Vec::new();
     TextEncoder::new().encode(&f.registry.gather(), &mut out).expect("text encoding");
-    String::from_utf8(out).expect("text format is UTF-8")
+    let mut text = String::from_utf8(out).expect("text format is UTF-8");
+    text.push_str(&render_wait_histograms(&shown));
+    text
+}
+
+/// The seed's wait histograms, per keyspace and result: the waits clients
+/// counted when they ended, and in the first bucket the acquires (or
+/// top-ups) served or refused at once, which no wait counted (the
+/// counters' difference).
+fn render_wait_histograms(shown: &[(String, Row)]) -> String {
+    use keyspace_governor_common::admission::hist;
+    use std::fmt::Write as _;
+    let families = [
+        (
+            "tikv_cpu_token_wait_duration_seconds",
+            "Time an admission waited in line for CPU tokens, by keyspace and result",
+            [(hist::WAIT_GRANTED, "granted"), (hist::WAIT_REFUSED, "refused")],
+        ),
+        (
+            "tikv_cpu_token_runtime_wait_duration_seconds",
+            "Time a running request's top-up waited for CPU tokens, by keyspace and result",
+            [(hist::RUNTIME_GRANTED, "granted"), (hist::RUNTIME_REFUSED, "refused")],
+        ),
+    ];
+    let mut out = String::new();
+    for (name, help, parts) in families {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for (ks, r) in shown {
+            for (base, result) in parts {
+                let h = &r.wait_hist.0[base..base + hist::SLOTS];
+                let waits: u64 = h[..hist::SLOTS - 1].iter().sum();
+                let total = match base {
+                    hist::WAIT_GRANTED => r.granted,
+                    hist::WAIT_REFUSED => r.refused,
+                    hist::RUNTIME_GRANTED => r.topups_granted,
+                    _ => r.topups_refused,
+                };
+                let labels = format!("keyspace_id=\"{ks}\",result=\"{result}\"");
+                let mut cumulative = total.saturating_sub(waits);
+                for (i, bound) in hist::BOUNDS_US.iter().enumerate() {
+                    cumulative += h[i];
+                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {cumulative}", *bound as f64 / 1e6);
+                }
+                cumulative += h[hist::BOUNDS_US.len()];
+                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
+                let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h[hist::SLOTS - 1] as f64 / 1e6);
+                let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
+            }
+        }
+    }
+    out
 }

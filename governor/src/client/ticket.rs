@@ -238,18 +238,21 @@ pub(crate) fn wait_in_line(
     let r = &att.admission;
     let start = Instant::now();
     let mut waited_at_all = false;
+    let (cell, granted_hist, refused_hist) = (q.cell(), q.wait_hist(true), q.wait_hist(false));
     loop {
         match q.poll(r, k) {
             Progress::Ready(g) => {
                 let waited = if waited_at_all { start.elapsed() } else { Duration::ZERO };
                 if waited_at_all {
                     count_wait(att, &g, waited);
+                    r.counted_on(cell).observe_wait(granted_hist, waited);
                 }
                 return (Waited::Granted(g), waited);
             }
             Progress::Waiting { bucket, pos } => {
                 let now = Instant::now();
                 if deadline.is_some_and(|d| now >= d) {
+                    r.counted_on(cell).observe_wait(refused_hist, now - start);
                     let reason = q.cancel(r);
                     return (Waited::Refused(Refused { reason, waited: now - start }), now - start);
                 }

@@ -195,17 +195,20 @@ impl Line {
             let q = self.q.as_mut().expect("polled after completion");
             match q.poll(r, &self.k) {
                 Progress::Ready(g) => {
+                    let which = q.wait_hist(true);
                     self.q = None;
                     if self.waited {
                         let b = r.counted_on(g.cell());
                         b.count(counter::WAITED, 1);
                         b.count(counter::WAIT_US, self.started.elapsed().as_micros() as u64);
+                        r.counted_on(self.cell).observe_wait(which, self.started.elapsed());
                     }
                     return Poll::Ready(LineResult::Granted(g));
                 }
                 Progress::Waiting { bucket, pos } => {
                     let now = Instant::now();
                     if self.deadline.is_some_and(|d| now >= d) {
+                        r.counted_on(self.cell).observe_wait(q.wait_hist(false), now - self.started);
                         let reason = self.q.take().expect("queued").cancel(r);
                         return Poll::Ready(LineResult::Refused(Refused { reason, waited: now - self.started }));
                     }

@@ -15,7 +15,7 @@ use super::spare::{self, Spare, SPARE_MAX_US};
 use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL, LOW_PRIORITY};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
 use keyspace_governor_common::admission::{
-    counter as c, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED,
+    counter as c, hist, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED,
     KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP,
     P_SHRINK_DEBT, P_THROTTLED,
 };
@@ -677,6 +677,21 @@ impl Queued {
     /// The keyspace cell the request is for, if it has one.
     pub fn cell(&self) -> Option<u32> {
         self.g.cell()
+    }
+
+    /// A running request's top-up, not a new admission.
+    pub fn is_topup(&self) -> bool {
+        self.topup
+    }
+
+    /// The wait histogram its wait ends in ([`hist`]), by its result.
+    pub fn wait_hist(&self, granted: bool) -> usize {
+        match (self.topup, granted) {
+            (false, true) => hist::WAIT_GRANTED,
+            (false, false) => hist::WAIT_REFUSED,
+            (true, true) => hist::RUNTIME_GRANTED,
+            (true, false) => hist::RUNTIME_REFUSED,
+        }
     }
 }
 

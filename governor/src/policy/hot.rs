@@ -58,7 +58,11 @@ impl Policy {
         }
         for st in e.cells.iter_mut().flatten() {
             st.burst_enabled = next.keyspace_burst_enabled.get(&st.id).copied().unwrap_or(true);
-            if prev.static_estimate_us(st.id) != next.static_estimate_us(st.id) {
+            // A new static estimate, or adaptive estimates turned off: the
+            // learned value goes, the configured one is in force.
+            if prev.static_estimate_us(st.id) != next.static_estimate_us(st.id)
+                || (prev.enable_adaptive_estimate && !next.enable_adaptive_estimate)
+            {
                 st.estimate_us = next.static_estimate_us(st.id);
             }
             if !next.enable_burst {

@@ -163,6 +163,33 @@ pub struct KeyspaceCounters {
     pub reclaimed: u64,
     /// Thread-pool rejections the server reported (not admission refusals).
     pub pool_rejected: u64,
+    /// How long acquires waited, by result (`admission::hist`).
+    pub wait_hist: WaitHistograms,
+}
+
+/// A bucket's wait histograms as read (`admission::hist` gives the layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitHistograms(pub [u64; keyspace_governor_common::admission::hist::LEN]);
+
+impl Default for WaitHistograms {
+    fn default() -> Self {
+        WaitHistograms([0; keyspace_governor_common::admission::hist::LEN])
+    }
+}
+
+impl Serialize for WaitHistograms {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.as_slice().serialize(s)
+    }
+}
+
+impl WaitHistograms {
+    /// Adds `o`'s counts (folding keyspaces together).
+    pub fn add(&mut self, o: &WaitHistograms) {
+        for (a, b) in self.0.iter_mut().zip(o.0.iter()) {
+            *a = a.wrapping_add(*b);
+        }
+    }
 }
 
 impl KeyspaceCounters {
@@ -187,6 +214,7 @@ impl KeyspaceCounters {
             debt_forgiven_us: b.counter(c::DEBT_FORGIVEN_US),
             reclaimed: b.counter(c::RECLAIMED),
             pool_rejected: b.counter(c::POOL_REJECTED),
+            wait_hist: WaitHistograms(b.wait_hist()),
         }
     }
 }

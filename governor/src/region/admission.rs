@@ -3,7 +3,7 @@
 use super::measure::same_layout;
 use super::{RegionError, Table, FIRST_KEYSPACE};
 use keyspace_governor_common::admission::{
-    counter, dir_key, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
+    counter, dir_key, hist, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
 };
 use keyspace_governor_common::{probe_start, HeaderCell};
 use std::mem::{offset_of, size_of};
@@ -67,6 +67,7 @@ pub struct BucketView {
     pub _pad: AtomicU64,
     pub hot: [[AtomicU64; 8]; HOT_SHARDS],
     pub counters: [AtomicU64; counter::COUNT],
+    pub hist: [AtomicU64; hist::LEN],
 }
 
 thread_local! {
@@ -102,6 +103,18 @@ impl BucketView {
         }
     }
 
+    /// A wait of `waited` ended: counted in histogram `base` ([`hist`]).
+    pub fn observe_wait(&self, base: usize, waited: std::time::Duration) {
+        let us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        self.hist[base + hist::bucket(us)].fetch_add(1, Ordering::Relaxed);
+        self.hist[base + hist::SLOTS - 1].fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// The wait histograms as they stand.
+    pub fn wait_hist(&self) -> [u64; hist::LEN] {
+        std::array::from_fn(|i| self.hist[i].load(Ordering::Relaxed))
+    }
+
     /// Every counter, the hot ones summed over their shards.
     pub fn counter_values(&self) -> [u64; counter::COUNT] {
         std::array::from_fn(|c| self.counter(c))
@@ -109,7 +122,7 @@ impl BucketView {
 
     /// Zeroes every counter (a cell given to a new keyspace).
     pub fn reset_counters(&self) {
-        for v in self.counters.iter().chain(self.hot.iter().flatten()) {
+        for v in self.counters.iter().chain(self.hot.iter().flatten()).chain(self.hist.iter()) {
             v.store(0, Ordering::Relaxed);
         }
     }
