@@ -515,3 +515,36 @@ fn turning_adaptive_estimates_off_puts_the_static_estimate_back() {
     p.update_settings_at(Settings { enable_adaptive_estimate: false, ..s }, SEC).unwrap();
     assert_eq!(p.snapshot().keyspaces[0].estimate_us, static_us, "the learned value does not outlive the setting");
 }
+
+#[test]
+fn the_node_budget_and_the_tenant_caps_follow_the_cores_and_the_ratio_online() {
+    // Throttle off: max-read-cpu-ratio may change online; the global bucket
+    // follows (8 cores × 1.0 × 10 ms = 80 000 µs a refill, then × 0.5).
+    let off = premium(|s| s.throttle_enabled = false);
+    let p = Policy::new(off.clone(), 0).unwrap();
+    assert_eq!(p.global_bucket().refill_us(), 80_000);
+    p.update_settings_at(Settings { max_read_cpu_ratio: 0.5, ..off.clone() }, 0).unwrap();
+    let g = p.global_bucket();
+    assert_eq!((g.refill_us(), g.capacity_us()), (40_000, 400_000), "the bucket has the new size");
+    // The throttle turned on afterwards runs on that budget.
+    p.update_settings_at(Settings { max_read_cpu_ratio: 0.5, throttle_enabled: true, ..off.clone() }, 0).unwrap();
+    assert_eq!(p.global_bucket().refill_us(), 40_000);
+    // The servers' cores shrink (a cgroup resized): the node budget and a
+    // tenant cap shrink with them, on the next settings.
+    let capped = Settings {
+        throttle_enabled: true,
+        enforce_global_limit: true,
+        tenant_max_cpu_ratio: 0.25,
+        enable_burst: false,
+        enable_fair_allocation: false,
+        enable_dynamic_adjustment: false,
+        ..off
+    };
+    let p = Policy::new(capped.clone(), 0).unwrap();
+    let g = p.allocate(1, Some(1), 0).unwrap();
+    p.release(g, 1);
+    assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 20_000, "0.25 × 8 cores × 10 ms");
+    p.update_settings_at(Settings { cpu_cores: 2.0, ..capped }, 0).unwrap();
+    assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 5_000, "0.25 × 2 cores × 10 ms");
+    assert_eq!(p.global_bucket().refill_us(), 20_000, "1.0 × 2 cores × 10 ms");
+}
