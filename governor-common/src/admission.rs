@@ -156,6 +156,39 @@ pub mod hist {
     }
 }
 
+/// What each released request cost: the seed's
+/// `tikv_cpu_throttle_request_cpu_time_seconds` (its measured CPU) and
+/// `tikv_cpu_throttle_request_actual_to_estimated_ratio` (that CPU over the
+/// estimate it was admitted with), for requests admitted through a CPU
+/// bucket. Written at every such release, so each thread group adds to its
+/// own shard (as with the hot counters); readers sum the shards. A
+/// histogram is one counter per bound and one past the last (its count is
+/// their sum) and a sum.
+pub mod request {
+    /// Upper bounds of the request CPU buckets, µs.
+    pub const CPU_BOUNDS_US: [u64; 12] =
+        [50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 100_000, 250_000, 1_000_000];
+    /// Upper bounds of the actual-to-estimated buckets, per mille.
+    pub const RATIO_BOUNDS_PERMILLE: [u64; 12] =
+        [100, 250, 500, 750, 900, 1_000, 1_100, 1_250, 1_500, 2_000, 4_000, 10_000];
+    pub const BUCKETS: usize = CPU_BOUNDS_US.len() + 1;
+    /// Sum of the CPU observed, µs, and of the ratios, per mille.
+    pub const CPU_SUM: usize = 0;
+    pub const RATIO_SUM: usize = 1;
+    pub const CPU: usize = 2;
+    pub const RATIO: usize = CPU + BUCKETS;
+    pub const LEN: usize = RATIO + BUCKETS;
+    /// Counters per shard (four cache lines).
+    pub const SHARD: usize = 32;
+    const _: () = assert!(LEN <= SHARD && RATIO_BOUNDS_PERMILLE.len() + 1 == BUCKETS);
+
+    /// The bucket `v` falls in among `bounds` (`bounds.len()`: past the last).
+    #[inline]
+    pub fn bucket(bounds: &[u64], v: u64) -> usize {
+        bounds.iter().position(|&b| v <= b).unwrap_or(bounds.len())
+    }
+}
+
 /// The agent's header page (memfd; clients read-only).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -252,6 +285,8 @@ pub struct BucketCell {
     pub counters: [u64; counter::COUNT],
     /// Wait-time histograms ([`hist`]).
     pub hist: [u64; hist::LEN],
+    /// Per-thread-group shards of the request histograms ([`request`]).
+    pub request: [[u64; request::SHARD]; HOT_SHARDS],
 }
 
 /// Cache lines the hot counters are spread over.
@@ -275,6 +310,7 @@ impl Default for BucketCell {
             hot: [[0; 8]; HOT_SHARDS],
             counters: [0; counter::COUNT],
             hist: [0; hist::LEN],
+            request: [[0; request::SHARD]; HOT_SHARDS],
         }
     }
 }
@@ -329,7 +365,7 @@ pub const fn dir_key(keyspace_id: u32, state: u32) -> u64 {
 const _: () = assert!(size_of::<AgentCell>() == 64);
 const _: () = assert!(size_of::<KnobsCell>() == 64);
 const _: () = assert!(size_of::<HeaderPage>() == 192);
-const _: () = assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN);
+const _: () = assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN + 8 * request::SHARD * HOT_SHARDS);
 const _: () = assert!(size_of::<ParamsCell>() == 64);
 const _: () = assert!(size_of::<TicketRecord>() == 64);
 const _: () = assert!(align_of::<BucketCell>() == 8);

@@ -17,6 +17,16 @@ fn profile_dir() -> PathBuf {
     if dir.ends_with("deps") { dir.parent().expect("profile dir").to_path_buf() } else { dir.to_path_buf() }
 }
 
+/// A finished command's exit code, stdout and stderr, for a failed assertion.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 /// The `governor` binary (GOVERNOR_BIN overrides).
 pub fn governor_bin() -> PathBuf {
     std::env::var_os("GOVERNOR_BIN").map(PathBuf::from).unwrap_or_else(|| profile_dir().join("governor"))
@@ -425,7 +435,18 @@ pub struct Holder {
 
 impl Holder {
     pub fn start(socket: &Path) -> Holder {
-        let mut child = Command::new(workload_bin())
+        Self::spawn(Command::new(workload_bin()), socket)
+    }
+
+    /// [`Holder::start`] as user `uid` (group `uid`, no other groups).
+    pub fn start_as(socket: &Path, uid: u32) -> Holder {
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string(), "--clear-groups"]).arg(workload_bin());
+        Self::spawn(cmd, socket)
+    }
+
+    fn spawn(mut cmd: Command, socket: &Path) -> Holder {
+        let mut child = cmd
             .args(["hold", "--socket"])
             .arg(socket)
             .stdin(Stdio::piped())

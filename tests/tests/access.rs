@@ -3,18 +3,9 @@
 //! (`SO_PEERCRED` and the peer's groups). Peers are real processes run as
 //! other accounts (`setpriv`).
 
-use governor_tests::{Agent, governor_bin, workload_bin};
+use governor_tests::{Agent, governor_bin, output_text as text, workload_bin};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Output};
-
-fn text(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 /// `program args` as uid and gid `id`, no groups, no capabilities.
 fn run_as(id: u32, program: &std::path::Path, args: &[&str]) -> Output {

@@ -1,9 +1,8 @@
-//! The deployment files: the systemd unit passes `systemd-analyze verify`,
-//! and every metric the Grafana dashboard queries is in a real scrape of an
-//! agent doing the work those metrics describe.
+//! The deployment files: the systemd unit passes `systemd-analyze verify`
+//! and the DaemonSet's configuration validates. (The Grafana dashboard is
+//! checked by a real Prometheus in `metrics.rs`.)
 
-use governor_tests::{Agent, Scratch, essential_config, governor_bin, run_workload};
-use std::collections::BTreeSet;
+use governor_tests::{Scratch, governor_bin};
 use std::path::Path;
 use std::process::Command;
 
@@ -44,52 +43,6 @@ fn the_systemd_unit_verifies_against_an_installed_binary() {
     assert_eq!(exec, "/usr/bin/governor agent --config /etc/governor/governor.toml");
     let help = Command::new(governor_bin()).args(["agent", "--help"]).output().unwrap();
     assert!(String::from_utf8_lossy(&help.stdout).contains("--config"));
-}
-
-#[test]
-fn every_metric_the_dashboard_queries_is_in_a_scrape() {
-    let dash: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repo().join("deploy/grafana/governor-dashboard.json")).unwrap())
-            .unwrap();
-    let mut wanted = BTreeSet::new();
-    for panel in dash["panels"].as_array().expect("panels") {
-        for t in panel["targets"].as_array().expect("targets") {
-            let expr = t["expr"].as_str().expect("expr");
-            // Metric names: identifiers that are not PromQL functions or labels.
-            let mut word = String::new();
-            for ch in expr.chars().chain([' ']) {
-                if ch.is_ascii_alphanumeric() || ch == '_' {
-                    word.push(ch);
-                } else {
-                    if word.starts_with("governor_") || word.starts_with("tikv_") || word.starts_with("cpu_throttle_") {
-                        wanted.insert(word.clone());
-                    }
-                    word.clear();
-                }
-            }
-        }
-    }
-    assert!(wanted.len() >= 15, "{wanted:?}");
-    // An agent with buckets, tickets, refusals, a rule and eBPF statistics.
-    let config =
-        format!("{}\n[[rules]]\nname = \"sleepers\"\nkeyspace = 77\ncomm-prefix = \"sleep\"\n", essential_config(0.05));
-    let agent = Agent::start("ebpf", &config).unwrap();
-    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
-    let mut sleeper = Command::new("sleep").arg("5").spawn().unwrap();
-    run_workload(
-        &agent.socket,
-        &["tickets", "--keyspace", "5", "--threads", "2", "--seconds", "1", "--work-us", "2000"],
-    )
-    .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let addr = agent.status().unwrap().metrics_addr.unwrap();
-    let text = governor_tests::scrape_metrics(&addr);
-    let _ = sleeper.kill();
-    let _ = sleeper.wait();
-    let present: BTreeSet<&str> =
-        text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split(['{', ' ']).next()).collect();
-    let missing: Vec<&String> = wanted.iter().filter(|m| !present.contains(m.as_str())).collect();
-    assert!(missing.is_empty(), "the dashboard queries metrics no scrape has: {missing:?}");
 }
 
 #[test]

@@ -5,7 +5,7 @@
 //! running configuration stays; the log and the counters record both; only
 //! root or the agent's uid may change it.
 
-use governor_tests::{Agent, governor_bin};
+use governor_tests::{Agent, governor_bin, output_text as text};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
@@ -19,15 +19,6 @@ fn capped(ratio: f64) -> String {
 
 fn governor(agent: &Agent, args: &[&str]) -> Output {
     Command::new(governor_bin()).args(args).arg("--socket").arg(&agent.socket).output().expect("governor runs")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 fn cap_ratio(agent: &Agent) -> f64 {

@@ -295,3 +295,190 @@ fn wait_histograms_count_every_admission_by_result() {
     let problems = governor_tests::promtool_check(&text);
     assert!(problems.is_empty(), "promtool: {problems:?}");
 }
+
+#[test]
+fn request_histograms_count_every_release_with_its_cpu_and_its_estimate() {
+    let _s = serial();
+    // Static estimates of 1000 µs; keyspace 7's tickets do 300 µs of work,
+    // keyspace 8's 1800 µs (topped up on the way).
+    let config = format!(
+        "[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nprofile = \"essential\"\n\
+         tenant-max-cpu-ratio = {}\nenable-adaptive-estimated-cpu-per-request-us = false\n\
+         estimated-cpu-per-request-us = 1000\n[agent]\nmax-threads = 256\n",
+        0.9 / cores()
+    );
+    let agent = Agent::start("ebpf", &config).unwrap();
+    let mut reports = Vec::new();
+    for (ks, work) in [("7", "300"), ("8", "1800")] {
+        let out = run_workload(
+            &agent.socket,
+            &["tickets", "--keyspace", ks, "--threads", "2", "--seconds", "1.5", "--work-us", work],
+        )
+        .unwrap();
+        reports.push(out);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, _, text) = get(&metrics_addr(&agent), "/metrics");
+    let s = agent.status().unwrap();
+    let cpu = "tikv_cpu_throttle_request_cpu_time_seconds";
+    let ratio = "tikv_cpu_throttle_request_actual_to_estimated_ratio";
+    let of = |name: &str, series: &str, ks: &str, le: Option<&str>| {
+        let labels = match le {
+            Some(le) => format!("keyspace_id=\"{ks}\",le=\"{le}\""),
+            None => format!("keyspace_id=\"{ks}\""),
+        };
+        sample(&text, &format!("{name}{series}"), &labels).unwrap_or_else(|| panic!("no {name}{series}{{{labels}}}"))
+    };
+    for ((ks, work_us, cpu_le, ratio_le), report) in
+        [("7", 300.0, "0.0005", "0.5"), ("8", 1800.0, "0.0025", "2")].into_iter().zip(&reports)
+    {
+        let k = s.keyspaces.iter().find(|k| k.keyspace_id.to_string() == ks).unwrap();
+        let consumed_s = report["ticket_consumed_ns"].as_f64().unwrap() / 1e9;
+        eprintln!("keyspace {ks}: {report}; status {} granted, estimate {} µs", k.granted, k.estimate_us);
+        assert_eq!(k.estimate_us, 1000, "{k:?}");
+        // One observation per released ticket, in both families.
+        let n = of(cpu, "_count", ks, None);
+        assert_eq!(n as u64, k.granted, "every granted ticket was released");
+        assert_eq!(of(ratio, "_count", ks, None), n);
+        assert!(n > 200.0, "{n} tickets");
+        // The CPU is what the tickets were charged.
+        let sum = of(cpu, "_sum", ks, None);
+        assert!((sum - consumed_s).abs() <= consumed_s * 0.01 + 0.001, "histogram {sum} s, tickets {consumed_s} s");
+        let mean_us = sum / n * 1e6;
+        assert!(
+            mean_us >= work_us * 0.95 && mean_us <= work_us * 1.5,
+            "mean request CPU {mean_us} µs for {work_us} µs of work"
+        );
+        // The ratio is that CPU over the 1000 µs estimate.
+        let mean_ratio = of(ratio, "_sum", ks, None) / n;
+        assert!((mean_ratio - mean_us / 1000.0).abs() <= 0.01, "mean ratio {mean_ratio}, mean CPU {mean_us} µs");
+        // Most land in the bucket their work falls in (some are preempted).
+        let in_cpu = of(cpu, "_bucket", ks, Some(cpu_le));
+        let in_ratio = of(ratio, "_bucket", ks, Some(ratio_le));
+        assert!(
+            in_cpu >= n * 0.8 && in_ratio >= n * 0.8,
+            "{in_cpu} and {in_ratio} of {n} at or below {cpu_le} s / {ratio_le}"
+        );
+        let below = if ks == "7" { ("0.00025", "0.25") } else { ("0.001", "1") };
+        assert!(
+            of(cpu, "_bucket", ks, Some(below.0)) <= n * 0.05 && of(ratio, "_bucket", ks, Some(below.1)) <= n * 0.05,
+            "few requests cost less than their work"
+        );
+    }
+    let problems = governor_tests::promtool_check(&text);
+    assert!(problems.is_empty(), "promtool: {problems:?}");
+}
+
+/// The labels a panel's target must carry: those its legend names and those
+/// its outermost `by (…)` keeps (less `le`, which `histogram_quantile` uses).
+fn shown_labels(expr: &str, legend: &str) -> Vec<String> {
+    let mut labels: Vec<String> =
+        legend.split("{{").skip(1).filter_map(|s| s.split_once("}}").map(|(l, _)| l.trim().to_string())).collect();
+    if let Some((_, rest)) = expr.split_once("by (")
+        && let Some((group, _)) = rest.split_once(')')
+    {
+        labels.extend(group.split(',').map(|l| l.trim().to_string()).filter(|l| l != "le"));
+    }
+    labels.sort();
+    labels.dedup();
+    labels
+}
+
+#[test]
+fn every_dashboard_query_returns_series_with_the_labels_its_panel_shows() {
+    use governor_tests::fake_pd::{FakePd, Reply};
+    let _s = serial();
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(repo.join("deploy/grafana/governor-dashboard.json")).unwrap())
+            .unwrap();
+    // A live agent with every source the panels draw from: tenants held to
+    // quotas (grants, waits, refusals, top-ups), a PD quota, a rule, eBPF
+    // statistics and a configuration change.
+    let pd = FakePd::start();
+    pd.keyspace(9, "pd-tenant", "ENABLED");
+    pd.reply("pd-tenant", Reply::Limit(100.0));
+    let config = format!(
+        "[resource-control]\nmax-read-cpu-ratio = 0.6\n[resource-control.cpu-throttle]\nenabled = true\n\
+         enable-dynamic-adjustment = false\nkeyspace-cpu-quotas = \"5:100,6:150\"\nenable-burst = false\n\
+         enable-pd-service-limit = true\npd-service-limit-fetch-interval = \"200ms\"\n\
+         pd-service-limit-request-timeout = \"150ms\"\n[pd]\nendpoints = [\"http://{}\"]\n\
+         [agent]\nmax-threads = 256\n[[rules]]\nname = \"sleepers\"\nkeyspace = 77\ncomm-prefix = \"sleep\"\n",
+        pd.addr
+    );
+    let agent = Agent::start("ebpf", &config).unwrap();
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let addr = metrics_addr(&agent);
+    let prom = Prometheus::start(&addr);
+    prom.wait_for("up{job=\"governor\"} == 1");
+    let set = Command::new(governor_tests::governor_bin())
+        .args(["config", "set", "resource-control.cpu-throttle.keyspace-cpu-quotas=5:100,6:160", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    assert!(set.status.success(), "{}", String::from_utf8_lossy(&set.stderr));
+    // Four seconds of load while Prometheus scrapes every second: keyspace 5
+    // (0.1 core) with short deadlines (refusals), 6 (0.16 core) with tickets
+    // longer than their estimate (top-ups that wait), 9 under its PD quota.
+    let socket = agent.socket.clone();
+    let loads: Vec<_> = [
+        vec![
+            "tickets",
+            "--keyspace",
+            "5",
+            "--threads",
+            "3",
+            "--seconds",
+            "4",
+            "--work-us",
+            "1000",
+            "--timeout-ms",
+            "2",
+        ],
+        vec!["tickets", "--keyspace", "6", "--threads", "2", "--seconds", "4", "--work-us", "8000"],
+        vec!["tickets", "--keyspace", "9", "--threads", "1", "--seconds", "4", "--work-us", "500"],
+    ]
+    .into_iter()
+    .map(|args| {
+        let socket = socket.clone();
+        std::thread::spawn(move || run_workload(&socket, &args).unwrap())
+    })
+    .collect();
+    for l in loads {
+        eprintln!("{}", l.join().unwrap());
+    }
+    // Two more scrapes, so every rate has the load's last samples.
+    std::thread::sleep(Duration::from_millis(2500));
+    let mut checked = 0;
+    let mut problems = Vec::new();
+    for panel in dash["panels"].as_array().expect("panels") {
+        let title = panel["title"].as_str().unwrap_or_default();
+        for t in panel["targets"].as_array().expect("targets") {
+            let expr = t["expr"].as_str().expect("expr");
+            let legend = t["legendFormat"].as_str().unwrap_or_default();
+            let want = shown_labels(expr, legend);
+            let series = prom.query(expr);
+            checked += 1;
+            if series.is_empty() {
+                problems.push(format!("{title}: `{expr}` returned no series"));
+                continue;
+            }
+            if !series.iter().any(|(_, v)| v.is_finite()) {
+                problems.push(format!("{title}: `{expr}` returned only NaN: {series:?}"));
+            }
+            for (labels, _) in &series {
+                for l in &want {
+                    if labels.get(l).and_then(|v| v.as_str()).is_none_or(str::is_empty) {
+                        problems.push(format!("{title}: `{expr}` has a series without `{l}`: {labels}"));
+                    }
+                }
+            }
+            eprintln!("{title} [{legend}]: {} series, {want:?}", series.len());
+        }
+    }
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert!(checked >= 24, "{checked} targets");
+    assert!(problems.is_empty(), "{problems:#?}");
+}

@@ -64,15 +64,13 @@ impl Ledgers {
                 continue;
             }
             let g = Grant {
-                keyspace: 0,
-                cell,
                 tenant_us: rec.tenant_us.load(Ordering::Relaxed),
                 global_us: rec.global_us.load(Ordering::Relaxed),
                 burst_us: rec.burst_us.load(Ordering::Relaxed),
-                low_priority_us: 0,
                 write_bytes: rec.write_bytes.load(Ordering::Relaxed),
                 counted: rec.flags.load(Ordering::Relaxed) & T_COUNTED != 0,
                 skipped: false,
+                ..Grant::unchecked(0, cell)
             };
             // What the dead client's work consumed (as last recorded) is
             // settled like any release; the rest goes back.

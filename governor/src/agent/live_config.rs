@@ -132,8 +132,12 @@ impl Shared {
         };
         let diff = running.config.diff(&next);
         // Rules, and the caps the kernel holds their keyspaces to.
+        // Rule caps are fractions of the server's cores: they follow
+        // `server-cpu-cores` too.
         let rules_change = running.config.rules() != next.rules()
-            || (!next.rules().is_empty() && (diff.changed("resource-control.cpu-throttle")));
+            || (!next.rules().is_empty()
+                && (diff.changed("resource-control.cpu-throttle")
+                    || diff.changed("resource-control.server-cpu-cores")));
         if rules_change && let Err(e) = self.apply_rules(&next) {
             running.rejected += 1;
             let why = format!("the rules' keyspaces get no cell: {e}");

@@ -150,6 +150,7 @@ struct Row {
     topups_granted: u64,
     topups_refused: u64,
     wait_hist: crate::policy::WaitHistograms,
+    request_hist: crate::policy::RequestHistograms,
 }
 
 impl Row {
@@ -170,6 +171,7 @@ impl Row {
         self.topups_granted += o.topups_granted;
         self.topups_refused += o.topups_refused;
         self.wait_hist.add(&o.wait_hist);
+        self.request_hist.add(&o.request_hist);
     }
 }
 
@@ -277,6 +279,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 topups_granted: b.map_or(0, |b| b.counters.topups_granted),
                 topups_refused: k.topups_refused,
                 wait_hist: b.map_or_else(Default::default, |b| b.counters.wait_hist),
+                request_hist: b.map_or_else(Default::default, |b| b.counters.request_hist),
             };
             (k.keyspace_id, row)
         })
@@ -568,7 +571,52 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     TextEncoder::new().encode(&f.registry.gather(), &mut out).expect("text encoding");
     let mut text = String::from_utf8(out).expect("text format is UTF-8");
     text.push_str(&render_wait_histograms(&shown));
+    text.push_str(&render_request_histograms(&shown));
     text
+}
+
+/// The seed's per-request histograms, per keyspace: each released request's
+/// measured CPU and its ratio to the estimate it was admitted with.
+fn render_request_histograms(shown: &[(String, Row)]) -> String {
+    use keyspace_governor_common::admission::request as q;
+    use std::fmt::Write as _;
+    let families = [
+        (
+            "tikv_cpu_throttle_request_cpu_time_seconds",
+            "CPU a released request consumed, by keyspace",
+            q::CPU,
+            q::CPU_SUM,
+            &q::CPU_BOUNDS_US,
+            1e6,
+        ),
+        (
+            "tikv_cpu_throttle_request_actual_to_estimated_ratio",
+            "CPU a released request consumed over the estimate it was admitted with, by keyspace",
+            q::RATIO,
+            q::RATIO_SUM,
+            &q::RATIO_BOUNDS_PERMILLE,
+            1e3,
+        ),
+    ];
+    let mut out = String::new();
+    for (name, help, base, sum, bounds, unit) in families {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for (ks, r) in shown {
+            let h = &r.request_hist.0;
+            let labels = format!("keyspace_id=\"{ks}\"");
+            let mut cumulative = 0u64;
+            for (i, bound) in bounds.iter().enumerate() {
+                cumulative += h[base + i];
+                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {cumulative}", *bound as f64 / unit);
+            }
+            cumulative += h[base + bounds.len()];
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
+            let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h[sum] as f64 / unit);
+            let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
+        }
+    }
+    out
 }
 
 /// The seed's wait histograms, per keyspace and result: the waits clients

@@ -59,9 +59,10 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<UnixListener, AgentEr
 
 /// Gives the socket file `access`'s group and mode (`agent.access`).
 pub(super) fn set_socket_access(path: &Path, access: &Access) -> std::io::Result<()> {
-    if let Some(gid) = access.group {
-        std::os::unix::fs::chown(path, None, Some(gid))?;
-    }
+    // Without a group of its own the socket belongs to the agent's group
+    // (so removing `socket-group` online puts that back).
+    let gid = access.group.unwrap_or_else(sys::effective_gid);
+    std::os::unix::fs::chown(path, None, Some(gid))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode))
 }
 

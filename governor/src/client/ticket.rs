@@ -197,7 +197,7 @@ fn record(att: &Attachment, idx: u32) -> &TicketView {
 #[inline]
 fn write_record(att: &Attachment, idx: u32, g: &Grant) {
     let r = record(att, idx);
-    let (cell, generation) = g.cell.map_or((0, 0), |(c, g)| (c + 1, g));
+    let (cell, generation) = g.cell_at().map_or((0, 0), |(c, g)| (c + 1, g));
     r.cell.store(cell, Ordering::Relaxed);
     r.generation.store(generation, Ordering::Relaxed);
     r.tenant_us.store(g.tenant_us, Ordering::Relaxed);

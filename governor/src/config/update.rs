@@ -167,7 +167,9 @@ impl ValidatedConfig {
                 }
             };
         }
-        match cursor.get(leaf) {
+        // A key the running configuration leaves out (an optional one, such
+        // as `agent.access.socket-group`) is known if the section takes it.
+        let absent = match cursor.get(leaf) {
             Some(toml::Value::Table(_)) => {
                 return Err(reject(ConfigError::InvalidValue {
                     key: key.into(),
@@ -175,17 +177,18 @@ impl ValidatedConfig {
                     reason: "is a section; set one of its keys".into(),
                 }));
             }
-            Some(_) => {}
-            None => {
-                return Err(reject(ConfigError::UnknownKey { key: key.into(), line: None }));
-            }
-        }
+            Some(_) => false,
+            None => true,
+        };
         let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
             .ok()
             .and_then(|mut t| t.remove("v"))
             .unwrap_or_else(|| toml::Value::String(value.trim().to_string()));
         cursor.insert(leaf.to_string(), parsed);
         let mut raw: RawConfig = table.try_into().map_err(|e: toml::de::Error| {
+            if absent && e.message().contains("unknown field") {
+                return reject(ConfigError::UnknownKey { key: key.into(), line: None });
+            }
             reject(ConfigError::InvalidValue { key: key.into(), line: None, reason: e.message().trim().to_string() })
         })?;
         if key == "resource-control.cpu-throttle.profile" {

@@ -46,8 +46,12 @@ pub struct Demand {
 #[must_use = "a grant must be released"]
 pub struct Grant {
     pub(crate) keyspace: u32,
-    /// Keyspace cell and its generation when granted.
-    pub(crate) cell: Option<(u32, u64)>,
+    /// Keyspace cell and its generation when granted (as [`Grant::cell_at`]:
+    /// two fields, so the keyspace id shares the index's word and a ticket
+    /// stays within 128 bytes).
+    pub(crate) cell_index: u32,
+    /// 0, never a live cell's generation: the keyspace has no cell.
+    pub(crate) cell_generation: u64,
     /// Taken from the keyspace (tenant) bucket, µs.
     pub(crate) tenant_us: u64,
     /// Taken from the global bucket, µs (tenant µs plus burst µs).
@@ -62,6 +66,10 @@ pub struct Grant {
     /// Passed the CPU check without a bucket (no quota, no cap; or admission
     /// off).
     pub(crate) skipped: bool,
+    /// The estimate the request was admitted with, µs (0: none known — a
+    /// fail-open ticket, or one reclaimed from a dead client —, and the
+    /// release observes no request histogram).
+    pub(crate) estimate_us: u64,
 }
 
 impl Grant {
@@ -70,7 +78,8 @@ impl Grant {
     pub(crate) fn unchecked(keyspace: u32, cell: Option<(u32, u64)>) -> Grant {
         Grant {
             keyspace,
-            cell,
+            cell_index: cell.map_or(0, |c| c.0),
+            cell_generation: cell.map_or(0, |c| c.1),
             tenant_us: 0,
             global_us: 0,
             burst_us: 0,
@@ -78,6 +87,7 @@ impl Grant {
             write_bytes: 0,
             counted: false,
             skipped: true,
+            estimate_us: 0,
         }
     }
 
@@ -115,7 +125,13 @@ impl Grant {
         self.counted
     }
     pub fn cell(&self) -> Option<u32> {
-        self.cell.map(|c| c.0)
+        self.cell_at().map(|c| c.0)
+    }
+
+    /// Keyspace cell and its generation when granted, if it had one.
+    #[inline]
+    pub(crate) fn cell_at(&self) -> Option<(u32, u64)> {
+        (self.cell_generation != 0).then_some((self.cell_index, self.cell_generation))
     }
     /// Runtime token management: should the holder top up now?
     /// (`consumed > threshold × granted`)
@@ -283,13 +299,15 @@ fn enter_writes(k: &Knobs, global: &BucketView, tenant: &BucketView, keyspace: u
     Ok(())
 }
 
-/// The estimate a request takes: its own, else the keyspace's published one,
-/// else the default; with runtime token management, at most a tenth of what
-/// the tenant and global buckets hold (it tops up as it runs).
+/// The tokens a request takes and its estimate: the estimate is its own,
+/// else the keyspace's published one, else the default; it takes that,
+/// or with runtime token management at most a tenth of what the tenant and
+/// global buckets hold (it tops up as it runs).
 #[inline]
-fn estimate(k: &Knobs, cells: &Cells<'_>, demand: &Demand) -> u64 {
+fn estimate(k: &Knobs, cells: &Cells<'_>, demand: &Demand) -> (u64, u64) {
     let published = cells.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
-    let mut est = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
+    let estimated = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
+    let mut est = estimated;
     if k.has(KNOB_RUNTIME_TOPUP)
         && let Some((tenant, _)) = cells.tenant {
             let room = cells.global.available_us().min(tenant.available_us()) / 10;
@@ -297,7 +315,7 @@ fn estimate(k: &Knobs, cells: &Cells<'_>, demand: &Demand) -> u64 {
                 est = est.min(room as u64);
             }
         }
-    est
+    (est, estimated)
 }
 
 /// Where a request stands after the checks that never wait.
@@ -354,7 +372,8 @@ fn prepare(
         return Ok(Prep::Done(g));
     }
     g.skipped = false;
-    let est = estimate(k, cells, demand);
+    let (est, estimated) = estimate(k, cells, demand);
+    g.estimate_us = estimated;
     if k.has(KNOB_TRACK_DEMAND)
         && let Some(b) = tenant {
             b.count(c::DEMAND_US, est);
@@ -529,7 +548,7 @@ pub fn acquire_queued(
 /// request. Its grant, once ready, holds only the top-up: add it to `g` with
 /// [`Grant::absorb`].
 pub fn top_up_queued(r: &AdmissionRegions, k: &Knobs, g: &Grant, us: u64) -> Queued {
-    let cells = Cells::of(r, g.cell);
+    let cells = Cells::of(r, g.cell_at());
     let part = Grant { tenant_us: 0, global_us: 0, burst_us: 0, low_priority_us: 0, write_bytes: 0, counted: false, ..g.clone() };
     let throttled = cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
     if g.skipped {
@@ -571,7 +590,7 @@ impl Queued {
 
     /// Moves as far as the buckets allow.
     pub fn poll(&mut self, r: &AdmissionRegions, k: &Knobs) -> Progress {
-        let cells = Cells::of(r, self.g.cell);
+        let cells = Cells::of(r, self.g.cell_at());
         loop {
             match self.stage {
                 Stage::Tenant(pos) => {
@@ -629,7 +648,7 @@ impl Queued {
     /// Gives up: leaves every line, returns tokens and what the checks took.
     /// Returns the refusal the request ends with.
     pub fn cancel(self, r: &AdmissionRegions) -> Refusal {
-        let cells = Cells::of(r, self.g.cell);
+        let cells = Cells::of(r, self.g.cell_at());
         let keyspace = self.g.keyspace;
         let cap = cells.tenant.is_some_and(|(_, p)| p.has(P_CAP));
         let refusal = match self.stage {
@@ -701,7 +720,7 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
     if g.skipped {
         return Ok(());
     }
-    let cells = Cells::of(r, g.cell);
+    let cells = Cells::of(r, g.cell_at());
     let us = us.max(1);
     let result = if cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED)) {
         take_cpu(k, &cells, g.keyspace, us)
@@ -778,7 +797,7 @@ pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
 /// burst, no low-priority tokens) and its buckets are quiet.
 #[inline]
 pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Option<&mut Spare>) {
-    let cells = Cells::of(r, g.cell);
+    let cells = Cells::of(r, g.cell_at());
     if let Some(s) = spare
         && keep_refund(r, &cells, g, consumed_us, s)
     {
@@ -811,8 +830,16 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
         if g.write_bytes > 0 {
             sub_saturating(&b.pending_write_bytes, g.write_bytes);
         }
-        b.count(c::CONSUMED_US, consumed_us);
-        b.count(c::RELEASED, 1);
+        // Counted as released (and its CPU as consumed) by the request
+        // histograms when observed there.
+        if g.estimate_us > 0 {
+            b.observe_request(consumed_us, g.estimate_us);
+        } else {
+            b.count(c::CONSUMED_US, consumed_us);
+            b.count(c::RELEASED, 1);
+        }
+    } else if g.estimate_us > 0 {
+        cells.global.observe_request(consumed_us, g.estimate_us);
     } else {
         cells.global.count(c::RELEASED, 1);
     }
@@ -828,7 +855,7 @@ fn keep_refund(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant, consumed_us: 
     let granted = g.tenant_us;
     // The overflow bucket's tokens are shared by keyspaces without cells: a
     // thread keeps no spare of them.
-    if g.cell.is_none() || granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell) {
+    if g.cell_generation == 0 || granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell_at()) {
         return false;
     }
     let Some((b, p)) = cells.tenant else { return false };
@@ -856,7 +883,7 @@ fn keep_refund(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant, consumed_us: 
     if done > 0 {
         b.sub_inflight_us(done);
     }
-    s.cell = g.cell;
+    s.cell = g.cell_at();
     s.us = kept;
     if g.counted {
         sub_saturating(&b.inflight_requests, 1);
@@ -865,9 +892,13 @@ fn keep_refund(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant, consumed_us: 
         sub_saturating(&b.pending_write_bytes, g.write_bytes);
         sub_saturating(&global.pending_write_bytes, g.write_bytes);
     }
-    if consumed_us > 0 {
-        b.count(c::CONSUMED_US, consumed_us);
+    if g.estimate_us > 0 {
+        b.observe_request(consumed_us, g.estimate_us);
+    } else {
+        if consumed_us > 0 {
+            b.count(c::CONSUMED_US, consumed_us);
+        }
+        b.count(c::RELEASED, 1);
     }
-    b.count(c::RELEASED, 1);
     true
 }

@@ -6,16 +6,16 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use keyspace_governor_common::admission::{counter, P_BURST_ALLOWED, P_BURST_ENABLED};
+use keyspace_governor_common::admission::{counter, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP};
 use serde::Serialize;
 
 use super::dynamic::{adjust_global_refill, adjust_keyspace_refill};
 use super::estimate::ema;
 use super::fair::{fair_allocate, FairInput};
-use super::keyspace::QuotaSource;
+use super::keyspace::{BucketBook, QuotaSource};
 use super::manager::{Engine, Policy};
 use super::window::UsageSample;
-use crate::region::{GLOBAL, LOW_PRIORITY, OVERFLOW};
+use crate::region::{BucketView, ParamsView, GLOBAL, LOW_PRIORITY, OVERFLOW};
 
 /// What one [`Policy::tick`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -32,6 +32,22 @@ pub struct TickReport {
 }
 
 impl Policy {
+    /// What a refill may fill a bucket to: its capacity (rate ×
+    /// `burst-window`), except a tenant-cap bucket with nothing in flight,
+    /// which keeps one interval's refill, as the tenant-cap seed sizes it
+    /// (what stands above is trimmed). So a tenant back from idle starts
+    /// from one interval (with the window's ten it took its cap + 9 % in its
+    /// first second), while a busy tenant's refunds of over-granted tokens
+    /// still have room to land.
+    fn idle_cap_limit(b: &BucketView, p: Option<&ParamsView>, book: &mut BucketBook) -> u64 {
+        if !p.is_some_and(|p| p.has(P_CAP)) || b.inflight_us() != 0 {
+            return book.capacity_us;
+        }
+        let limit = book.refill_us.min(book.capacity_us);
+        book.discarded_us += b.clamp_available(limit);
+        limit
+    }
+
     /// One agent step at `now_us`: refill every bucket for the elapsed refill
     /// intervals; with a `usage` sample (exactly once per stats interval),
     /// update the monitor window and everything derived from it; give up idle
@@ -73,7 +89,8 @@ impl Policy {
         let e = &mut *e;
         for (i, book) in [(GLOBAL, &mut e.global), (LOW_PRIORITY, &mut e.low_priority), (OVERFLOW, &mut e.overflow)] {
             let amount = book.refill_us.saturating_mul(intervals);
-            let kept = r.bucket(i).give(amount, book.capacity_us);
+            let limit = if i == OVERFLOW { Self::idle_cap_limit(r.bucket(i), r.params.get(i), book) } else { book.capacity_us };
+            let kept = r.bucket(i).give(amount, limit);
             book.refilled_us += amount;
             book.discarded_us += amount - kept;
         }
@@ -93,7 +110,8 @@ impl Policy {
                 Self::publish_book(p, &st.book);
             }
             let amount = st.book.refill_us.saturating_mul(intervals);
-            let kept = b.give(amount, st.book.capacity_us);
+            let limit = Self::idle_cap_limit(b, Some(p), &mut st.book);
+            let kept = b.give(amount, limit);
             st.book.refilled_us += amount;
             st.book.discarded_us += amount - kept;
         }

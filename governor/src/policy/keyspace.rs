@@ -165,27 +165,35 @@ pub struct KeyspaceCounters {
     pub pool_rejected: u64,
     /// How long acquires waited, by result (`admission::hist`).
     pub wait_hist: WaitHistograms,
+    /// What released requests consumed (`admission::request`).
+    pub request_hist: RequestHistograms,
 }
 
-/// A bucket's wait histograms as read (`admission::hist` gives the layout).
+/// A bucket's histogram counters as read: its wait histograms
+/// (`admission::hist`) or its request histograms (`admission::request`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WaitHistograms(pub [u64; keyspace_governor_common::admission::hist::LEN]);
+pub struct Counts<const N: usize>(pub [u64; N]);
 
-impl Default for WaitHistograms {
+/// How long acquires waited, by result.
+pub type WaitHistograms = Counts<{ keyspace_governor_common::admission::hist::LEN }>;
+/// What released requests consumed, and against their estimates.
+pub type RequestHistograms = Counts<{ keyspace_governor_common::admission::request::LEN }>;
+
+impl<const N: usize> Default for Counts<N> {
     fn default() -> Self {
-        WaitHistograms([0; keyspace_governor_common::admission::hist::LEN])
+        Counts([0; N])
     }
 }
 
-impl Serialize for WaitHistograms {
+impl<const N: usize> Serialize for Counts<N> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         self.0.as_slice().serialize(s)
     }
 }
 
-impl WaitHistograms {
+impl<const N: usize> Counts<N> {
     /// Adds `o`'s counts (folding keyspaces together).
-    pub fn add(&mut self, o: &WaitHistograms) {
+    pub fn add(&mut self, o: &Counts<N>) {
         for (a, b) in self.0.iter_mut().zip(o.0.iter()) {
             *a = a.wrapping_add(*b);
         }
@@ -214,7 +222,8 @@ impl KeyspaceCounters {
             debt_forgiven_us: b.counter(c::DEBT_FORGIVEN_US),
             reclaimed: b.counter(c::RECLAIMED),
             pool_rejected: b.counter(c::POOL_REJECTED),
-            wait_hist: WaitHistograms(b.wait_hist()),
+            wait_hist: Counts(b.wait_hist()),
+            request_hist: Counts(b.request_hist()),
         }
     }
 }

@@ -61,7 +61,7 @@ pub use {
     dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR},
     estimate::{ema, EstimateTracker},
     fair::{fair_allocate, FairInput, FairShare},
-    keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource, WaitHistograms},
+    keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource, RequestHistograms, WaitHistograms},
     manager::{Policy, DEFAULT_CELLS},
     pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracked, PdTracker},
     settings::{millicores_to_us_per_interval, Settings},

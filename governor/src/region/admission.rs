@@ -3,7 +3,7 @@
 use super::measure::same_layout;
 use super::{RegionError, Table, FIRST_KEYSPACE};
 use keyspace_governor_common::admission::{
-    counter, dir_key, hist, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
+    counter, dir_key, hist, request, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
 };
 use keyspace_governor_common::{probe_start, HeaderCell};
 use std::mem::{offset_of, size_of};
@@ -68,6 +68,7 @@ pub struct BucketView {
     pub hot: [[AtomicU64; 8]; HOT_SHARDS],
     pub counters: [AtomicU64; counter::COUNT],
     pub hist: [AtomicU64; hist::LEN],
+    pub request: [[AtomicU64; request::SHARD]; HOT_SHARDS],
 }
 
 thread_local! {
@@ -94,10 +95,21 @@ impl BucketView {
         }
     }
 
+    /// Counter `c`. `RELEASED` and `CONSUMED_US` add what the request
+    /// histograms counted (a release observed there is counted only there,
+    /// see [`Self::observe_request`]).
     #[inline]
     pub fn counter(&self, c: usize) -> u64 {
         if c < counter::HOT {
-            self.hot.iter().fold(0u64, |sum, s| sum.wrapping_add(s[c].load(Ordering::Relaxed)))
+            let hot = self.hot.iter().fold(0u64, |sum, s| sum.wrapping_add(s[c].load(Ordering::Relaxed)));
+            let observed = match c {
+                counter::RELEASED => request::CPU..request::CPU + request::BUCKETS,
+                counter::CONSUMED_US => request::CPU_SUM..request::CPU_SUM + 1,
+                _ => return hot,
+            };
+            self.request.iter().fold(hot, |sum, s| {
+                s[observed.clone()].iter().fold(sum, |sum, v| sum.wrapping_add(v.load(Ordering::Relaxed)))
+            })
         } else {
             self.counters[c].load(Ordering::Relaxed)
         }
@@ -108,6 +120,30 @@ impl BucketView {
         let us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
         self.hist[base + hist::bucket(us)].fetch_add(1, Ordering::Relaxed);
         self.hist[base + hist::SLOTS - 1].fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// A request was released having consumed `consumed_us` against an
+    /// estimate of `estimate_us`: counted in this thread group's shard of
+    /// the request histograms, which also stand for the release and its CPU
+    /// in `RELEASED` and `CONSUMED_US` (the caller counts neither), so a
+    /// release pays two atomic adds for the histograms rather than four.
+    #[inline]
+    pub fn observe_request(&self, consumed_us: u64, estimate_us: u64) {
+        let h = &self.request[my_shard()];
+        h[request::CPU + request::bucket(&request::CPU_BOUNDS_US, consumed_us)].fetch_add(1, Ordering::Relaxed);
+        if consumed_us > 0 {
+            h[request::CPU_SUM].fetch_add(consumed_us, Ordering::Relaxed);
+        }
+        let permille = consumed_us.saturating_mul(1000) / estimate_us.max(1);
+        h[request::RATIO + request::bucket(&request::RATIO_BOUNDS_PERMILLE, permille)].fetch_add(1, Ordering::Relaxed);
+        if permille > 0 {
+            h[request::RATIO_SUM].fetch_add(permille, Ordering::Relaxed);
+        }
+    }
+
+    /// The request histograms, summed over their shards.
+    pub fn request_hist(&self) -> [u64; request::LEN] {
+        std::array::from_fn(|i| self.request.iter().fold(0u64, |sum, s| sum.wrapping_add(s[i].load(Ordering::Relaxed))))
     }
 
     /// The wait histograms as they stand.
@@ -122,7 +158,7 @@ impl BucketView {
 
     /// Zeroes every counter (a cell given to a new keyspace).
     pub fn reset_counters(&self) {
-        for v in self.counters.iter().chain(self.hot.iter().flatten()).chain(self.hist.iter()) {
+        for v in self.counters.iter().chain(self.hot.iter().flatten()).chain(self.hist.iter()).chain(self.request.iter().flatten()) {
             v.store(0, Ordering::Relaxed);
         }
     }
@@ -236,7 +272,9 @@ same_layout!(
     last_used_ms,
     burst_budget_us,
     hot,
-    counters
+    counters,
+    hist,
+    request
 );
 same_layout!(ParamsView, ParamsCell, key, generation, capacity_us, refill_us, estimate_us, max_debt_us, flags);
 same_layout!(TicketView, TicketRecord, state, cell, generation, tenant_us, global_us, burst_us, write_bytes, flags, consumed_ns);

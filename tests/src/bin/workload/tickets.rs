@@ -124,10 +124,12 @@ pub fn tickets(args: &[String]) -> Result<serde_json::Value> {
 
 /// `workload hold`: takes commands on stdin, one per line, and answers each
 /// with one JSON line:
-/// - `acquire KS [WRITE_BYTES [ESTIMATE_US]]` → `{"ok":true}` or `{"refused":code,"message":..}`
+/// - `acquire KS [WRITE_BYTES [ESTIMATE_US [low]]]` (`low`: a low-priority
+///   request) → `{"ok":true}` or `{"refused":code,"message":..}`
 /// - `pass KS ESTIMATE_US` → acquires one ticket and drops it at once
 ///   (its refund stays with the thread, spare), `{"passed":true}`
 /// - `held` → `{"held":n}`
+/// - `register` → registers the thread: `{"registered":true}` or `{"refused":why}`
 /// - `release` → drops every ticket held, `{"released":n}`
 /// - `exit`
 pub fn hold(args: &[String]) -> Result<serde_json::Value> {
@@ -148,6 +150,9 @@ pub fn hold(args: &[String]) -> Result<serde_json::Value> {
                 if let Some(e) = rest.get(1) {
                     d = d.estimate_us(e.parse().context("estimate")?);
                 }
+                if rest.get(2) == Some(&"low") {
+                    d = d.low_priority();
+                }
                 match client.acquire(ks, d) {
                     Ok(t) => {
                         held.push(t);
@@ -167,6 +172,10 @@ pub fn hold(args: &[String]) -> Result<serde_json::Value> {
                 }
             }
             ["held"] => json!({"held": held.len()}),
+            ["register"] => match client.register_current_thread() {
+                Ok(()) => json!({"registered": true}),
+                Err(e) => json!({"refused": e.to_string()}),
+            },
             // The server's own pool rejected a request of this keyspace.
             ["pool-reject", ks] => {
                 client.report_pool_rejection(ks.parse().context("keyspace")?);
