@@ -158,7 +158,7 @@ impl Shared {
         }
         let a = next.agent();
         if a.access != running.config.agent().access
-            && let Err(e) = super::server::set_socket_access(&self.socket, &a.access)
+            && let Err(e) = a.access.apply_to_socket(&self.socket)
         {
             log::warn!("{what}: the control socket's mode or group could not be set: {e}");
         }

@@ -24,7 +24,6 @@ use crate::sys;
 use keyspace_governor_common::admission::LEDGER_LEN;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,17 +52,8 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<UnixListener, AgentEr
         std::fs::remove_file(path).map_err(listen_err)?;
     }
     let listener = UnixListener::bind(path).map_err(listen_err)?;
-    set_socket_access(path, access).map_err(listen_err)?;
+    access.apply_to_socket(path).map_err(listen_err)?;
     Ok(listener)
-}
-
-/// Gives the socket file `access`'s group and mode (`agent.access`).
-pub(super) fn set_socket_access(path: &Path, access: &Access) -> std::io::Result<()> {
-    // Without a group of its own the socket belongs to the agent's group
-    // (so removing `socket-group` online puts that back).
-    let gid = access.group.unwrap_or_else(sys::effective_gid);
-    std::os::unix::fs::chown(path, None, Some(gid))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(access.mode))
 }
 
 /// Who a peer is taken for when its credentials cannot be read: the least.

@@ -144,7 +144,7 @@ pub(crate) struct Attachment {
     /// This client's own ticket ledger.
     pub(crate) ledger: Table<TicketView>,
     /// Which of the ledger's blocks this process's threads own.
-    pub(crate) blocks: super::home::Blocks,
+    pub(crate) blocks: super::blocks::Blocks,
     /// The agent's instance at `hello`.
     pub(crate) instance: u64,
     /// This client's count of attachments so far (1 for the first).
@@ -192,7 +192,7 @@ impl Attachment {
             sizes,
             measure,
             admission,
-            blocks: super::home::Blocks::new(ledger.len()),
+            blocks: super::blocks::Blocks::new(ledger.len()),
             ledger,
             instance,
             epoch,

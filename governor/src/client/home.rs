@@ -1,6 +1,7 @@
 //! A thread's home in the client's ledger.
 //!
-//! The first half of a ledger is cut into blocks of [`BLOCK`] records. A
+//! The first half of a ledger is cut into blocks of [`BLOCK`] records
+//! ([`super::blocks`]). A
 //! thread that admits requests takes a block of its own (a bit in this
 //! process's memory, once per thread and agent) and claims its tickets'
 //! records there with a plain load and store: only the owner moves a record
@@ -14,61 +15,17 @@
 //! every ticket, when the client dies. When the thread ends, its spare goes
 //! back to the buckets and its block to the process.
 
+use super::blocks::BLOCK;
 use super::conn::Attachment;
 use crate::policy::Spare;
 use crate::region::TicketView;
 use keyspace_governor_common::admission::{T_SPARE, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD};
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
-/// Records in a thread's block: its spare's mirror and seven tickets.
-pub(crate) const BLOCK: u32 = 8;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// References to its attachment a thread keeps for its tickets.
 const REFS: usize = 16;
-
-/// Which blocks of one ledger this process's threads own.
-pub(crate) struct Blocks {
-    words: Box<[AtomicU64]>,
-    count: u32,
-}
-
-impl Blocks {
-    pub(crate) fn new(ledger_len: u32) -> Blocks {
-        let count = ledger_len / 2 / BLOCK;
-        Blocks { words: (0..count.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(), count }
-    }
-
-    /// The first record of the ledger's shared half.
-    pub(crate) fn shared_start(&self) -> u32 {
-        self.count * BLOCK
-    }
-
-    fn take(&self) -> Option<u32> {
-        for (i, w) in self.words.iter().enumerate() {
-            let mut cur = w.load(Ordering::Relaxed);
-            loop {
-                let bit = (!cur).trailing_zeros();
-                let block = i as u32 * 64 + bit;
-                if bit == 64 || block >= self.count {
-                    break;
-                }
-                match w.compare_exchange_weak(cur, cur | 1 << bit, Ordering::AcqRel, Ordering::Relaxed) {
-                    Ok(_) => return Some(block),
-                    Err(v) => cur = v,
-                }
-            }
-        }
-        None
-    }
-
-    fn give(&self, block: u32) {
-        if let Some(w) = self.words.get(block as usize / 64) {
-            w.fetch_and(!(1 << (block % 64)), Ordering::AcqRel);
-        }
-    }
-}
 
 /// One thread's block in one attachment's ledger, and its spare tokens.
 pub(crate) struct Home {

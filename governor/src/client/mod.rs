@@ -26,6 +26,7 @@
 //! # Ok::<(), keyspace_governor::client::ClientError>(())
 //! ```
 
+mod blocks;
 mod clock;
 mod conn;
 mod future;

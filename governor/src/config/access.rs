@@ -71,6 +71,18 @@ pub struct Access {
     resolved: [Vec<Principal>; 3],
 }
 
+impl Access {
+    /// Gives the socket file at `path` this group and mode. Without a group
+    /// of its own the socket belongs to the agent's group (so removing
+    /// `socket-group` online puts that back).
+    pub fn apply_to_socket(&self, path: &std::path::Path) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let gid = self.group.unwrap_or_else(crate::sys::effective_gid);
+        std::os::unix::fs::chown(path, None, Some(gid))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(self.mode))
+    }
+}
+
 /// What a request needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {

@@ -52,6 +52,5 @@ pub use source::SourceMap;
 pub use units::{ByteSize, ConfigDuration};
 pub use update::{ConfigDiff, HotUpdates, KeyChange};
 pub use validated::{
-    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML, PER_KEYSPACE_PENDING_WRITE_RATIO,
-    ResourceControl, ValidatedConfig, WriteQuota,
+    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML, ResourceControl, ValidatedConfig, WriteQuota,
 };

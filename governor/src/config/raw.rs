@@ -93,7 +93,10 @@ impl Default for RawWriteQuota {
     }
 }
 
-/// How firmly the per-tenant concurrency limit is applied.
+/// How firmly the per-tenant concurrency limit is applied
+/// (tenant-admission-control.md); the policy takes it as it is
+/// (`policy::AdmissionMode`). Written kebab-case in the configuration and
+/// in status alike.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AdmissionMode {
@@ -103,7 +106,8 @@ pub enum AdmissionMode {
     /// Counted and breaches recorded, but the work still runs: pick a limit
     /// from evidence before enforcing it.
     Monitor,
-    /// A tenant over its limit is refused.
+    /// A tenant over its limit is refused with the `tenant_admission_control`
+    /// marker.
     Enforced,
 }
 

@@ -14,7 +14,10 @@ use super::error::ConfigErrors;
 use super::raw::RawConfig;
 use super::raw_throttle::Profile;
 use super::source::SourceMap;
-use super::validated::{AdmissionControl, AgentConfig, CpuThrottle, ResourceControl, ValidatedConfig, WriteQuota};
+use super::validated::{
+    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML, ResourceControl, ValidatedConfig, WriteQuota,
+    parse_file,
+};
 
 const MS: Duration = Duration::from_millis(1);
 const SEC: Duration = Duration::from_secs(1);
@@ -238,6 +241,35 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         rules,
     };
     c.errors.into_result(validated)
+}
+
+/// The ways to a [`ValidatedConfig`]: each runs [`validate`] (here, so the
+/// validated types never call back into their checks).
+impl ValidatedConfig {
+    /// Parses and validates a whole file. All problems are reported together,
+    /// each with its dotted key and line.
+    pub fn from_toml_str(source: &str) -> Result<Self, ConfigErrors> {
+        let (raw, map) = parse_file(source).map_err(ConfigErrors::one)?;
+        validate(&raw, &map)
+    }
+
+    /// Validates an already parsed configuration (no line numbers).
+    pub fn from_raw(raw: &RawConfig) -> Result<Self, ConfigErrors> {
+        validate(raw, &SourceMap::none())
+    }
+
+    pub(crate) fn from_raw_with_map(raw: &RawConfig, map: &SourceMap) -> Result<Self, ConfigErrors> {
+        validate(raw, map)
+    }
+
+    /// The embedded default file (`src/config/default.toml`), validated.
+    pub fn embedded_default() -> Self {
+        match Self::from_toml_str(EMBEDDED_DEFAULT_TOML) {
+            Ok(config) => config,
+            // A unit test proves the embedded file validates.
+            Err(e) => panic!("embedded default configuration is invalid:\n{e}"),
+        }
+    }
 }
 
 #[cfg(test)]

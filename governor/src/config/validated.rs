@@ -13,15 +13,10 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use super::error::ConfigErrors;
 use super::keyspace_list::KeyspaceList;
 use super::raw::{AdmissionMode, MeasureMode, RawConfig};
 use super::source::SourceMap;
 use super::units::{ByteSize, ConfigDuration};
-
-/// Per-keyspace pending-write share of the global threshold, fixed by the
-/// write-quota seed: three write-heavy keyspaces fit before the global cap.
-pub const PER_KEYSPACE_PENDING_WRITE_RATIO: f64 = 0.3;
 
 /// The embedded default configuration file, documented key by key.
 pub const EMBEDDED_DEFAULT_TOML: &str = include_str!("default.toml");
@@ -157,31 +152,6 @@ pub(crate) fn parse_file(source: &str) -> Result<(RawConfig, SourceMap), super::
 }
 
 impl ValidatedConfig {
-    /// Parses and validates a whole file. All problems are reported together,
-    /// each with its dotted key and line.
-    pub fn from_toml_str(source: &str) -> Result<Self, ConfigErrors> {
-        let (raw, map) = parse_file(source).map_err(ConfigErrors::one)?;
-        super::validate::validate(&raw, &map)
-    }
-
-    /// Validates an already parsed configuration (no line numbers).
-    pub fn from_raw(raw: &RawConfig) -> Result<Self, ConfigErrors> {
-        super::validate::validate(raw, &SourceMap::none())
-    }
-
-    pub(crate) fn from_raw_with_map(raw: &RawConfig, map: &SourceMap) -> Result<Self, ConfigErrors> {
-        super::validate::validate(raw, map)
-    }
-
-    /// The embedded default file (`src/config/default.toml`), validated.
-    pub fn embedded_default() -> Self {
-        match Self::from_toml_str(EMBEDDED_DEFAULT_TOML) {
-            Ok(config) => config,
-            // A unit test proves the embedded file validates.
-            Err(e) => panic!("embedded default configuration is invalid:\n{e}"),
-        }
-    }
-
     /// `[resource-control]`.
     pub fn resource_control(&self) -> &ResourceControl {
         &self.resource_control

@@ -10,6 +10,7 @@
 //! quota'd keyspace whose bucket is empty may burst on global tokens, never
 //! in tenant-cap mode (tenant-cpu-cap.md §3.2).
 
+use super::bucket::give_back;
 use super::error::{Refusal, WriteLimitKind};
 use super::spare::{self, Spare, SPARE_MAX_US};
 use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL, LOW_PRIORITY};
@@ -17,7 +18,7 @@ use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL, LOW_PRIORI
 use keyspace_governor_common::admission::{
     counter as c, hist, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED,
     KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP,
-    P_SHRINK_DEBT, P_THROTTLED,
+    P_THROTTLED,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -744,19 +745,6 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
             counted_on.count(c::TOPUP_REFUSED, 1);
             Err(e)
         }
-    }
-}
-
-/// Returns `us` to a bucket, counting as discarded what capacity did not
-/// let it keep. (Refunds are not counted here: the agent derives them from
-/// `head_us`, see `BucketSnapshot::of`, which saves the fast path an atomic
-/// add per bucket.)
-#[inline]
-pub(crate) fn give_back(b: &BucketView, p: &ParamsView, us: u64) {
-    // In shrink debt nothing comes back until in-flight drains.
-    let kept = if p.has(P_SHRINK_DEBT) { 0 } else { b.give(us, p.capacity_us.load(Ordering::Relaxed)) };
-    if kept < us {
-        b.count(c::DISCARDED_US, us - kept);
     }
 }
 

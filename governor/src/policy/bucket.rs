@@ -10,7 +10,8 @@
 //! bounded: memory that other processes keep rewriting makes an operation
 //! give up (refuse, or keep less), never spin.
 
-use crate::region::BucketView;
+use crate::region::{BucketView, ParamsView};
+use keyspace_governor_common::admission::{counter as c, P_SHRINK_DEBT};
 use std::sync::atomic::Ordering;
 
 /// CAS attempts before an operation settles for a bounded fallback.
@@ -230,6 +231,20 @@ impl BucketView {
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
 }
+
+/// Returns `us` to a bucket, counting as discarded what capacity did not
+/// let it keep. (Refunds are not counted here: the agent derives them from
+/// `head_us`, see `BucketSnapshot::of`, which saves the fast path an atomic
+/// add per bucket.)
+#[inline]
+pub(crate) fn give_back(b: &BucketView, p: &ParamsView, us: u64) {
+    // In shrink debt nothing comes back until in-flight drains.
+    let kept = if p.has(P_SHRINK_DEBT) { 0 } else { b.give(us, p.capacity_us.load(Ordering::Relaxed)) };
+    if kept < us {
+        b.count(c::DISCARDED_US, us - kept);
+    }
+}
+
 
 #[cfg(test)]
 mod tests {

@@ -19,7 +19,7 @@ use super::admit::{self, Demand, Grant};
 use super::error::Refusal;
 use super::estimate::EstimateTracker;
 use super::keyspace::{BucketBook, KeyspaceState, QuotaSource};
-use super::pd::PdTracker;
+use super::pd::{PdAction, PdFetch, PdParams, PdTracked, PdTracker};
 use super::settings::{millicores_to_us_per_interval, Settings};
 use super::window::MonitorWindow;
 use super::AdmissionMode;
@@ -421,5 +421,44 @@ impl Policy {
     /// Closes a grant with the measured CPU.
     pub fn release(&self, grant: Grant, consumed_us: u64) {
         admit::release(self.regions(), &grant, consumed_us);
+    }
+}
+
+impl Policy {
+    /// The PD tracker's view of every keyspace it follows.
+    pub fn pd_tracked(&self) -> Vec<PdTracked> {
+        self.engine().pd.tracked()
+    }
+
+    /// Folds a PD fetch round into the keyspace quotas (when
+    /// `enable-pd-service-limit`, never in tenant-cap mode). Returns the
+    /// actions the tracker decided (including ones static config overrides).
+    pub fn apply_pd_service_limits(&self, now_us: u64, fetch: &PdFetch) -> Vec<PdAction> {
+        let s = self.settings();
+        if !s.enable_pd_service_limit || s.cap_mode() {
+            return Vec::new();
+        }
+        let mut e = self.engine();
+        let params = PdParams {
+            global_refill_us: e.global.base_refill_us,
+            update_threshold: s.pd_service_limit_update_threshold,
+            consecutive_404: s.pd_service_limit_consecutive_404,
+            ttl_us: s.pd_service_limit_ttl_us,
+        };
+        let actions = e.pd.update(now_us, fetch, params);
+        for a in &actions {
+            let ks = match *a {
+                PdAction::Set { keyspace, .. } | PdAction::Remove { keyspace } => keyspace,
+            };
+            let wanted = self.source_for(&e, &s, ks);
+            if let Err(err) = self.set_source(&mut e, &s, ks, wanted, now_us) {
+                log::warn!("PD quota for keyspace {ks} not applied: {err}");
+            }
+        }
+        // The overflow bucket follows the smallest quota in force.
+        if !actions.is_empty() {
+            self.setup_node_buckets(&mut e, &s);
+        }
+        actions
     }
 }

@@ -8,8 +8,8 @@
 //!   debt, wait in line, refill).
 //! - `manager` — `Policy`: owns the admission regions, decides and
 //!   publishes every bucket's source, rate and capacity.
-//! - `agent` — the loop side: `tick` (refill, monitor window, estimates,
-//!   burst flags, dynamic and fair refill, idle eviction).
+//! - `tick` — the agent loop's side: `Policy::tick` (refill, monitor
+//!   window, estimates, burst flags, dynamic and fair refill, idle eviction).
 //! - `hot` — online settings changes.
 //! - `keyspace` — the agent's record of a keyspace cell, and read-only views.
 //! - `pd` — PD service-limit proportional quotas from fetched values.
@@ -27,7 +27,7 @@ mod bucket;
 mod error;
 mod spare;
 #[cfg(feature = "agent")]
-mod agent;
+mod tick;
 #[cfg(feature = "agent")]
 mod dynamic;
 #[cfg(feature = "agent")]
@@ -57,7 +57,7 @@ pub use spare::{return_tokens as return_spare, Spare, SPARE_MAX_US};
 pub use error::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
 #[cfg(feature = "agent")]
 pub use {
-    agent::TickReport,
+    tick::TickReport,
     dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR},
     estimate::{ema, EstimateTracker},
     fair::{fair_allocate, FairInput, FairShare},
@@ -69,17 +69,8 @@ pub use {
     window::{MonitorWindow, UsageSample},
 };
 
-use serde::{Deserialize, Serialize};
-
 /// How firmly the per-tenant concurrency limit is applied
-/// (tenant-admission-control.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdmissionMode {
-    /// Nothing counted, nothing refused.
-    Disabled,
-    /// Counted; would-be refusals are recorded and the work runs.
-    Monitor,
-    /// Over the limit is refused with the `tenant_admission_control` marker.
-    Enforced,
-}
+/// (tenant-admission-control.md): the configuration's `admission-control.mode`,
+/// one type from the TOML to the policy.
+#[cfg(feature = "agent")]
+pub use crate::config::AdmissionMode;

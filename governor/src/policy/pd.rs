@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::manager::Policy;
 
 /// One keyspace's answer from PD.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -209,45 +208,6 @@ impl PdTracker {
     /// The quota currently applied for a keyspace, µs per refill interval.
     pub fn applied_us(&self, keyspace: u32) -> Option<u64> {
         self.tracked.get(&keyspace).and_then(|t| t.applied_us)
-    }
-}
-
-impl Policy {
-    /// The PD tracker's view of every keyspace it follows.
-    pub fn pd_tracked(&self) -> Vec<PdTracked> {
-        self.engine().pd.tracked()
-    }
-
-    /// Folds a PD fetch round into the keyspace quotas (when
-    /// `enable-pd-service-limit`, never in tenant-cap mode). Returns the
-    /// actions the tracker decided (including ones static config overrides).
-    pub fn apply_pd_service_limits(&self, now_us: u64, fetch: &PdFetch) -> Vec<PdAction> {
-        let s = self.settings();
-        if !s.enable_pd_service_limit || s.cap_mode() {
-            return Vec::new();
-        }
-        let mut e = self.engine();
-        let params = PdParams {
-            global_refill_us: e.global.base_refill_us,
-            update_threshold: s.pd_service_limit_update_threshold,
-            consecutive_404: s.pd_service_limit_consecutive_404,
-            ttl_us: s.pd_service_limit_ttl_us,
-        };
-        let actions = e.pd.update(now_us, fetch, params);
-        for a in &actions {
-            let ks = match *a {
-                PdAction::Set { keyspace, .. } | PdAction::Remove { keyspace } => keyspace,
-            };
-            let wanted = self.source_for(&e, &s, ks);
-            if let Err(err) = self.set_source(&mut e, &s, ks, wanted, now_us) {
-                log::warn!("PD quota for keyspace {ks} not applied: {err}");
-            }
-        }
-        // The overflow bucket follows the smallest quota in force.
-        if !actions.is_empty() {
-            self.setup_node_buckets(&mut e, &s);
-        }
-        actions
     }
 }
 

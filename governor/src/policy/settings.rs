@@ -134,11 +134,7 @@ impl Settings {
             pd_service_limit_update_threshold: t.pd_service_limit_update_threshold,
             pd_override_config: t.pd_override_config,
             pending_write_threshold_bytes: cfg.write_quota().pending_write_threshold.get(),
-            admission_mode: match cfg.admission_control().mode {
-                config::AdmissionMode::Disabled => AdmissionMode::Disabled,
-                config::AdmissionMode::Monitor => AdmissionMode::Monitor,
-                config::AdmissionMode::Enforced => AdmissionMode::Enforced,
-            },
+            admission_mode: cfg.admission_control().mode,
             max_concurrent_per_tenant: cfg.admission_control().max_concurrent_per_tenant.map_or(0, u64::from),
         }
     }

@@ -19,7 +19,7 @@
 //! in flight (taken, not yet consumed nor returned), and the client mirrors
 //! them in its ledger, so the agent gets them back when the client dies.
 
-use super::admit::give_back;
+use super::bucket::give_back;
 use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL};
 use keyspace_governor_common::admission::P_SHRINK_DEBT;
 use std::sync::atomic::Ordering;
