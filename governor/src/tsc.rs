@@ -150,3 +150,54 @@ mod tests {
         assert!(worst < 1_000, "TSC clock off the vDSO by {worst} ns");
     }
 }
+
+/// The mapping's arithmetic on a fake TSC (the kernel-free half: no TSC
+/// clocksource needed).
+#[cfg(test)]
+mod mapping {
+    use super::*;
+    use crate::region::{HeaderView, Table};
+    use crate::sys::fake::{self, Fake};
+
+    fn mapping(t: &Table<HeaderView>, tsc_base: u64, ns_base: u64, mult: u64) -> &ClockView {
+        let h = &t.get(0).expect("header").clock;
+        h.tsc_base.store(tsc_base, Ordering::Relaxed);
+        h.ns_base.store(ns_base, Ordering::Relaxed);
+        h.mult.store(mult, Ordering::Relaxed);
+        h.clock_valid.store(1, Ordering::Relaxed);
+        h.clock_seq.store(2, Ordering::Relaxed);
+        h
+    }
+
+    #[test]
+    fn a_thread_extrapolates_from_the_newest_anchor_at_the_published_rate() {
+        let t = Table::zeroed(1);
+        // 2.5 TSC ticks per ns: mult = 2^32 / 2.5.
+        let h = mapping(&t, 1_000_000, 7_000_000_000, (1u64 << 32) * 2 / 5);
+        let _f = fake::install(Fake { tsc: Some(Some(1_000_000 + 2_500_000)), ..Default::default() });
+        assert_eq!(now_ns(h), Some(7_000_000_000 + 1_000_000 - 1), "2.5 M ticks are 1 ms (rounded down)");
+        // A TSC a little behind the anchor's CPU reads as the anchor.
+        fake::set(|f| f.tsc = Some(Some(999_990)));
+        assert_eq!(now_ns(h), Some(7_000_000_000));
+    }
+
+    #[test]
+    fn a_mapping_being_rewritten_withdrawn_stale_or_without_a_tsc_is_not_used() {
+        let t = Table::zeroed(1);
+        let h = mapping(&t, 0, 1_000, 1u64 << 32);
+        let _f = fake::install(Fake { tsc: Some(Some(MAX_AGE_NS)), ..Default::default() });
+        assert_eq!(now_ns(h), Some(1_000 + MAX_AGE_NS), "three periods old: still used");
+        fake::set(|f| f.tsc = Some(Some(MAX_AGE_NS + 1)));
+        assert_eq!(now_ns(h), None, "older than three periods: the agent stalls");
+        fake::set(|f| f.tsc = Some(Some(10)));
+        h.clock_seq.store(3, Ordering::Relaxed);
+        assert_eq!(now_ns(h), None, "odd sequence: the agent is rewriting it");
+        h.clock_seq.store(4, Ordering::Relaxed);
+        assert_eq!(now_ns(h), Some(1_010));
+        Calibrator::withdraw(h);
+        assert_eq!(now_ns(h), None, "withdrawn");
+        h.clock_valid.store(1, Ordering::Relaxed);
+        fake::set(|f| f.tsc = Some(None));
+        assert_eq!(now_ns(h), None, "no TSC on this machine");
+    }
+}

@@ -264,7 +264,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         .await
         .map_err(|source| AgentError::Metrics { addr: opts.metrics_addr, source })?;
     let metrics_addr = metrics_listener.local_addr().ok();
-    server::raise_fd_limit();
+    sys::raise_fd_limit();
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
     let server_cpu = server_cpu::ServerCpu::new(opts.config.resource_control().server_cpu_cores);
     let settings = Settings::from_config(&opts.config, server_cpu.current().cores);

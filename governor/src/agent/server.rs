@@ -88,20 +88,6 @@ fn needs(request: &Request) -> Option<(Role, &'static str)> {
     })
 }
 
-/// Raises the descriptor limit to its hard maximum: every client holds two
-/// connections and a ledger.
-pub(super) fn raise_fd_limit() {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    #[allow(unsafe_code)]
-    // SAFETY: rl is a valid out-pointer; setrlimit only reads it.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) == 0 && rl.rlim_cur < rl.rlim_max {
-            rl.rlim_cur = rl.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &rl);
-        }
-    }
-}
-
 pub(super) async fn serve(
     listener: UnixListener,
     shared: Arc<Shared>,

@@ -112,3 +112,179 @@ impl ThreadRef<'_> {
         (old, t)
     }
 }
+
+/// The protocol's userspace half on plain memory: the kernel's side (its
+/// switch records, its charges) is written by the test, the CPU and the
+/// clocks come from the syscall seam's double.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::{HeaderView, Table};
+    use crate::sys::fake::{self, Fake};
+    use keyspace_governor_common::tag_for_cell;
+    use std::sync::Arc;
+
+    const OWNER: u64 = 0x5_0000_0001;
+    /// The thread's runtime at its switch-in, as the kernel recorded it.
+    const BASE: u64 = 40_000_000;
+    /// When that switch happened on the CPU, CLOCK_MONOTONIC.
+    const SWITCH: u64 = 9_000_000_000;
+
+    struct World {
+        measure: Arc<MeasureRegions>,
+        header: Table<HeaderView>,
+    }
+
+    /// Two CPUs, the thread on CPU 1 since `SWITCH`, four keyspace cells.
+    fn world() -> World {
+        let measure =
+            Arc::new(MeasureRegions { cpus: Table::zeroed(2), slots: Table::zeroed(4), keyspaces: Table::zeroed(4) });
+        let cpu = measure.cpus.get(1).unwrap();
+        cpu.seq.store(6, Ordering::Relaxed);
+        cpu.last_switch_ns.store(SWITCH, Ordering::Relaxed);
+        cpu.owner.store(OWNER, Ordering::Relaxed);
+        cpu.base_ns.store(BASE, Ordering::Relaxed);
+        let slot = measure.slots.get(0).unwrap();
+        slot.oncpu_ns.store(BASE, Ordering::Relaxed);
+        slot.charged_ns.store(BASE, Ordering::Relaxed);
+        World { measure, header: Table::zeroed(1) }
+    }
+
+    impl World {
+        fn thread(&self) -> ThreadRef<'_> {
+            ThreadRef {
+                backend: BackendKind::Ebpf,
+                measure: &self.measure,
+                clock: &self.header.get(0).unwrap().clock,
+                slot: self.measure.slots.get(0).unwrap(),
+                owner: OWNER,
+            }
+        }
+
+        fn keyspace_ns(&self, cell: u32) -> u64 {
+            self.measure.keyspaces.get(cell).unwrap().cpu_ns.load(Ordering::Relaxed)
+        }
+    }
+
+    /// On CPU 1, `since` ns after the switch; the syscall would read `syscall`.
+    fn at(since: u64, syscall: u64) -> Fake {
+        Fake {
+            cpu: Some(Box::new(|| 1)),
+            monotonic_ns: Some(SWITCH + since),
+            thread_cputime_ns: Some(syscall),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_clock_is_the_runtime_at_switch_in_plus_the_time_since() {
+        let w = world();
+        let _f = fake::install(at(300_000, 1));
+        assert_eq!(w.thread().clock(), BASE + 300_000);
+    }
+
+    #[test]
+    fn an_anchor_that_is_not_this_threads_current_one_reads_the_syscall() {
+        let w = world();
+        let _f = fake::install(at(300_000, 77));
+        let cpu = w.measure.cpus.get(1).unwrap();
+        // Another thread's anchor (the kernel switched this one out).
+        cpu.owner.store(OWNER + 1, Ordering::Relaxed);
+        assert_eq!(w.thread().clock(), 77);
+        cpu.owner.store(OWNER, Ordering::Relaxed);
+        // An anchor of an earlier switch-in than the slot's.
+        w.measure.slots.get(0).unwrap().oncpu_ns.store(BASE + 1, Ordering::Relaxed);
+        assert_eq!(w.thread().clock(), 77);
+        // A CPU beyond the table (hot-added after the agent started).
+        fake::set(|f| f.cpu = Some(Box::new(|| 5)));
+        assert_eq!(w.thread().clock(), 77);
+    }
+
+    #[test]
+    fn a_read_split_by_a_migration_or_a_switch_is_read_again() {
+        let w = world();
+        // First attempt: read on CPU 0, then on CPU 1 (migrated between).
+        let mut calls = 0;
+        let _f = fake::install(Fake {
+            cpu: Some(Box::new(move || {
+                calls += 1;
+                if calls == 1 { 0 } else { 1 }
+            })),
+            ..at(500_000, 1)
+        });
+        assert_eq!(w.thread().clock(), BASE + 500_000);
+        // First attempt: the kernel switched on CPU 1 during the reads.
+        let (m, mut calls) = (w.measure.clone(), 0);
+        fake::set(|f| {
+            f.cpu = Some(Box::new(move || {
+                calls += 1;
+                if calls == 2 {
+                    m.cpus.get(1).unwrap().seq.fetch_add(2, Ordering::Relaxed);
+                }
+                1
+            }))
+        });
+        assert_eq!(w.thread().clock(), BASE + 500_000);
+        // A CPU record rewritten at every read: the syscall after 16 tries.
+        let (m, mut tries) = (w.measure.clone(), 0u32);
+        fake::set(|f| {
+            f.cpu = Some(Box::new(move || {
+                tries += 1;
+                m.cpus.get(1).unwrap().seq.fetch_add(2, Ordering::Relaxed);
+                assert!(tries <= 2 * ATTEMPTS, "bounded");
+                1
+            }))
+        });
+        assert_eq!(w.thread().clock(), 1);
+    }
+
+    #[test]
+    fn a_tsc_reading_before_the_kernels_switch_time_falls_back_to_the_vdso() {
+        let w = world();
+        let h = &w.header.get(0).unwrap().clock;
+        // A published mapping: one tick per ns, anchored at SWITCH.
+        h.tsc_base.store(0, Ordering::Relaxed);
+        h.ns_base.store(SWITCH, Ordering::Relaxed);
+        h.mult.store(1 << 32, Ordering::Relaxed);
+        h.clock_valid.store(1, Ordering::Relaxed);
+        let _f = fake::install(Fake { tsc: Some(Some(200_000)), ..at(900_000, 1) });
+        assert_eq!(w.thread().clock(), BASE + 200_000, "the TSC, not the vDSO");
+        // The mapping lags the kernel's clock: it reads before the switch.
+        w.measure.cpus.get(1).unwrap().last_switch_ns.store(SWITCH + 250_000, Ordering::Relaxed);
+        assert_eq!(w.thread().clock(), BASE + 650_000, "the vDSO");
+    }
+
+    #[test]
+    fn each_interval_is_charged_once_to_the_tag_it_ran_under() {
+        let w = world();
+        let slot = w.measure.slots.get(0).unwrap();
+        let _f = fake::install(at(300_000, 1));
+        // Untagged until now: the interval closes without a keyspace.
+        assert_eq!(w.thread().switch_tag(tag_for_cell(2)), (0, BASE + 300_000));
+        assert_eq!((w.keyspace_ns(2), slot.charged_ns.load(Ordering::Relaxed)), (0, BASE + 300_000));
+        // Same tag again: nothing is read or charged.
+        assert_eq!(w.thread().switch_tag(tag_for_cell(2)), (tag_for_cell(2), 0));
+        fake::set(|f| f.monotonic_ns = Some(SWITCH + 1_000_000));
+        assert_eq!(w.thread().switch_tag(tag_for_cell(3)), (tag_for_cell(2), BASE + 1_000_000));
+        assert_eq!(w.keyspace_ns(2), 700_000, "cell 2's 0.7 ms");
+        assert_eq!(slot.self_charged_ns.load(Ordering::Relaxed), 700_000, "charged by the thread itself");
+        // The kernel charged past the thread's clock (at a switch-out the
+        // thread has not seen): the thread charges nothing until it catches up.
+        slot.charged_ns.store(BASE + 1_500_000, Ordering::Relaxed);
+        fake::set(|f| f.monotonic_ns = Some(SWITCH + 1_200_000));
+        assert_eq!(w.thread().charge_now(), BASE + 1_200_000);
+        assert_eq!((w.keyspace_ns(3), slot.charged_ns.load(Ordering::Relaxed)), (0, BASE + 1_500_000));
+        fake::set(|f| f.monotonic_ns = Some(SWITCH + 1_600_000));
+        w.thread().charge_now();
+        assert_eq!(w.keyspace_ns(3), 100_000, "only what the kernel had not charged");
+        assert_eq!(w.keyspace_ns(2), 700_000);
+    }
+
+    #[test]
+    fn the_thread_clock_backend_reads_the_syscall() {
+        let w = world();
+        let _f = fake::install(at(300_000, 123));
+        let t = ThreadRef { backend: BackendKind::ThreadClock, ..w.thread() };
+        assert_eq!(t.clock(), 123);
+    }
+}

@@ -134,6 +134,14 @@ impl<T: SharedCell> Table<T> {
         Ok(Table { map, len, _t: std::marker::PhantomData })
     }
 
+    /// `len` zeroed entries in a fresh memfd, for unit tests that run the
+    /// protocols on plain memory.
+    #[cfg(test)]
+    pub(crate) fn zeroed(len: u32) -> Self {
+        let fd = crate::sys::memfd("test", (len as usize * size_of::<T>()).max(1)).expect("memfd");
+        Self::map("test", std::os::fd::AsRawFd::as_raw_fd(&fd), len).expect("mapping")
+    }
+
     pub fn len(&self) -> u32 {
         self.len
     }

@@ -1,0 +1,283 @@
+//! The checks that never wait, in the fast path's order, and what undoes them.
+
+use super::{sub_saturating, Cells, Demand, Grant, Knobs, KEYSPACE_PENDING_WRITE_RATIO};
+use crate::policy::bucket::give_back;
+use crate::policy::error::{Refusal, WriteLimitKind};
+use crate::policy::spare::Spare;
+use crate::region::{AdmissionRegions, BucketView, LOW_PRIORITY};
+use keyspace_governor_common::admission::{
+    counter as c, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL,
+    KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED,
+};
+use std::sync::atomic::Ordering;
+
+
+/// Burst: takes `us` from this interval's burst budget and the global bucket.
+pub(super) fn take_burst(global: &BucketView, us: u64) -> bool {
+    let want = us as i64;
+    let b = &global.burst_budget_us;
+    let mut cur = b.load(Ordering::Acquire);
+    for _ in 0..64 {
+        if cur < want {
+            return false;
+        }
+        match b.compare_exchange_weak(cur, cur - want, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {
+                if global.try_take(us) {
+                    return true;
+                }
+                b.fetch_add(want, Ordering::AcqRel);
+                return false;
+            }
+            Err(v) => cur = v,
+        }
+    }
+    false
+}
+
+/// CPU tokens from the tenant bucket then the global bucket (rollback when
+/// the global refuses); burst outside cap mode. Returns (tenant µs, burst µs).
+#[inline]
+pub(super) fn take_cpu(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+    let Some((tenant, params)) = cells.tenant else {
+        return Err(Refusal::GlobalCpuExhausted { keyspace });
+    };
+    let cap = params.has(P_CAP);
+    if tenant.try_take(us) {
+        if cells.global.try_take(us) {
+            return Ok((us, 0));
+        }
+        if !cap && !k.has(KNOB_ENFORCE_GLOBAL) {
+            // Best effort: the global bucket tracks the usage, it does not refuse.
+            cells.global.take_forced(us);
+            cells.global.count(c::OVERDRAFT, 1);
+            return Ok((us, 0));
+        }
+        give_back(tenant, params, us);
+        tenant.count(c::REFUSED_GLOBAL, 1);
+        return Err(Refusal::GlobalCpuExhausted { keyspace });
+    }
+    if !cap
+        && k.has(KNOB_BURST)
+        && params.has(P_BURST_ENABLED)
+        && params.has(P_BURST_ALLOWED)
+        && take_burst(cells.global, us)
+    {
+        tenant.count(c::BURST_GRANTED, 1);
+        tenant.count(c::BURST_US, us);
+        return Ok((0, us));
+    }
+    if cap {
+        tenant.count(c::REFUSED_CAP, 1);
+        Err(Refusal::TenantCpuExhausted { keyspace })
+    } else {
+        tenant.count(c::REFUSED_QUOTA, 1);
+        Err(Refusal::KeyspaceCpuExhaustedNoBurst { keyspace })
+    }
+}
+
+/// The tenant's in-flight requests: `Ok(counted)`, or the refusal.
+pub(super) fn enter_concurrency(k: &Knobs, bucket: &BucketView, keyspace: u32) -> Result<bool, Refusal> {
+    let enforced = k.has(KNOB_ADMISSION_ENFORCED);
+    if !enforced && !k.has(KNOB_ADMISSION_MONITOR) {
+        return Ok(false);
+    }
+    let limit = k.max_concurrent_per_tenant;
+    let a = &bucket.inflight_requests;
+    let mut cur = a.load(Ordering::Acquire);
+    for _ in 0..64 {
+        if limit > 0 && cur >= limit {
+            if enforced {
+                bucket.count(c::REFUSED_CONCURRENCY, 1);
+                return Err(Refusal::ConcurrencyLimited { tenant: keyspace, inflight: cur, limit });
+            }
+            bucket.count(c::MONITOR_BREACHES, 1);
+            a.fetch_add(1, Ordering::AcqRel);
+            return Ok(true);
+        }
+        match a.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return Ok(true),
+            Err(v) => cur = v,
+        }
+    }
+    a.fetch_add(1, Ordering::AcqRel);
+    Ok(true)
+}
+
+/// The seed's `too_busy` then the increment of both counters.
+pub(super) fn enter_writes(k: &Knobs, global: &BucketView, tenant: &BucketView, keyspace: u32, bytes: u64) -> Result<(), Refusal> {
+    let threshold = k.pending_write_threshold;
+    let g = global.pending_write_bytes.load(Ordering::Acquire);
+    if g >= threshold {
+        global.count(c::REFUSED_WRITE_GLOBAL, 1);
+        return Err(Refusal::WriteBytesLimited {
+            keyspace,
+            kind: WriteLimitKind::GlobalLimit,
+            pending_bytes: g,
+            threshold_bytes: threshold,
+        });
+    }
+    let ks_threshold = (threshold as f64 * KEYSPACE_PENDING_WRITE_RATIO) as u64;
+    let p = tenant.pending_write_bytes.load(Ordering::Acquire);
+    if p >= ks_threshold {
+        tenant.count(c::REFUSED_WRITE_KEYSPACE, 1);
+        return Err(Refusal::WriteBytesLimited {
+            keyspace,
+            kind: WriteLimitKind::KeyspaceLimit,
+            pending_bytes: p,
+            threshold_bytes: ks_threshold,
+        });
+    }
+    global.pending_write_bytes.fetch_add(bytes, Ordering::AcqRel);
+    tenant.pending_write_bytes.fetch_add(bytes, Ordering::AcqRel);
+    Ok(())
+}
+
+/// The tokens a request takes and its estimate: the estimate is its own,
+/// else the keyspace's published one, else the default; it takes that,
+/// or with runtime token management at most a tenth of what the tenant and
+/// global buckets hold (it tops up as it runs).
+#[inline]
+pub(super) fn estimate(k: &Knobs, cells: &Cells<'_>, demand: &Demand) -> (u64, u64) {
+    let published = cells.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
+    let estimated = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
+    let mut est = estimated;
+    if k.has(KNOB_RUNTIME_TOPUP)
+        && let Some((tenant, _)) = cells.tenant {
+            let room = cells.global.available_us().min(tenant.available_us()) / 10;
+            if room > 0 {
+                est = est.min(room as u64);
+            }
+        }
+    (est, estimated)
+}
+
+/// Where a request stands after the checks that never wait.
+pub(super) enum Prep {
+    /// Admitted without CPU tokens (admission off, or no bucket).
+    Done(Grant),
+    /// Concurrency, write bytes and the low-priority bucket held; `est` CPU
+    /// µs still to take (`throttled`: from the tenant bucket then the global
+    /// one; else from the global one alone).
+    Cpu { g: Grant, est: u64, throttled: bool },
+    /// As `Cpu`, but the `est` µs came from the thread's spare tokens.
+    Spared { g: Grant, est: u64 },
+}
+
+#[inline]
+pub(super) fn prepare(
+    r: &AdmissionRegions,
+    k: &Knobs,
+    cells: &Cells<'_>,
+    keyspace: u32,
+    cell: Option<(u32, u64)>,
+    demand: &Demand,
+    spare: Option<&mut Spare>,
+) -> Result<Prep, Refusal> {
+    let mut g = Grant::unchecked(keyspace, cell);
+    if !k.has(KNOB_ENABLED) {
+        cells.global.count(c::SKIPPED, 1);
+        cells.global.count(c::GRANTED, 1);
+        return Ok(Prep::Done(g));
+    }
+    let tenant = cells.tenant.map(|t| t.0);
+    if let Some(b) = tenant {
+        g.counted = enter_concurrency(k, b, keyspace)?;
+        // Idle eviction reads it; the agent's coarse clock, so no clock read.
+        let now = r.header().agent.now_ms.load(Ordering::Relaxed);
+        if b.last_used_ms.load(Ordering::Relaxed) != now {
+            b.last_used_ms.store(now, Ordering::Relaxed);
+        }
+    }
+    if demand.write_bytes > 0
+        && let Some(b) = tenant {
+            if let Err(e) = enter_writes(k, cells.global, b, keyspace, demand.write_bytes) {
+                undo(r, cells, &g);
+                return Err(e);
+            }
+            g.write_bytes = demand.write_bytes;
+        }
+    let throttled = k.has(KNOB_THROTTLE) && cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
+    let low = k.has(KNOB_THROTTLE) && demand.low_priority && r.params.get(LOW_PRIORITY).is_some_and(|p| p.has(P_THROTTLED));
+    if !throttled && !low {
+        let b = tenant.unwrap_or(cells.global);
+        b.count(c::SKIPPED, 1);
+        b.count(c::GRANTED, 1);
+        return Ok(Prep::Done(g));
+    }
+    g.skipped = false;
+    let (est, estimated) = estimate(k, cells, demand);
+    g.estimate_us = estimated;
+    if k.has(KNOB_TRACK_DEMAND)
+        && let Some(b) = tenant {
+            b.count(c::DEMAND_US, est);
+        }
+    // The low-priority DAG bucket first.
+    if low {
+        let lb = r.bucket(LOW_PRIORITY);
+        if !lb.try_take(est) {
+            lb.count(c::REFUSED_GLOBAL, 1);
+            undo(r, cells, &g);
+            return Err(Refusal::LowPriorityCpuExhausted { keyspace });
+        }
+        g.low_priority_us = est;
+    }
+    if throttled && !low && spare.is_some_and(|s| s.take(r, cell, est)) {
+        return Ok(Prep::Spared { g, est });
+    }
+    Ok(Prep::Cpu { g, est, throttled })
+}
+
+/// Gives back what [`prepare`] took: the low-priority tokens, the write
+/// bytes, the place among the tenant's in-flight requests.
+pub(super) fn undo(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant) {
+    let tenant = cells.tenant.map(|t| t.0);
+    if g.low_priority_us > 0
+        && let Some(p) = r.params.get(LOW_PRIORITY) {
+            give_back(r.bucket(LOW_PRIORITY), p, g.low_priority_us);
+        }
+    if g.counted
+        && let Some(b) = tenant {
+            sub_saturating(&b.inflight_requests, 1);
+        }
+    if g.write_bytes > 0 {
+        sub_saturating(&cells.global.pending_write_bytes, g.write_bytes);
+        if let Some(b) = tenant {
+            sub_saturating(&b.pending_write_bytes, g.write_bytes);
+        }
+    }
+}
+
+/// Records a grant that got its CPU tokens (`from_spare`: the thread's
+/// spare tokens, already counted in flight).
+#[inline]
+pub(super) fn finish(cells: &Cells<'_>, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
+    g.tenant_us = tenant_us;
+    g.burst_us = burst_us;
+    g.global_us = est;
+    match cells.tenant {
+        Some((b, _)) => {
+            if tenant_us > 0 && !from_spare {
+                b.add_inflight_us(tenant_us);
+            }
+            b.count(c::GRANTED, 1);
+        }
+        None => cells.global.count(c::GRANTED, 1),
+    }
+    g
+}
+
+/// CPU from the global bucket alone (a keyspace without a bucket, on the
+/// low-priority path).
+pub(super) fn take_global_only(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+    if cells.global.try_take(us) {
+        return Ok((0, 0));
+    }
+    if !k.has(KNOB_ENFORCE_GLOBAL) {
+        cells.global.take_forced(us);
+        cells.global.count(c::OVERDRAFT, 1);
+        return Ok((0, 0));
+    }
+    cells.global.count(c::REFUSED_GLOBAL, 1);
+    Err(Refusal::GlobalCpuExhausted { keyspace })
+}

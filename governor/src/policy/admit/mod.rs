@@ -1,0 +1,260 @@
+//! The admission fast path: the checks a ticket passes, run by whoever asks
+//! (a client process, or the agent's own `Policy`) directly on the
+//! shared regions. No lock, no allocation, no syscall, no clock read.
+//!
+//! Order (cheapest refusal first, nothing held when refused): the tenant's
+//! concurrency (tenant-admission-control.md), pending write bytes, global
+//! then keyspace (keyspace-write-quota.md), then CPU tokens: the
+//! low-priority DAG bucket when asked, the keyspace (tenant) bucket, then the
+//! global bucket with rollback of the tenant tokens when it refuses; a
+//! quota'd keyspace whose bucket is empty may burst on global tokens, never
+//! in tenant-cap mode (tenant-cpu-cap.md §3.2).
+//!
+//! - `checks` — the checks that never wait (concurrency, write bytes, the
+//!   estimate, CPU tokens) and what undoes them;
+//! - `queue` — a request waiting in line for CPU tokens;
+//! - `release` — closing a grant: refunds, debt, spare tokens.
+
+mod checks;
+mod queue;
+mod release;
+
+pub use queue::{acquire_queued, top_up_queued, Progress, Queued};
+pub use release::{release, release_with};
+use checks::{finish, prepare, take_cpu, take_global_only, undo, Prep};
+
+use super::error::Refusal;
+use super::spare::Spare;
+use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL};
+// (FIRST_KEYSPACE is named in full where a bucket index is computed.)
+use keyspace_governor_common::admission::{counter as c, P_THROTTLED};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Per-keyspace pending-write threshold as a share of the global one.
+pub const KEYSPACE_PENDING_WRITE_RATIO: f64 = 0.3;
+
+/// The settings the fast path reads, copied from the header once per call
+/// (`crate::region::KnobsView::snapshot`).
+pub use keyspace_governor_common::admission::KnobsCell as Knobs;
+
+/// What a request asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Demand {
+    /// CPU µs it expects; `None`: the keyspace's published estimate.
+    pub estimate_us: Option<u64>,
+    /// Write bytes it will hold pending until released.
+    pub write_bytes: u64,
+    /// A low-priority DAG request (passes the low-priority bucket first when
+    /// `low-priority-dag-global-enabled`).
+    pub low_priority: bool,
+}
+
+/// What one admitted request holds. Plain data: give it back exactly once
+/// with [`release`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use = "a grant must be released"]
+pub struct Grant {
+    pub(crate) keyspace: u32,
+    /// Keyspace cell and its generation when granted (as [`Grant::cell_at`]:
+    /// two fields, so the keyspace id shares the index's word and a ticket
+    /// stays within 128 bytes).
+    pub(crate) cell_index: u32,
+    /// 0, never a live cell's generation: the keyspace has no cell.
+    pub(crate) cell_generation: u64,
+    /// Taken from the keyspace (tenant) bucket, µs.
+    pub(crate) tenant_us: u64,
+    /// Taken from the global bucket, µs (tenant µs plus burst µs).
+    pub(crate) global_us: u64,
+    /// Part of `global_us` taken by bursting (no tenant tokens), µs.
+    pub(crate) burst_us: u64,
+    /// Taken from the low-priority DAG bucket, µs.
+    pub(crate) low_priority_us: u64,
+    pub(crate) write_bytes: u64,
+    /// Counted in the tenant's in-flight requests.
+    pub(crate) counted: bool,
+    /// Passed the CPU check without a bucket (no quota, no cap; or admission
+    /// off).
+    pub(crate) skipped: bool,
+    /// The estimate the request was admitted with, µs (0: none known — a
+    /// fail-open ticket, or one reclaimed from a dead client —, and the
+    /// release observes no request histogram).
+    pub(crate) estimate_us: u64,
+}
+
+impl Grant {
+    /// Nothing taken yet: the state a grant starts in, and a ticket admitted
+    /// without checks (fail-open) keeps.
+    pub(crate) fn unchecked(keyspace: u32, cell: Option<(u32, u64)>) -> Grant {
+        Grant {
+            keyspace,
+            cell_index: cell.map_or(0, |c| c.0),
+            cell_generation: cell.map_or(0, |c| c.1),
+            tenant_us: 0,
+            global_us: 0,
+            burst_us: 0,
+            low_priority_us: 0,
+            write_bytes: 0,
+            counted: false,
+            skipped: true,
+            estimate_us: 0,
+        }
+    }
+
+    pub fn keyspace(&self) -> u32 {
+        self.keyspace
+    }
+    /// Legacy skip-throttle: the keyspace has no bucket and no tokens were taken.
+    pub fn is_skip(&self) -> bool {
+        self.skipped
+    }
+    /// Admitted (at least partly) by bursting on global tokens.
+    pub fn is_burst(&self) -> bool {
+        self.burst_us > 0
+    }
+    /// Total µs this request holds (initial estimate plus top-ups).
+    pub fn granted_us(&self) -> u64 {
+        self.global_us.max(self.tenant_us)
+    }
+    pub fn tenant_us(&self) -> u64 {
+        self.tenant_us
+    }
+    pub fn global_us(&self) -> u64 {
+        self.global_us
+    }
+    pub fn burst_us(&self) -> u64 {
+        self.burst_us
+    }
+    pub fn low_priority_us(&self) -> u64 {
+        self.low_priority_us
+    }
+    pub fn write_bytes(&self) -> u64 {
+        self.write_bytes
+    }
+    pub fn counted(&self) -> bool {
+        self.counted
+    }
+    pub fn cell(&self) -> Option<u32> {
+        self.cell_at().map(|c| c.0)
+    }
+
+    /// Keyspace cell and its generation when granted, if it had one.
+    #[inline]
+    pub(crate) fn cell_at(&self) -> Option<(u32, u64)> {
+        (self.cell_generation != 0).then_some((self.cell_index, self.cell_generation))
+    }
+    /// Runtime token management: should the holder top up now?
+    /// (`consumed > threshold × granted`)
+    pub fn needs_top_up(&self, consumed_us: u64, threshold_milli: u64) -> bool {
+        !self.skipped && consumed_us.saturating_mul(1000) > threshold_milli.saturating_mul(self.granted_us())
+    }
+}
+
+/// Subtracts `n`, never below zero (a counter another process corrupted
+/// stays at zero instead of wrapping). Bounded.
+fn sub_saturating(a: &AtomicU64, n: u64) {
+    let mut cur = a.load(Ordering::Acquire);
+    for _ in 0..64 {
+        match a.compare_exchange_weak(cur, cur.saturating_sub(n), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return,
+            Err(v) => cur = v,
+        }
+    }
+}
+
+/// The buckets and parameters one request touches.
+struct Cells<'a> {
+    global: &'a BucketView,
+    global_params: &'a ParamsView,
+    tenant: Option<(&'a BucketView, &'a ParamsView)>,
+    /// `tenant`'s index in the bucket region (what a waiter sleeps on).
+    tenant_index: u32,
+}
+
+impl<'a> Cells<'a> {
+    /// The keyspace's own bucket, or the overflow bucket for a keyspace
+    /// without a cell ([`AdmissionRegions::tenant_bucket`]). A cell given to
+    /// another keyspace since `cell` was looked up (its generation moved) is
+    /// not this request's: it is left alone.
+    #[inline]
+    fn of(r: &'a AdmissionRegions, cell: Option<(u32, u64)>) -> Self {
+        let tenant = r.tenant_bucket(cell);
+        Cells {
+            global: r.bucket(GLOBAL),
+            global_params: r.params.get(GLOBAL).expect("global parameters"),
+            tenant: tenant.map(|(_, b, p)| (b, p)),
+            tenant_index: tenant.map_or(GLOBAL, |t| t.0),
+        }
+    }
+}
+
+/// Admits one request of `keyspace` (whose cell the caller looked up), or
+/// refuses it without waiting. Nothing is held after a refusal.
+#[inline]
+pub fn acquire(
+    r: &AdmissionRegions,
+    k: &Knobs,
+    keyspace: u32,
+    cell: Option<(u32, u64)>,
+    demand: &Demand,
+) -> Result<Grant, Refusal> {
+    acquire_with(r, k, keyspace, cell, demand, None)
+}
+
+/// [`acquire`], first from the calling thread's spare tokens.
+#[inline]
+pub fn acquire_with(
+    r: &AdmissionRegions,
+    k: &Knobs,
+    keyspace: u32,
+    cell: Option<(u32, u64)>,
+    demand: &Demand,
+    spare: Option<&mut Spare>,
+) -> Result<Grant, Refusal> {
+    let cells = Cells::of(r, cell);
+    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand, spare)? {
+        Prep::Done(g) => return Ok(g),
+        Prep::Spared { g, est } => return Ok(finish(&cells, g, est, est, 0, true)),
+        Prep::Cpu { g, est, throttled } => (g, est, throttled),
+    };
+    let result = if throttled { take_cpu(k, &cells, keyspace, est) } else { take_global_only(k, &cells, keyspace, est) };
+    match result {
+        Ok((tenant_us, burst_us)) => Ok(finish(&cells, g, est, tenant_us, burst_us, false)),
+        Err(e) => {
+            undo(r, &cells, &g);
+            Err(e)
+        }
+    }
+}
+
+/// Runtime top-up: `us` more for a running request, from the same tenant
+/// and global buckets (burst outside cap mode, as for a first grant).
+pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result<(), Refusal> {
+    if g.skipped {
+        return Ok(());
+    }
+    let cells = Cells::of(r, g.cell_at());
+    let us = us.max(1);
+    let result = if cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED)) {
+        take_cpu(k, &cells, g.keyspace, us)
+    } else {
+        take_global_only(k, &cells, g.keyspace, us)
+    };
+    let counted_on = cells.tenant.map_or(cells.global, |t| t.0);
+    match result {
+        Ok((tenant_us, burst_us)) => {
+            if tenant_us > 0
+                && let Some((b, _)) = cells.tenant {
+                    b.add_inflight_us(tenant_us);
+                }
+            g.tenant_us += tenant_us;
+            g.burst_us += burst_us;
+            g.global_us += us;
+            counted_on.count(c::TOPUP_GRANTED, 1);
+            Ok(())
+        }
+        Err(e) => {
+            counted_on.count(c::TOPUP_REFUSED, 1);
+            Err(e)
+        }
+    }
+}

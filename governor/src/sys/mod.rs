@@ -1,0 +1,38 @@
+//! The syscall seam: every raw libc call governor makes outside the region
+//! views lives here, each behind a safe function, in a file by kind of call:
+//!
+//! - `cpu` — the CPU a thread runs on (rseq), the node's CPUs, the
+//!   scheduler's slice, the time-stamp counter;
+//! - `clock` — CLOCK_MONOTONIC and the thread's CPU clock;
+//! - `memory` — mappings, memfds and seals, BPF map descriptors, memlock;
+//! - `futex` — the waits and wakes of the token lines;
+//! - `socket` — descriptors passed over unix sockets, peer credentials;
+//! - `process` — ids, capabilities, pidfds, fork hooks, limits.
+//!
+//! (Cgroups are read and written through their files; they need no raw call.)
+//!
+//! In the library's unit tests the calls that make time and place — the
+//! CPU, both clocks, the TSC — go first to `fake`, a per-thread double a
+//! test sets, so the thread clock, the TSC mapping and the charging
+//! protocol are tested on plain memory without eBPF or a scheduler's help.
+#![allow(unsafe_code)]
+
+mod clock;
+mod cpu;
+mod futex;
+mod memory;
+mod process;
+mod socket;
+
+#[cfg(test)]
+pub(crate) mod fake;
+
+pub use clock::{monotonic_ns, thread_cputime_ns};
+pub use cpu::{current_cpu, current_cpu_ordered, logical_cores, online_cpus, possible_cpus, rdtsc, set_thread_slice};
+pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};
+pub use memory::{bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, seal, Mapping};
+pub use process::{
+    effective_gid, effective_uid, gettid, on_fork_child, pidfd_open, raise_fd_limit, random_u64, CAP_BPF, CAP_PERFMON,
+    CAP_SYS_ADMIN,
+};
+pub use socket::{peer_cred, peer_pid, recv_with_fds, send_with_fds};
