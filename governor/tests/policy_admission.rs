@@ -62,7 +62,7 @@ fn admission_enforced_refuses_over_the_limit_with_the_marker() {
     assert!(err.to_string().contains(TENANT_ADMISSION_CONTROL_MARKER));
     assert_eq!(TENANT_ADMISSION_CONTROL_MARKER, "tenant_admission_control");
     assert!(err.is_tenant_admission_control());
-    assert_eq!(err.reason(), "tenant_admission_control");
+    assert_eq!(err.code(), "tenant_admission_control");
     // A refusal holds nothing.
     assert_eq!(p.inflight_requests(1), 2);
     // Other refusals do not carry the marker.

@@ -44,7 +44,7 @@ fn concurrent_allocate_release_and_agent_ticks_conserve_tokens() {
                     let demand = Demand {
                         estimate_us: Some(500 + i % 700),
                         write_bytes: if i % 4 == 0 { 100 + i % 900 } else { 0 },
-                        low_priority: false,
+                        ..Demand::default()
                     };
                     if let Ok(mut g) = p.admit(ks, &demand, i) {
                         if i % 5 == 0 {

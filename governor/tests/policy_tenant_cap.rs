@@ -105,7 +105,7 @@ fn seed_cap_05_exhausted_tenant_never_bursts() {
     assert_eq!(p.snapshot().burst_budget_us, 48_000, "budget would cover it");
     let err = p.allocate(1, Some(1000), 0).unwrap_err();
     assert_eq!(err, Refusal::TenantCpuExhausted { keyspace: 1 });
-    assert_eq!(err.reason(), "tenant_cap_exhausted");
+    assert_eq!(err.code(), "tenant_cap_exhausted");
     assert_eq!(p.global_bucket().available_us(), global_before, "no global-only take");
     assert_eq!(p.snapshot().burst_budget_us, 48_000);
     assert_eq!(p.counters().burst_granted, 0);

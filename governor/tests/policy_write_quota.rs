@@ -49,7 +49,7 @@ fn write_quota_heavy_keyspace_hits_its_limit_while_others_pass() {
             threshold_bytes: 300
         }
     );
-    assert_eq!(err.reason(), "write_keyspace_limit");
+    assert_eq!(err.code(), "write_keyspace_limit");
     assert!(!err.is_tenant_admission_control());
     assert_eq!(p.pending_write_bytes(1), 300, "a refusal holds nothing");
     let other = write(&p, 2, 100).unwrap();
@@ -79,7 +79,7 @@ fn write_quota_global_cap_still_enforced() {
             threshold_bytes: 1000
         }
     );
-    assert_eq!(err.reason(), "write_global_limit");
+    assert_eq!(err.code(), "write_global_limit");
     assert_eq!(refusals(&p), (0, 1));
     assert_eq!(p.pending_write_bytes(5), 0);
     // Pending bytes keep a keyspace's cell; nothing else does once it is idle.
@@ -134,7 +134,7 @@ fn write_bytes_and_the_in_flight_place_come_back_when_cpu_refuses() {
         0,
     )
     .unwrap();
-    let demand = |est| Demand { estimate_us: Some(est), write_bytes: 200, low_priority: false };
+    let demand = |est| Demand { estimate_us: Some(est), write_bytes: 200, ..Demand::default() };
     let g = p.admit(1, &demand(10_000), 0).unwrap();
     assert_eq!((g.write_bytes(), g.counted(), g.tenant_us()), (200, true, 10_000));
     assert_eq!(p.admit(1, &demand(1), 0).unwrap_err(), Refusal::KeyspaceCpuExhaustedNoBurst { keyspace: 1 });

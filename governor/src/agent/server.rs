@@ -222,7 +222,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 None,
             ),
             Request::Acquire { keyspace, estimate_us, write_bytes } => {
-                (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, low_priority: false }), None)
+                (grants.acquire(&shared, keyspace, Demand { estimate_us, write_bytes, ..Demand::default() }), None)
             }
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
             // Operators' verbs (the admin role, checked above).
@@ -318,7 +318,7 @@ impl SocketGrants {
                 self.held.insert(self.next, g);
                 Reply::Granted { ticket: self.next, granted_us }
             }
-            Err(r) => Reply::Refused { reason: r.reason().to_string(), message: r.to_string() },
+            Err(r) => Reply::Refused { reason: r.code().to_string(), message: r.to_string() },
         }
     }
 

@@ -2,22 +2,20 @@
 //! talked to (its regions, its ledger, its control connection), and the
 //! watch that notices when the agent goes away and attaches to the next one.
 
+use super::attachment::Attachment;
 use super::clock::ThreadRef;
+use super::error::ClientError;
 use crate::proto::{BackendKind, Reply, Request};
-use crate::region::{AdmissionRegions, MeasureRegions, RegionError, RegionSizes, Table, TicketView, fd};
+use crate::region::RegionSizes;
 use crate::sys;
 use keyspace_governor_common::{TAG_NONE, cpu_owner};
 use std::collections::{BTreeSet, HashMap};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
-
-/// How long a call to the agent may take.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Agents one client attaches to in its life (each restart of the agent is
 /// one more); past that it stays detached and admits without checks.
@@ -27,214 +25,6 @@ const MAX_ATTACHMENTS: usize = 1024;
 /// (A connect to an absent socket costs a few µs: short enough that a
 /// server started before its agent is governed within this of its start.)
 const REATTACH_MAX_BACKOFF: Duration = Duration::from_millis(250);
-
-/// What can go wrong between a client and its agent.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The control socket could not be opened ([`Client::connect`]; from
-    /// [`Client::new`] only when the error is the operator's, e.g. permission
-    /// denied).
-    #[error("cannot connect to the governor agent at {path}")]
-    Connect {
-        /// The socket's path.
-        path: PathBuf,
-        /// The connect error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Reading or writing the control socket failed.
-    #[error("talking to the governor agent failed")]
-    Io(#[from] std::io::Error),
-    /// The agent answered something this client does not understand
-    /// (an agent of another version).
-    #[error("the agent sent a malformed reply: {detail}")]
-    Protocol {
-        /// What was wrong.
-        detail: String,
-    },
-    /// The agent refused the request (e.g. no free thread slot, or this
-    /// process may not connect).
-    #[error("the agent refused: {message}")]
-    Refused {
-        /// The agent's reason.
-        message: String,
-    },
-    /// A shared region could not be mapped, or the keyspace table is full.
-    #[error(transparent)]
-    Region(#[from] RegionError),
-    /// [`Client::register_current_thread`] on a thread already registered.
-    #[error("this thread is already registered")]
-    AlreadyRegistered,
-    /// The client was created in a parent process; a child must create its own.
-    #[error("this client was connected by process {parent}; a forked child must connect its own")]
-    Forked {
-        /// The process that created the client.
-        parent: u32,
-    },
-    /// No agent answers now: the client re-attaches by itself, and
-    /// admission is fail-open meanwhile.
-    #[error("the governor agent is gone; this client re-attaches when one is back")]
-    AgentGone,
-}
-
-struct Conn {
-    reader: BufReader<UnixStream>,
-}
-
-impl Conn {
-    fn call(&mut self, req: &Request) -> Result<Reply, ClientError> {
-        let mut line = serde_json::to_string(req).expect("requests serialize");
-        line.push('\n');
-        self.reader.get_mut().write_all(line.as_bytes())?;
-        read_reply(&mut self.reader)
-    }
-}
-
-fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
-    let mut line = String::new();
-    if r.read_line(&mut line)? == 0 {
-        return Err(ClientError::Protocol { detail: "the agent closed the connection".into() });
-    }
-    let reply: Reply =
-        serde_json::from_str(&line).map_err(|e| ClientError::Protocol { detail: format!("{e}: {}", line.trim()) })?;
-    if let Reply::Error { message } = reply {
-        return Err(ClientError::Refused { message });
-    }
-    Ok(reply)
-}
-
-/// One request on a fresh connection, without `hello` (operator verbs).
-#[cfg(feature = "agent")]
-pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
-    let stream =
-        UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
-    stream.set_read_timeout(Some(CALL_TIMEOUT))?;
-    stream.set_write_timeout(Some(CALL_TIMEOUT))?;
-    Conn { reader: BufReader::new(stream) }.call(req)
-}
-
-/// Says `hello` on a fresh connection: the reply, the region descriptors
-/// that came with it (in `region::fd` order), and the connection for what
-/// follows. For tools that speak the protocol themselves; a server uses
-/// [`Client::connect`].
-pub fn handshake(stream: UnixStream) -> Result<(Reply, Vec<OwnedFd>, BufReader<UnixStream>), ClientError> {
-    let mut hello = serde_json::to_string(&Request::Hello).expect("serializes");
-    hello.push('\n');
-    (&stream).write_all(hello.as_bytes())?;
-    // The reply line arrives with the fds; read it byte-exactly so no
-    // later bytes are consumed outside the buffered reader.
-    let mut buf = vec![0u8; 4096];
-    let (n, fds) = sys::recv_with_fds(stream.as_raw_fd(), &mut buf, fd::COUNT)?;
-    let mut line = buf[..n].to_vec();
-    let mut reader = BufReader::new(stream);
-    if !line.ends_with(b"\n") {
-        reader.read_until(b'\n', &mut line)?;
-    }
-    let reply =
-        serde_json::from_slice(&line).map_err(|e| ClientError::Protocol { detail: format!("hello reply: {e}") })?;
-    Ok((reply, fds, reader))
-}
-
-/// Everything a client holds of one agent.
-pub(crate) struct Attachment {
-    pub(crate) backend: BackendKind,
-    pub(crate) sizes: RegionSizes,
-    pub(crate) measure: MeasureRegions,
-    pub(crate) admission: AdmissionRegions,
-    /// This client's own ticket ledger.
-    pub(crate) ledger: Table<TicketView>,
-    /// Which of the ledger's blocks this process's threads own.
-    pub(crate) blocks: super::blocks::Blocks,
-    /// The agent's instance at `hello`.
-    pub(crate) instance: u64,
-    /// This client's count of attachments so far (1 for the first).
-    pub(crate) epoch: u64,
-    /// Set when the agent behind it went away.
-    pub(crate) detached: AtomicBool,
-    conn: Mutex<Conn>,
-}
-
-impl Attachment {
-    /// Connects, says `hello` and maps what the agent hands over.
-    fn open(path: &Path, epoch: u64) -> Result<Attachment, ClientError> {
-        let stream =
-            UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
-        // A hung agent must not hang the server's threads (registration,
-        // thread exit): calls fail after this long instead.
-        stream.set_read_timeout(Some(CALL_TIMEOUT))?;
-        stream.set_write_timeout(Some(CALL_TIMEOUT))?;
-        let (reply, fds, reader) = handshake(stream)?;
-        let (backend, sizes, instance) = match reply {
-            Reply::Hello { layout, .. } if layout != crate::region::ADMISSION_LAYOUT => {
-                return Err(ClientError::Refused {
-                    message: format!(
-                        "the agent's admission regions have layout {layout}, this client reads layout {}: build the \
-                         server against the agent's release",
-                        crate::region::ADMISSION_LAYOUT
-                    ),
-                });
-            }
-            Reply::Hello { backend, sizes, instance, .. } => (backend, sizes, instance),
-            Reply::Error { message } => return Err(ClientError::Refused { message }),
-            other => return Err(ClientError::Protocol { detail: format!("expected hello, got {other:?}") }),
-        };
-        if fds.len() != fd::COUNT {
-            return Err(ClientError::Protocol {
-                detail: format!("expected {} region fds, got {}", fd::COUNT, fds.len()),
-            });
-        }
-        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-        let measure = MeasureRegions::map(&raw, sizes, crate::region::Access::ReadOnly)?;
-        let admission = AdmissionRegions::map(&raw, sizes.keyspaces, false)?;
-        let ledger = Table::map("ledger", raw[fd::LEDGER], sizes.ledger)?;
-        Ok(Attachment {
-            backend,
-            sizes,
-            measure,
-            admission,
-            blocks: super::blocks::Blocks::new(ledger.len()),
-            ledger,
-            instance,
-            epoch,
-            detached: AtomicBool::new(false),
-            conn: Mutex::new(Conn { reader }),
-        })
-    }
-
-    pub(crate) fn call(&self, req: &Request) -> Result<Reply, ClientError> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner()).call(req)
-    }
-
-    /// Whether the agent behind it is still the one that answered `hello`.
-    #[inline]
-    /// The agent behind it went away: marks it so, and wakes every thread
-    /// waiting on its buckets, so they admit now (fail-open) instead of at
-    /// their next liveness check.
-    pub(crate) fn detach(&self) {
-        self.detached.store(true, Ordering::Release);
-        for (_, bucket) in self.admission.buckets.iter() {
-            bucket.notify();
-        }
-    }
-
-    pub(crate) fn alive(&self) -> bool {
-        !self.detached.load(Ordering::Relaxed)
-            && self.admission.header().agent.instance.load(Ordering::Relaxed) == self.instance
-    }
-
-    /// The cell of `keyspace_id`: looked up in the shared directory, or
-    /// given by the agent (one round trip, the first time this agent sees
-    /// the keyspace).
-    pub(crate) fn cell_of(&self, keyspace_id: u32) -> Result<(u32, u64), ClientError> {
-        if let Some(found) = self.admission.directory().find(keyspace_id) {
-            return Ok(found);
-        }
-        match self.call(&Request::Keyspace { id: keyspace_id })? {
-            Reply::Keyspace { cell, generation } if cell < self.sizes.keyspaces => Ok((cell, generation)),
-            other => Err(ClientError::Protocol { detail: format!("expected a keyspace cell, got {other:?}") }),
-        }
-    }
-}
 
 pub(crate) struct Inner {
     path: PathBuf,
@@ -322,7 +112,7 @@ impl Client {
             prereg: Mutex::new(HashMap::new()),
             helper: super::helper::Helper::default(),
         });
-        super::helper::spawn(&inner)?;
+        spawn_helper(&inner)?;
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
             .name("governor-watch".into())
@@ -593,6 +383,28 @@ fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(REATTACH_MAX_BACKOFF);
                 }
+            }
+        }
+    }
+}
+
+/// Starts the client's background thread ([`super::helper`]); it ends
+/// with the client.
+fn spawn_helper(inner: &Arc<Inner>) -> std::io::Result<()> {
+    let client = Arc::downgrade(inner);
+    std::thread::Builder::new().name("governor-client".into()).spawn(move || helper_loop(client)).map(drop)
+}
+
+fn helper_loop(client: Weak<Inner>) {
+    loop {
+        let Some(inner) = client.upgrade() else { return };
+        let Some(batch) = inner.helper.next_batch() else { return };
+        for (epoch, keyspace) in batch.cells {
+            inner.helper.ask_cell(inner.attachment_of(epoch).as_deref(), epoch, keyspace);
+        }
+        for (epoch, tid) in batch.threads {
+            if let Some(att) = inner.attachment_of(epoch).filter(|a| a.alive()) {
+                inner.preregister(&att, tid);
             }
         }
     }

@@ -1,5 +1,6 @@
-//! The client's background thread: the round trips to the agent that no
-//! server thread should wait for.
+//! The jobs of the client's background thread: the round trips to the
+//! agent that no server thread should wait for. (The thread's loop is the
+//! client's, in `conn`: it owns the attachments the jobs run on.)
 //!
 //! - A keyspace the agent has no cell for yet: an async caller (a
 //!   [`super::Tagged`] poll, [`super::Client::acquire_async`]) asks here and
@@ -9,10 +10,10 @@
 //!   registers it by its tid; the thread picks the registration up at its
 //!   next tag switch and runs untagged until then.
 
-use super::conn::{Attachment, Inner};
+use super::attachment::Attachment;
 use crate::proto::{Reply, Request};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Condvar, Mutex};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
@@ -101,72 +102,71 @@ impl Helper {
     }
 }
 
-/// Starts the helper thread of `inner`; it ends with the client.
-pub(crate) fn spawn(inner: &Arc<Inner>) -> std::io::Result<()> {
-    let weak = Arc::downgrade(inner);
-    std::thread::Builder::new().name("governor-client".into()).spawn(move || run(weak)).map(drop)
+/// The jobs taken at once by the background thread.
+pub(crate) struct Batch {
+    /// (attachment epoch, keyspace) to ask a cell for.
+    pub cells: BTreeSet<(u64, u32)>,
+    /// (attachment epoch, tid) to register.
+    pub threads: BTreeSet<(u64, u32)>,
 }
 
-fn run(client: Weak<Inner>) {
-    loop {
-        let Some(inner) = client.upgrade() else { return };
-        let (cells, threads) = {
-            let mut j = inner.helper.jobs();
-            while j.cells.is_empty() && j.threads.is_empty() && !j.stop {
-                // Wakes now and then to notice a client dropped elsewhere.
-                j = inner.helper.wake.wait_timeout(j, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
-            }
-            if j.stop {
-                return;
-            }
-            (std::mem::take(&mut j.cells), std::mem::take(&mut j.threads))
-        };
-        for (epoch, keyspace) in cells {
-            let att = inner.attachment_of(epoch);
-            let mut cell = None;
-            let refused = match &att {
-                Some(att) if att.alive() => match att.call(&Request::Keyspace { id: keyspace }) {
-                    Ok(Reply::Keyspace { cell: c, .. }) => {
-                        cell = Some(c);
-                        false
-                    }
-                    Ok(other) => {
-                        log::debug!("keyspace {keyspace}: expected a cell, got {other:?}");
-                        true
-                    }
-                    Err(e) => {
-                        log::debug!("keyspace {keyspace}: {e}");
-                        true
-                    }
-                },
-                // The agent went: callers go on without a cell (fail-open).
-                _ => true,
-            };
-            let mut j = inner.helper.jobs();
-            if refused {
-                j.refused.insert((epoch, keyspace), Instant::now());
-            }
-            if let Some(n) = j.pool_rejections.remove(&(epoch, keyspace))
-                && let (Some(att), Some(c)) = (&att, cell)
-                && let Some((b, _)) = att.admission.keyspace_cell(c)
-            {
-                b.count(keyspace_governor_common::admission::counter::POOL_REJECTED, n);
-            }
-            let mut woken = Vec::new();
-            j.waiters.retain(|(e, k, w)| {
-                let hit = *e == epoch && *k == keyspace;
-                if hit {
-                    woken.push(w.clone());
+impl Helper {
+    /// Waits for jobs (at most a second, so the thread notices a client
+    /// dropped elsewhere): `None` once stopped, else what is queued (maybe
+    /// nothing).
+    pub(crate) fn next_batch(&self) -> Option<Batch> {
+        let mut j = self.jobs();
+        if j.cells.is_empty() && j.threads.is_empty() && !j.stop {
+            j = self.wake.wait_timeout(j, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        if j.stop {
+            return None;
+        }
+        Some(Batch { cells: std::mem::take(&mut j.cells), threads: std::mem::take(&mut j.threads) })
+    }
+
+    /// Asks `att` (the attachment of `epoch`, if it still exists) for the
+    /// cell of `keyspace`, then counts the pool rejections kept for it and
+    /// wakes who waits for it.
+    pub(crate) fn ask_cell(&self, att: Option<&Attachment>, epoch: u64, keyspace: u32) {
+        let mut cell = None;
+        let refused = match att {
+            Some(att) if att.alive() => match att.call(&Request::Keyspace { id: keyspace }) {
+                Ok(Reply::Keyspace { cell: c, .. }) => {
+                    cell = Some(c);
+                    false
                 }
-                !hit
-            });
-            drop(j);
-            woken.into_iter().for_each(Waker::wake);
+                Ok(other) => {
+                    log::debug!("keyspace {keyspace}: expected a cell, got {other:?}");
+                    true
+                }
+                Err(e) => {
+                    log::debug!("keyspace {keyspace}: {e}");
+                    true
+                }
+            },
+            // The agent went: callers go on without a cell (fail-open).
+            _ => true,
+        };
+        let mut j = self.jobs();
+        if refused {
+            j.refused.insert((epoch, keyspace), Instant::now());
         }
-        for (epoch, tid) in threads {
-            if let Some(att) = inner.attachment_of(epoch).filter(|a| a.alive()) {
-                inner.preregister(&att, tid);
+        if let Some(n) = j.pool_rejections.remove(&(epoch, keyspace))
+            && let (Some(att), Some(c)) = (att, cell)
+            && let Some((b, _)) = att.admission.keyspace_cell(c)
+        {
+            b.count(keyspace_governor_common::admission::counter::POOL_REJECTED, n);
+        }
+        let mut woken = Vec::new();
+        j.waiters.retain(|(e, k, w)| {
+            let hit = *e == epoch && *k == keyspace;
+            if hit {
+                woken.push(w.clone());
             }
-        }
+            !hit
+        });
+        drop(j);
+        woken.into_iter().for_each(Waker::wake);
     }
 }

@@ -15,8 +15,8 @@
 //! every ticket, when the client dies. When the thread ends, its spare goes
 //! back to the buckets and its block to the process.
 
+use super::attachment::Attachment;
 use super::blocks::BLOCK;
-use super::conn::Attachment;
 use crate::policy::Spare;
 use crate::region::TicketView;
 use keyspace_governor_common::admission::{T_SPARE, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD};

@@ -26,25 +26,29 @@
 //! # Ok::<(), keyspace_governor::client::ClientError>(())
 //! ```
 
+mod attachment;
 mod blocks;
 mod clock;
 mod conn;
+mod error;
 mod future;
 mod helper;
 mod home;
 mod ticket;
 mod wait;
 
+pub use crate::policy::Demand;
 pub use crate::policy::{Refusal, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};
 pub use crate::proto::BackendKind;
 pub use crate::region::{RegionError, RegionSizes};
 pub use crate::sys::{set_thread_slice, thread_cputime_ns};
 #[cfg(feature = "agent")]
-pub use conn::{CALL_TIMEOUT, handshake, request};
-pub use conn::{Client, ClientError};
+pub use attachment::{CALL_TIMEOUT, handshake, request};
+pub use conn::Client;
+pub use error::ClientError;
 pub use future::{Tagged, TaggedExt};
 pub use ticket::FAIL_OPEN_AFTER;
-pub use ticket::{Demand, Refused, Ticket, TicketGuard};
+pub use ticket::{Refused, Ticket, TicketGuard};
 pub use wait::{AcquireFuture, Checkpoint, DeadlineFuture, TicketFuture};
 
 use keyspace_governor_common::{TAG_NONE, tag_for_cell};

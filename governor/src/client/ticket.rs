@@ -17,9 +17,11 @@
 //! and is counted ([`super::Client::fail_open_count`]): a dead agent never
 //! takes the node down.
 
-use super::conn::{Attachment, Client, ClientError};
+use super::attachment::Attachment;
+use super::conn::Client;
+use super::error::ClientError;
 use super::home;
-use crate::policy::{self, Grant, Knobs, Progress, Queued, Refusal};
+use crate::policy::{self, Demand, Grant, Knobs, Progress, Queued, Refusal};
 use crate::region::TicketView;
 use crate::sys;
 use keyspace_governor_common::admission::{
@@ -37,58 +39,6 @@ pub const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
 /// often (refills and refunds wake it sooner).
 pub(crate) const LIVENESS_CHECK: Duration = Duration::from_millis(100);
 
-/// What a request asks of the agent.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Demand {
-    /// CPU µs it expects; `None`: the keyspace's published estimate.
-    pub estimate_us: Option<u64>,
-    /// Write bytes it holds pending until the ticket drops.
-    pub write_bytes: u64,
-    /// Wait in line for admission until then; `None`: do not wait. It
-    /// bounds admission only: admitted work is paced, not cut off (unless
-    /// run with [`Ticket::run_until_deadline`]).
-    pub deadline: Option<Instant>,
-    /// A low-priority DAG request.
-    pub low_priority: bool,
-}
-
-impl Demand {
-    /// The keyspace's published estimate, no write bytes, no wait.
-    pub fn new() -> Demand {
-        Demand::default()
-    }
-    /// Expects `us` µs of CPU instead of the keyspace's estimate (the
-    /// agent bounds a grant to a tenth of the tenant's bucket).
-    pub fn estimate_us(mut self, us: u64) -> Demand {
-        self.estimate_us = Some(us);
-        self
-    }
-    /// Holds `bytes` of pending writes until the ticket drops.
-    pub fn write_bytes(mut self, bytes: u64) -> Demand {
-        self.write_bytes = bytes;
-        self
-    }
-    /// Waits in line for admission until `at`.
-    pub fn deadline(mut self, at: Instant) -> Demand {
-        self.deadline = Some(at);
-        self
-    }
-    /// Wait at most `d` from now.
-    pub fn timeout(mut self, d: Duration) -> Demand {
-        self.deadline = Some(Instant::now() + d);
-        self
-    }
-    /// Draws on the low-priority DAG bucket as well.
-    pub fn low_priority(mut self) -> Demand {
-        self.low_priority = true;
-        self
-    }
-
-    pub(crate) fn policy(&self) -> policy::Demand {
-        policy::Demand { estimate_us: self.estimate_us, write_bytes: self.write_bytes, low_priority: self.low_priority }
-    }
-}
-
 /// A refusal, with how long the request waited before it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{reason} (waited {waited:?})")]
@@ -103,7 +53,7 @@ impl Refused {
     /// The reason as a metrics label (`tenant_admission_control` for the
     /// concurrency limit).
     pub fn code(&self) -> &'static str {
-        self.reason.reason()
+        self.reason.code()
     }
 }
 
@@ -386,7 +336,6 @@ impl Client {
             },
         };
         let k = att.admission.header().knobs.snapshot();
-        let d = demand.policy();
         home::with_home(att, true, |mut home| {
             let Some(idx) = home.as_ref().and_then(|h| h.claim()).or_else(|| claim_shared(att)) else {
                 return Err(Refused {
@@ -400,14 +349,14 @@ impl Client {
             // admitted on the spot when the line lets it through: the same
             // path as one that may not, with no allocation and no tagging.
             let admitted = if queued {
-                policy::acquire_queued(&att.admission, &k, keyspace, cell, &d, spare).map(|mut q| {
+                policy::acquire_queued(&att.admission, &k, keyspace, cell, demand, spare).map(|mut q| {
                     match q.poll(&att.admission, &k) {
                         Progress::Ready(g) => Ok(g),
                         Progress::Waiting { .. } => Err(q),
                     }
                 })
             } else {
-                policy::acquire_with(&att.admission, &k, keyspace, cell, &d, spare).map(Ok)
+                policy::acquire_with(&att.admission, &k, keyspace, cell, demand, spare).map(Ok)
             };
             let out = admitted.map(|now| match now {
                 Ok(g) => {

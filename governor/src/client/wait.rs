@@ -13,8 +13,10 @@
 //! polling its place in line is charged to its keyspace (and, once
 //! admitted, to its ticket), like the work itself.
 
-use super::conn::{Attachment, Client};
-use super::ticket::{Demand, LIVENESS_CHECK, Refused, Ticket, agent_alive, charged, granted};
+use super::attachment::Attachment;
+use super::conn::Client;
+use super::ticket::{LIVENESS_CHECK, Refused, Ticket, agent_alive, charged, granted};
+use crate::policy::Demand;
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::BucketView;
 use crate::sys;

@@ -92,8 +92,9 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    /// The metrics label of this refusal (`reason="…"`).
-    pub fn reason(&self) -> &'static str {
+    /// The refusal's code: its label in metrics (`reason="…"`), in the
+    /// protocol's `refused` reply and in [`crate::client::Refused::code`].
+    pub fn code(&self) -> &'static str {
         match self {
             Refusal::TenantCpuExhausted { .. } => "tenant_cap_exhausted",
             Refusal::KeyspaceCpuExhaustedNoBurst { .. } => "keyspace_exhausted",

@@ -29,6 +29,7 @@ use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
 use keyspace_governor_common::admission::{counter as c, P_THROTTLED};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Per-keyspace pending-write threshold as a share of the global one.
 pub const KEYSPACE_PENDING_WRITE_RATIO: f64 = 0.3;
@@ -37,16 +38,55 @@ pub const KEYSPACE_PENDING_WRITE_RATIO: f64 = 0.3;
 /// (`crate::region::KnobsView::snapshot`).
 pub use keyspace_governor_common::admission::KnobsCell as Knobs;
 
-/// What a request asks for.
+/// What a request asks for: what the fast path checks (CPU estimate,
+/// write bytes, the low-priority bucket) and how long the client waits in
+/// line for it. One type from a server's `acquire` to the policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Demand {
     /// CPU µs it expects; `None`: the keyspace's published estimate.
     pub estimate_us: Option<u64>,
-    /// Write bytes it will hold pending until released.
+    /// Write bytes it holds pending until the ticket drops.
     pub write_bytes: u64,
+    /// Wait in line for admission until then; `None`: do not wait. It
+    /// bounds admission only: admitted work is paced, not cut off (unless
+    /// run with [`crate::client::Ticket::run_until_deadline`]).
+    pub deadline: Option<Instant>,
     /// A low-priority DAG request (passes the low-priority bucket first when
     /// `low-priority-dag-global-enabled`).
     pub low_priority: bool,
+}
+
+impl Demand {
+    /// The keyspace's published estimate, no write bytes, no wait.
+    pub fn new() -> Demand {
+        Demand::default()
+    }
+    /// Expects `us` µs of CPU instead of the keyspace's estimate (the
+    /// agent bounds a grant to a tenth of the tenant's bucket).
+    pub fn estimate_us(mut self, us: u64) -> Demand {
+        self.estimate_us = Some(us);
+        self
+    }
+    /// Holds `bytes` of pending writes until the ticket drops.
+    pub fn write_bytes(mut self, bytes: u64) -> Demand {
+        self.write_bytes = bytes;
+        self
+    }
+    /// Waits in line for admission until `at`.
+    pub fn deadline(mut self, at: Instant) -> Demand {
+        self.deadline = Some(at);
+        self
+    }
+    /// Wait at most `d` from now.
+    pub fn timeout(mut self, d: Duration) -> Demand {
+        self.deadline = Some(Instant::now() + d);
+        self
+    }
+    /// Draws on the low-priority DAG bucket as well.
+    pub fn low_priority(mut self) -> Demand {
+        self.low_priority = true;
+        self
+    }
 }
 
 /// What one admitted request holds. Plain data: give it back exactly once

@@ -1,103 +1,11 @@
-//! `/metrics` on `agent.metrics-addr`: the Prometheus text format, built at
-//! each scrape from the agent's status and the policy's snapshot, so it
-//! always says what `governor status` says.
-//!
-//! Names and labels follow the seeds verbatim where they name a metric
-//! (`tikv_cpu_usage_monitor_*`, `tikv_cpu_throttle_*`, `tikv_cpu_token_*`,
-//! `cpu_throttle_tenant_cap_*`); what governor adds is `governor_*`.
-//! Per-keyspace series are bounded: past `agent.metrics-max-keyspaces`
-//! keyspaces, the ones with the least CPU are summed into
-//! `keyspace_id="other"`, and `governor_metrics_keyspaces_folded` says how
-//! many.
-//!
-//! The listener is small on purpose: HTTP/1.1 `GET /metrics` (and `/`),
-//! one response per connection, a request head of at most 8 KiB read within
-//! 5 s, at most 16 scrapes at once, each exposition built on the blocking
-//! pool.
+//! One scrape's exposition: every family from the status and the policy's
+//! snapshot, per-keyspace rows folded past the limit.
 
-use super::Shared;
+use super::histograms;
 use crate::policy::{KeyspaceSnapshot, PolicySnapshot};
 use crate::proto::StatusReport;
 use prometheus::{CounterVec, Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
 use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-/// Longest request head, bytes.
-const MAX_HEAD: usize = 8 * 1024;
-/// Scrapes served at once.
-const MAX_SCRAPES: usize = 16;
-/// Time a scraper has to send its request.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
-
-pub(super) async fn serve(listener: TcpListener, shared: Arc<Shared>) {
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
-    loop {
-        let permit = permits.clone().acquire_owned().await.expect("never closed");
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                let shared = shared.clone();
-                tokio::spawn(async move {
-                    if let Err(e) = scrape(stream, shared).await {
-                        log::debug!("metrics scrape: {e}");
-                    }
-                    drop(permit);
-                });
-            }
-            Err(e) => {
-                log::warn!("accept on the metrics listener: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-}
-
-async fn scrape(mut stream: TcpStream, shared: Arc<Shared>) -> std::io::Result<()> {
-    let max_keyspaces = shared.metrics_max_keyspaces.load(std::sync::atomic::Ordering::Relaxed);
-    let mut head = Vec::with_capacity(512);
-    let read = tokio::time::timeout(READ_TIMEOUT, async {
-        let mut buf = [0u8; 1024];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_HEAD {
-            let n = stream.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            head.extend_from_slice(&buf[..n]);
-        }
-        Ok::<(), std::io::Error>(())
-    })
-    .await;
-    if !matches!(read, Ok(Ok(()))) {
-        return Ok(());
-    }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|&b| b == b' ');
-    let (method, path) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
-    let (status, content_type, body) = match (method, path) {
-        (b"GET", b"/metrics") | (b"GET", b"/") => {
-            // Built off the runtime's thread: it waits on the measurement locks.
-            let text = tokio::task::spawn_blocking(move || {
-                let snap = shared.policy.snapshot();
-                let mut text = render(&shared.status_of(&snap), &snap, max_keyspaces);
-                text.push_str(&render_pd_duration(&shared.pd.duration));
-                text
-            })
-            .await
-            .map_err(std::io::Error::other)?;
-            ("200 OK", TextEncoder::new().format_type().to_string(), text)
-        }
-        (b"GET", _) => ("404 Not Found", "text/plain".into(), "only /metrics here\n".into()),
-        _ => ("405 Method Not Allowed", "text/plain".into(), "GET /metrics\n".into()),
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
-}
 
 /// Registers metric families on a registry made for one scrape.
 struct Families {
@@ -136,7 +44,7 @@ impl Families {
 
 /// One keyspace's numbers, as the per-keyspace families show them.
 #[derive(Clone, Default)]
-struct Row {
+pub(super) struct Row {
     cpu_seconds: f64,
     ratio: f64,
     bucket: Option<(f64, f64, f64, f64, f64)>,
@@ -144,13 +52,13 @@ struct Row {
     burst: u64,
     burst_us: u64,
     waited: u64,
-    granted: u64,
-    refused: u64,
+    pub(super) granted: u64,
+    pub(super) refused: u64,
     pool_rejected: u64,
-    topups_granted: u64,
-    topups_refused: u64,
-    wait_hist: crate::policy::WaitHistograms,
-    request_hist: crate::policy::RequestHistograms,
+    pub(super) topups_granted: u64,
+    pub(super) topups_refused: u64,
+    pub(super) wait_hist: crate::policy::WaitHistograms,
+    pub(super) request_hist: crate::policy::RequestHistograms,
 }
 
 impl Row {
@@ -176,7 +84,7 @@ impl Row {
 }
 
 /// `tikv_service_limit_fetch_duration_seconds`, kept across scrapes.
-fn render_pd_duration(h: &prometheus::Histogram) -> String {
+pub(super) fn render_pd_duration(h: &prometheus::Histogram) -> String {
     let mut out = Vec::new();
     TextEncoder::new().encode(&prometheus::core::Collector::collect(h), &mut out).expect("text encoding");
     String::from_utf8(out).expect("text format is UTF-8")
@@ -570,100 +478,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     let mut out = Vec::new();
     TextEncoder::new().encode(&f.registry.gather(), &mut out).expect("text encoding");
     let mut text = String::from_utf8(out).expect("text format is UTF-8");
-    text.push_str(&render_wait_histograms(&shown));
-    text.push_str(&render_request_histograms(&shown));
+    histograms::wait(&mut text, &shown);
+    histograms::request(&mut text, &shown);
     text
-}
-
-/// The seed's per-request histograms, per keyspace: each released request's
-/// measured CPU and its ratio to the estimate it was admitted with.
-fn render_request_histograms(shown: &[(String, Row)]) -> String {
-    use keyspace_governor_common::admission::request as q;
-    use std::fmt::Write as _;
-    let families = [
-        (
-            "tikv_cpu_throttle_request_cpu_time_seconds",
-            "CPU a released request consumed, by keyspace",
-            q::CPU,
-            q::CPU_SUM,
-            &q::CPU_BOUNDS_US,
-            1e6,
-        ),
-        (
-            "tikv_cpu_throttle_request_actual_to_estimated_ratio",
-            "CPU a released request consumed over the estimate it was admitted with, by keyspace",
-            q::RATIO,
-            q::RATIO_SUM,
-            &q::RATIO_BOUNDS_PERMILLE,
-            1e3,
-        ),
-    ];
-    let mut out = String::new();
-    for (name, help, base, sum, bounds, unit) in families {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        for (ks, r) in shown {
-            let h = &r.request_hist.0;
-            let labels = format!("keyspace_id=\"{ks}\"");
-            let mut cumulative = 0u64;
-            for (i, bound) in bounds.iter().enumerate() {
-                cumulative += h[base + i];
-                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {cumulative}", *bound as f64 / unit);
-            }
-            cumulative += h[base + bounds.len()];
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
-            let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h[sum] as f64 / unit);
-            let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
-        }
-    }
-    out
-}
-
-/// The seed's wait histograms, per keyspace and result: the waits clients
-/// counted when they ended, and in the first bucket the acquires (or
-/// top-ups) served or refused at once, which no wait counted (the
-/// counters' difference).
-fn render_wait_histograms(shown: &[(String, Row)]) -> String {
-    use keyspace_governor_common::admission::hist;
-    use std::fmt::Write as _;
-    let families = [
-        (
-            "tikv_cpu_token_wait_duration_seconds",
-            "Time an admission waited in line for CPU tokens, by keyspace and result",
-            [(hist::WAIT_GRANTED, "granted"), (hist::WAIT_REFUSED, "refused")],
-        ),
-        (
-            "tikv_cpu_token_runtime_wait_duration_seconds",
-            "Time a running request's top-up waited for CPU tokens, by keyspace and result",
-            [(hist::RUNTIME_GRANTED, "granted"), (hist::RUNTIME_REFUSED, "refused")],
-        ),
-    ];
-    let mut out = String::new();
-    for (name, help, parts) in families {
-        let _ = writeln!(out, "# HELP {name} {help}");
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        for (ks, r) in shown {
-            for (base, result) in parts {
-                let h = &r.wait_hist.0[base..base + hist::SLOTS];
-                let waits: u64 = h[..hist::SLOTS - 1].iter().sum();
-                let total = match base {
-                    hist::WAIT_GRANTED => r.granted,
-                    hist::WAIT_REFUSED => r.refused,
-                    hist::RUNTIME_GRANTED => r.topups_granted,
-                    _ => r.topups_refused,
-                };
-                let labels = format!("keyspace_id=\"{ks}\",result=\"{result}\"");
-                let mut cumulative = total.saturating_sub(waits);
-                for (i, bound) in hist::BOUNDS_US.iter().enumerate() {
-                    cumulative += h[i];
-                    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {cumulative}", *bound as f64 / 1e6);
-                }
-                cumulative += h[hist::BOUNDS_US.len()];
-                let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cumulative}");
-                let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h[hist::SLOTS - 1] as f64 / 1e6);
-                let _ = writeln!(out, "{name}_count{{{labels}}} {cumulative}");
-            }
-        }
-    }
-    out
 }

@@ -1,0 +1,53 @@
+//! What can go wrong between a client and its agent.
+
+use crate::region::RegionError;
+use std::path::PathBuf;
+
+/// What can go wrong between a client and its agent.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The control socket could not be opened ([`super::Client::connect`]; from
+    /// [`super::Client::new`] only when the error is the operator's, e.g. permission
+    /// denied).
+    #[error("cannot connect to the governor agent at {path}")]
+    Connect {
+        /// The socket's path.
+        path: PathBuf,
+        /// The connect error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading or writing the control socket failed.
+    #[error("talking to the governor agent failed")]
+    Io(#[from] std::io::Error),
+    /// The agent answered something this client does not understand
+    /// (an agent of another version).
+    #[error("the agent sent a malformed reply: {detail}")]
+    Protocol {
+        /// What was wrong.
+        detail: String,
+    },
+    /// The agent refused the request (e.g. no free thread slot, or this
+    /// process may not connect).
+    #[error("the agent refused: {message}")]
+    Refused {
+        /// The agent's reason.
+        message: String,
+    },
+    /// A shared region could not be mapped, or the keyspace table is full.
+    #[error(transparent)]
+    Region(#[from] RegionError),
+    /// [`super::Client::register_current_thread`] on a thread already registered.
+    #[error("this thread is already registered")]
+    AlreadyRegistered,
+    /// The client was created in a parent process; a child must create its own.
+    #[error("this client was connected by process {parent}; a forked child must connect its own")]
+    Forked {
+        /// The process that created the client.
+        parent: u32,
+    },
+    /// No agent answers now: the client re-attaches by itself, and
+    /// admission is fail-open meanwhile.
+    #[error("the governor agent is gone; this client re-attaches when one is back")]
+    AgentGone,
+}
