@@ -1,7 +1,10 @@
-//! What can go wrong between a client and its agent.
+//! What can go wrong between a client and its agent, and how a request is
+//! refused.
 
+use crate::policy::Refusal;
 use crate::region::RegionError;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// What can go wrong between a client and its agent.
 #[derive(Debug, thiserror::Error)]
@@ -50,4 +53,22 @@ pub enum ClientError {
     /// admission is fail-open meanwhile.
     #[error("the governor agent is gone; this client re-attaches when one is back")]
     AgentGone,
+}
+
+/// A refusal, with how long the request waited before it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{reason} (waited {waited:?})")]
+pub struct Refused {
+    /// Why.
+    pub reason: Refusal,
+    /// How long the request waited in line first.
+    pub waited: Duration,
+}
+
+impl Refused {
+    /// The reason as a metrics label (`tenant_admission_control` for the
+    /// concurrency limit).
+    pub fn code(&self) -> &'static str {
+        self.reason.code()
+    }
 }

@@ -34,6 +34,7 @@ mod error;
 mod future;
 mod helper;
 mod home;
+mod line;
 mod ticket;
 mod wait;
 
@@ -45,10 +46,10 @@ pub use crate::sys::{set_thread_slice, thread_cputime_ns};
 #[cfg(feature = "agent")]
 pub use attachment::{CALL_TIMEOUT, handshake, request};
 pub use conn::Client;
-pub use error::ClientError;
+pub use error::{ClientError, Refused};
 pub use future::{Tagged, TaggedExt};
-pub use ticket::FAIL_OPEN_AFTER;
-pub use ticket::{Refused, Ticket, TicketGuard};
+pub use line::FAIL_OPEN_AFTER;
+pub use ticket::{Ticket, TicketGuard};
 pub use wait::{AcquireFuture, Checkpoint, DeadlineFuture, TicketFuture};
 
 use keyspace_governor_common::{TAG_NONE, tag_for_cell};

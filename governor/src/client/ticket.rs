@@ -19,8 +19,9 @@
 
 use super::attachment::Attachment;
 use super::conn::Client;
-use super::error::ClientError;
+use super::error::{ClientError, Refused};
 use super::home;
+use super::line::{Waited, agent_alive, charged, wait_in_line};
 use crate::policy::{self, Demand, Grant, Knobs, Progress, Queued, Refusal};
 use crate::region::TicketView;
 use crate::sys;
@@ -31,31 +32,6 @@ use keyspace_governor_common::tag_for_cell;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-
-/// A heartbeat older than this means no agent runs the policy any more.
-pub const FAIL_OPEN_AFTER: Duration = Duration::from_millis(500);
-
-/// Longest single sleep of a waiter: it checks that the agent lives this
-/// often (refills and refunds wake it sooner).
-pub(crate) const LIVENESS_CHECK: Duration = Duration::from_millis(100);
-
-/// A refusal, with how long the request waited before it.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{reason} (waited {waited:?})")]
-pub struct Refused {
-    /// Why.
-    pub reason: Refusal,
-    /// How long the request waited in line first.
-    pub waited: Duration,
-}
-
-impl Refused {
-    /// The reason as a metrics label (`tenant_admission_control` for the
-    /// concurrency limit).
-    pub fn code(&self) -> &'static str {
-        self.reason.code()
-    }
-}
 
 /// One admitted request. Tag its work with [`Ticket::enter`] or
 /// [`Ticket::run`]; drop it when the request is done.
@@ -157,102 +133,6 @@ fn write_record(att: &Attachment, idx: u32, g: &Grant) {
     r.flags.store(if g.counted { T_COUNTED } else { 0 }, Ordering::Relaxed);
     r.consumed_ns.store(0, Ordering::Relaxed);
     r.state.store(TICKET_HELD, Ordering::Release);
-}
-
-/// Whether the agent behind `att` runs its policy loop: attached, and its
-/// heartbeat fresh. Reads a clock: only on slow paths.
-pub(crate) fn agent_alive(att: &Attachment) -> bool {
-    if !att.alive() {
-        return false;
-    }
-    let hb = att.admission.header().agent.heartbeat_ns.load(Ordering::Relaxed);
-    sys::monotonic_ns().saturating_sub(hb) < FAIL_OPEN_AFTER.as_nanos() as u64
-}
-
-/// What waiting in line ended with.
-pub(crate) enum Waited {
-    Granted(Grant),
-    Refused(Refused),
-    /// The agent went away meanwhile: admit without a check.
-    FailOpen,
-}
-
-/// Waits on the buckets' futex words until `q` is served, `deadline` (if
-/// any) passes, or the agent is found gone. Also returns how long it waited.
-pub(crate) fn wait_in_line(
-    att: &Attachment,
-    k: &Knobs,
-    mut q: Queued,
-    deadline: Option<Instant>,
-) -> (Waited, Duration) {
-    let r = &att.admission;
-    let start = Instant::now();
-    let mut waited_at_all = false;
-    let (cell, granted_hist, refused_hist) = (q.cell(), q.wait_hist(true), q.wait_hist(false));
-    loop {
-        match q.poll(r, k) {
-            Progress::Ready(g) => {
-                let waited = if waited_at_all { start.elapsed() } else { Duration::ZERO };
-                if waited_at_all {
-                    count_wait(att, &g, waited);
-                    r.counted_on(cell).observe_wait(granted_hist, waited);
-                }
-                return (Waited::Granted(g), waited);
-            }
-            Progress::Waiting { bucket, pos } => {
-                let now = Instant::now();
-                if deadline.is_some_and(|d| now >= d) {
-                    r.counted_on(cell).observe_wait(refused_hist, now - start);
-                    let reason = q.cancel(r);
-                    return (Waited::Refused(Refused { reason, waited: now - start }), now - start);
-                }
-                if !agent_alive(att) {
-                    let _ = q.cancel(r);
-                    return (Waited::FailOpen, now - start);
-                }
-                waited_at_all = true;
-                let sleep = deadline.map_or(LIVENESS_CHECK, |d| (d - now).min(LIVENESS_CHECK));
-                r.bucket(bucket).wait_for(pos, sleep);
-            }
-        }
-    }
-}
-
-/// Runs `f` with the calling thread tagged with keyspace cell `cell`, on
-/// its registration with `att`'s agent: the CPU of admission work (a
-/// place in line polled, a top-up waited for) goes to the keyspace it
-/// admits, as the work itself does. Returns that CPU by the thread clock
-/// (0, and no tag, on a thread without such a registration).
-pub(crate) fn charged<R>(att: &Attachment, cell: Option<u32>, f: impl FnOnce() -> R) -> (R, u64) {
-    let started = cell.and_then(|c| {
-        super::with_ctx(|ctx| {
-            (ctx.att.epoch == att.epoch).then(|| {
-                let th = ctx.thread();
-                let (old, t) = th.switch_tag(tag_for_cell(c));
-                (old, if t == 0 { th.clock() } else { t })
-            })
-        })
-        .ok()
-        .flatten()
-        .flatten()
-    });
-    let out = f();
-    let Some((prev, t0)) = started else { return (out, 0) };
-    let t1 = super::with_ctx(|ctx| {
-        let th = ctx.thread();
-        let (_, t) = th.switch_tag(prev);
-        if t == 0 { th.clock() } else { t }
-    })
-    .ok()
-    .flatten()
-    .unwrap_or(t0);
-    (out, t1.saturating_sub(t0))
-}
-
-fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
-    let b = att.admission.counted_on(g.cell());
-    b.count(counter::WAITED, 1);
-    b.count(counter::WAIT_US, waited.as_micros() as u64);
 }
 
 impl Client {

@@ -15,7 +15,9 @@
 
 use super::attachment::Attachment;
 use super::conn::Client;
-use super::ticket::{LIVENESS_CHECK, Refused, Ticket, agent_alive, charged, granted};
+use super::error::Refused;
+use super::line::{LIVENESS_CHECK, agent_alive, charged};
+use super::ticket::{Ticket, granted};
 use crate::policy::Demand;
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::BucketView;
