@@ -126,7 +126,7 @@ fn accepted_update_reports_changed_keys_and_hot_flags() {
     let hot = diff.hot();
     assert!(hot.admission_control && hot.write_quota);
     assert!(!hot.tenant_max_cpu_ratio && !hot.keyspace_cpu_quotas);
-    assert_eq!(updated.admission_control().max_concurrent_per_tenant, Some(32));
+    assert_eq!(updated.admission_control().limit(), Some(32));
     assert_eq!(diff.changes[1].old, "\"disabled\"");
     assert_eq!(diff.changes[1].new, "\"monitor\"");
     // Unchanged reload: empty diff.

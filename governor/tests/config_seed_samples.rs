@@ -93,7 +93,7 @@ fn empty_file_gives_documented_defaults() {
     assert_eq!(cfg.write_quota().pending_write_threshold, ByteSize::mib(100));
     assert_eq!(cfg.write_quota().per_keyspace_pending_write_threshold().get(), 100 * 1024 * 1024 * 3 / 10);
     assert_eq!(cfg.admission_control().mode, AdmissionMode::Disabled);
-    assert_eq!(cfg.admission_control().max_concurrent_per_tenant, None);
+    assert_eq!(cfg.admission_control().limit(), None);
     let a = cfg.agent();
     assert_eq!(a.control_socket.to_str(), Some("/run/governor/governor.sock"));
     assert_eq!(a.metrics_addr.to_string(), "127.0.0.1:9464");

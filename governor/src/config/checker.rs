@@ -52,11 +52,12 @@ impl Checker<'_> {
         self.check((min..=max).contains(&v), section, name, format!("must be between {min} and {max}, got {v}"));
     }
 
-    pub(super) fn list<T: ListValue>(&mut self, name: &str, text: &str) -> KeyspaceList<T> {
-        KeyspaceList::parse(text).unwrap_or_else(|reason| {
-            self.invalid(format!("{CT}.{name}"), reason);
-            KeyspaceList::default()
-        })
+    /// A per-keyspace list `name` of the throttle table: refused with why
+    /// when it does not parse.
+    pub(super) fn list<T: ListValue>(&mut self, name: &str, list: &KeyspaceList<T>) {
+        if let Some(why) = list.problem() {
+            self.invalid(format!("{CT}.{name}"), why.to_string());
+        }
     }
 
     /// An Essential-profile rule: in cap mode `name` must not be `bad`.

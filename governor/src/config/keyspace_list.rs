@@ -3,14 +3,16 @@
 //! and `keyspace-burst-enabled`.
 //!
 //! The string form is kept in the file (operators of the original system know
-//! it); validation turns it into a sorted map so a typo such as `"1:100,,2:3"`
-//! or a duplicated keyspace id is refused instead of half-applied.
+//! it); it is read into a sorted map so a typo such as `"1:100,,2:3"` or a
+//! duplicated keyspace id is refused instead of half-applied. Reading never
+//! fails on its own: a malformed list keeps its text and why, and validation
+//! reports it with the key's line, beside every other problem of the file.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A keyspace id, as carried in request contexts.
 pub type KeyspaceId = u32;
@@ -53,11 +55,20 @@ impl ListValue for bool {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyspaceList<T> {
     entries: BTreeMap<KeyspaceId, T>,
+    /// As written and why it does not parse, for a list read from a file
+    /// that validation refuses (a validated configuration holds none).
+    malformed: Option<(String, String)>,
 }
 
 impl<T> Default for KeyspaceList<T> {
     fn default() -> Self {
-        Self { entries: BTreeMap::new() }
+        Self { entries: BTreeMap::new(), malformed: None }
+    }
+}
+
+impl<T, const N: usize> From<[(KeyspaceId, T); N]> for KeyspaceList<T> {
+    fn from(entries: [(KeyspaceId, T); N]) -> Self {
+        Self { entries: entries.into(), malformed: None }
     }
 }
 
@@ -68,7 +79,7 @@ impl<T: ListValue> KeyspaceList<T> {
     pub fn parse(text: &str) -> Result<Self, String> {
         let mut entries = BTreeMap::new();
         if text.trim().is_empty() {
-            return Ok(Self { entries });
+            return Ok(Self { entries, malformed: None });
         }
         for (index, raw) in text.split(',').enumerate() {
             let entry = raw.trim();
@@ -91,7 +102,37 @@ impl<T: ListValue> KeyspaceList<T> {
                 return Err(format!("keyspace {id} appears more than once"));
             }
         }
-        Ok(Self { entries })
+        Ok(Self { entries, malformed: None })
+    }
+
+    /// The string form read as it is: parsed, or kept with why it does not
+    /// parse ([`KeyspaceList::problem`]).
+    pub fn read(text: &str) -> Self {
+        Self::parse(text)
+            .unwrap_or_else(|why| Self { entries: BTreeMap::new(), malformed: Some((text.to_string(), why)) })
+    }
+
+    /// Why the list as written does not parse, if it does not.
+    pub fn problem(&self) -> Option<&str> {
+        self.malformed.as_ref().map(|(_, why)| why.as_str())
+    }
+
+    /// The entries as a map, in keyspace-id order.
+    pub fn map(&self) -> &BTreeMap<KeyspaceId, T> {
+        &self.entries
+    }
+
+    /// Sets (or with `None` removes) the value of `id`.
+    pub fn set(&mut self, id: KeyspaceId, value: Option<T>) {
+        match value {
+            Some(v) => self.entries.insert(id, v),
+            None => self.entries.remove(&id),
+        };
+    }
+
+    /// Lists no keyspace.
+    pub fn clear(&mut self) {
+        *self = Self::default();
     }
 
     /// The value configured for `id`, if any.
@@ -130,8 +171,20 @@ impl<T: ListValue> fmt::Display for KeyspaceList<T> {
 }
 
 impl<T: ListValue> Serialize for KeyspaceList<T> {
+    /// The canonical form; a malformed list as it was written.
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
+        match &self.malformed {
+            Some((text, _)) => serializer.serialize_str(text),
+            None => serializer.collect_str(self),
+        }
+    }
+}
+
+impl<'de, T: ListValue> Deserialize<'de> for KeyspaceList<T> {
+    /// A string, read with [`KeyspaceList::read`] (anything else is a type
+    /// error of the file).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Self::read(&String::deserialize(d)?))
     }
 }
 

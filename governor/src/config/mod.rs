@@ -4,12 +4,16 @@
 //!
 //! - `units`: [`ConfigDuration`] durations (`"10ms"`) and [`ByteSize`] byte sizes (`"100MiB"`).
 //! - `keyspace_list`: [`KeyspaceList`], `"id:value,..."` per-keyspace lists.
-//! - `raw`, `raw_throttle`: [`RawConfig`], the file as written (serde,
-//!   defaults, `deny_unknown_fields`, kebab-case keys from the seeds).
+//! - `sections`, `throttle`: the sections the policy runs on, one type each
+//!   from the file to the policy ([`ResourceControl`] with its
+//!   [`CpuThrottle`], [`WriteQuota`], [`AdmissionControl`]).
+//! - `raw`: [`RawConfig`], the file as written (serde, defaults,
+//!   `deny_unknown_fields`, kebab-case keys from the seeds).
 //! - `checker`: the error collector (lines, ranges, keyspace lists).
 //! - `validate`: ranges and cross-field rules, including the Essential
 //!   tenant-cap profile; every failure is reported, not just the first.
-//! - `validated`: [`ValidatedConfig`], typed and proven valid; prints back to
+//! - `validated`: [`ValidatedConfig`], proven valid (`[agent]`, `[pd]` and
+//!   `[[rules]]` typed by validation); prints back to
 //!   TOML/JSON; [`ValidatedConfig::embedded_default`] from `default.toml`.
 //! - `update`: online updates ([`ValidatedConfig::apply_update`],
 //!   [`ValidatedConfig::apply_set`]), restart-only keys, [`ConfigDiff`].
@@ -31,9 +35,10 @@ mod error;
 mod keyspace_list;
 mod pd;
 mod raw;
-mod raw_throttle;
 mod rules;
+mod sections;
 mod source;
+mod throttle;
 mod units;
 mod update;
 mod validate;
@@ -43,14 +48,11 @@ pub use access::{Access, Peer, RawAccess, Role};
 pub use error::{ConfigError, ConfigErrors, UpdateRejected};
 pub use keyspace_list::{KeyspaceId, KeyspaceList, ListValue};
 pub use pd::{Pd, RawPd};
-pub use raw::{
-    AdmissionMode, MeasureMode, RawAdmissionControl, RawAgent, RawConfig, RawResourceControl, RawWriteQuota,
-};
-pub use raw_throttle::{ESSENTIAL_TENANT_MAX_CPU_RATIO, Profile, RawCpuThrottle};
+pub use raw::{MeasureMode, RawAgent, RawConfig};
 pub use rules::{MAX_RULES, ProcessIdentity, RawRule, Rule, cgroup_roots};
+pub use sections::{AdmissionControl, AdmissionMode, ResourceControl, WriteQuota};
 pub use source::SourceMap;
+pub use throttle::{CpuThrottle, ESSENTIAL_TENANT_MAX_CPU_RATIO, Profile};
 pub use units::{ByteSize, ConfigDuration};
 pub use update::{ConfigDiff, HotUpdates, KeyChange};
-pub use validated::{
-    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML, ResourceControl, ValidatedConfig, WriteQuota,
-};
+pub use validated::{AgentConfig, EMBEDDED_DEFAULT_TOML, ValidatedConfig};

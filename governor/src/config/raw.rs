@@ -1,6 +1,9 @@
 //! The configuration exactly as written: serde types with defaults and
 //! `deny_unknown_fields`, no cross-field checks. [`super::validate`] turns a
-//! [`RawConfig`] into a [`super::ValidatedConfig`].
+//! [`RawConfig`] into a [`super::ValidatedConfig`]. The sections the policy
+//! runs on are one type each, read and validated alike
+//! ([`super::sections`], [`super::throttle`]); `[agent]`, `[pd]` and
+//! `[[rules]]` are read here and typed by validation.
 //!
 //! Keys are the seeds' keys, verbatim and kebab-case, so operators of the
 //! original system recognise them.
@@ -9,19 +12,19 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::raw_throttle::RawCpuThrottle;
-use super::units::{ByteSize, ConfigDuration};
+use super::sections::{AdmissionControl, ResourceControl, WriteQuota};
+use super::units::ConfigDuration;
 
 /// The whole file. Every section may be omitted and then takes its defaults.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
 pub struct RawConfig {
     /// `[resource-control]`: monitor window and read CPU budget.
-    pub resource_control: RawResourceControl,
+    pub resource_control: ResourceControl,
     /// `[write-quota]`: pending write bytes, global and per keyspace.
-    pub write_quota: RawWriteQuota,
+    pub write_quota: WriteQuota,
     /// `[admission-control]`: per-tenant in-flight request limit.
-    pub admission_control: RawAdmissionControl,
+    pub admission_control: AdmissionControl,
     /// `[agent]`: the daemon itself (socket, metrics, measurement backend).
     pub agent: RawAgent,
     /// `[pd]`: the PD members service limits are fetched from.
@@ -29,98 +32,6 @@ pub struct RawConfig {
     /// `[[rules]]`: unmodified processes measured by rule, first match wins.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub rules: Vec<super::rules::RawRule>,
-}
-
-/// `[resource-control]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
-pub struct RawResourceControl {
-    /// Master switch. Off means the governor measures nothing and admits
-    /// everything, which is how a node behaves without it.
-    pub enabled: bool,
-    /// How often the monitor samples CPU counters and recomputes ratios;
-    /// also the cadence of the adaptive per-request estimate. Default `1s`.
-    pub stats_interval: ConfigDuration,
-    /// How far back the monitor window looks when computing global and
-    /// per-keyspace ratios. Longer is steadier, shorter reacts faster.
-    /// Default `1m`.
-    pub window_size: ConfigDuration,
-    /// Share of node CPU that reads may use in total; sizes the global bucket
-    /// (`cores × ratio`). Default `0.6`, the value both seeds use, leaving
-    /// 40% of the node for writes, raft and compaction.
-    pub max_read_cpu_ratio: f64,
-    /// The cores the storage servers may use, which `max-read-cpu-ratio`
-    /// and `tenant-max-cpu-ratio` are fractions of. `0` (default): read from
-    /// the cgroups of the processes that register threads (CFS quota and
-    /// cpuset, v1 and v2, re-read every second), the node's online CPUs
-    /// while none is registered or limited.
-    pub server_cpu_cores: f64,
-    /// Keeps the legacy QPS/bytes read limiter running next to the CPU
-    /// throttle. Default `true` to match the seed sample.
-    pub enable_qps_bytes_limiter: bool,
-    /// `[resource-control.cpu-throttle]`.
-    pub cpu_throttle: RawCpuThrottle,
-}
-
-impl Default for RawResourceControl {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            stats_interval: ConfigDuration::from_secs(1),
-            window_size: ConfigDuration::from_secs(60),
-            max_read_cpu_ratio: 0.6,
-            server_cpu_cores: 0.0,
-            enable_qps_bytes_limiter: false,
-            cpu_throttle: RawCpuThrottle::default(),
-        }
-    }
-}
-
-/// `[write-quota]`: the scheduler's pending-write guard.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
-pub struct RawWriteQuota {
-    /// Global cap on write bytes queued in the scheduler, protecting memory.
-    /// Each keyspace may hold at most 30% of it (fixed by the seed, not a
-    /// key), so one keyspace cannot starve the others. A size string
-    /// (`"100MiB"`) or an integer of bytes. Default `100MiB`.
-    pub pending_write_threshold: ByteSize,
-}
-
-impl Default for RawWriteQuota {
-    fn default() -> Self {
-        Self { pending_write_threshold: ByteSize::mib(100) }
-    }
-}
-
-/// How firmly the per-tenant concurrency limit is applied
-/// (tenant-admission-control.md); the policy takes it as it is
-/// (`policy::AdmissionMode`). Written kebab-case in the configuration and
-/// in status alike.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum AdmissionMode {
-    /// Nothing is counted, nothing refused. The default.
-    #[default]
-    Disabled,
-    /// Counted and breaches recorded, but the work still runs: pick a limit
-    /// from evidence before enforcing it.
-    Monitor,
-    /// A tenant over its limit is refused with the `tenant_admission_control`
-    /// marker.
-    Enforced,
-}
-
-/// `[admission-control]`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
-pub struct RawAdmissionControl {
-    /// `disabled` (default), `monitor` or `enforced`.
-    pub mode: AdmissionMode,
-    /// Most requests one tenant may have in flight. `0` means no limit (not
-    /// "refuse everything"), which keeps monitor mode honest before anybody
-    /// has picked a number.
-    pub max_concurrent_per_tenant: u32,
 }
 
 /// Which CPU measurement backend the agent uses.

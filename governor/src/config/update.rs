@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::error::{ConfigError, ConfigErrors, UpdateRejected};
 use super::raw::RawConfig;
-use super::raw_throttle::Profile;
+use super::throttle::Profile;
 use super::source::SourceMap;
 use super::validated::ValidatedConfig;
 

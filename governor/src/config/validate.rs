@@ -12,12 +12,9 @@ use std::time::Duration;
 use super::checker::{CT, Checker, RC};
 use super::error::ConfigErrors;
 use super::raw::RawConfig;
-use super::raw_throttle::Profile;
+use super::throttle::Profile;
 use super::source::SourceMap;
-use super::validated::{
-    AdmissionControl, AgentConfig, CpuThrottle, EMBEDDED_DEFAULT_TOML, ResourceControl, ValidatedConfig, WriteQuota,
-    parse_file,
-};
+use super::validated::{AgentConfig, EMBEDDED_DEFAULT_TOML, ValidatedConfig, parse_file};
 
 const MS: Duration = Duration::from_millis(1);
 const SEC: Duration = Duration::from_secs(1);
@@ -59,14 +56,15 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     );
 
     // [resource-control.cpu-throttle]
-    let quotas = c.list::<u64>("keyspace-cpu-quotas", &t.keyspace_cpu_quotas);
-    let estimates = c.list::<u64>("keyspace-estimated-cpu-per-request-us", &t.keyspace_estimated_cpu_per_request_us);
-    let burst_enabled = c.list::<bool>("keyspace-burst-enabled", &t.keyspace_burst_enabled);
+    c.list("keyspace-cpu-quotas", &t.keyspace_cpu_quotas);
+    c.list("keyspace-estimated-cpu-per-request-us", &t.keyspace_estimated_cpu_per_request_us);
+    c.list("keyspace-burst-enabled", &t.keyspace_burst_enabled);
+    let quotas = t.keyspace_cpu_quotas.len();
     c.check(
-        quotas.len() <= raw.agent.max_keyspaces as usize,
+        quotas <= raw.agent.max_keyspaces as usize,
         CT,
         "keyspace-cpu-quotas",
-        format!("lists {} keyspaces, more than agent.max-keyspaces ({})", quotas.len(), raw.agent.max_keyspaces),
+        format!("lists {quotas} keyspaces, more than agent.max-keyspaces ({})", raw.agent.max_keyspaces),
     );
     c.duration(CT, "pd-service-limit-fetch-interval", t.pd_service_limit_fetch_interval, SEC / 10, DAY);
     c.duration(CT, "pd-service-limit-request-timeout", t.pd_service_limit_request_timeout, MS, HOUR);
@@ -135,7 +133,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         );
         c.cap_rule(
             "keyspace-cpu-quotas",
-            !t.keyspace_cpu_quotas.trim().is_empty(),
+            !t.keyspace_cpu_quotas.is_empty() || t.keyspace_cpu_quotas.problem().is_some(),
             "must be empty (the uniform cap replaces per-keyspace quotas)",
         );
     }
@@ -179,52 +177,9 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     let pd = super::pd::check(&mut c, &raw.pd, t.enable_pd_service_limit && t.tenant_max_cpu_ratio <= 0.0);
 
     let validated = ValidatedConfig {
-        resource_control: ResourceControl {
-            enabled: rc.enabled,
-            stats_interval: rc.stats_interval,
-            window_size: rc.window_size,
-            max_read_cpu_ratio: rc.max_read_cpu_ratio,
-            server_cpu_cores: rc.server_cpu_cores,
-            enable_qps_bytes_limiter: rc.enable_qps_bytes_limiter,
-            cpu_throttle: CpuThrottle {
-                profile: t.profile,
-                enabled: t.enabled,
-                keyspace_cpu_quotas: quotas,
-                enforce_global_limit: t.enforce_global_limit,
-                enable_pd_service_limit: t.enable_pd_service_limit,
-                pd_service_limit_fetch_interval: t.pd_service_limit_fetch_interval,
-                pd_service_limit_request_timeout: t.pd_service_limit_request_timeout,
-                pd_service_limit_ttl: t.pd_service_limit_ttl,
-                pd_service_limit_consecutive_404: t.pd_service_limit_consecutive_404,
-                pd_service_limit_update_threshold: t.pd_service_limit_update_threshold,
-                pd_override_config: t.pd_override_config,
-                estimated_cpu_per_request_us: t.estimated_cpu_per_request_us,
-                keyspace_estimated_cpu_per_request_us: estimates,
-                enable_adaptive_estimated_cpu_per_request_us: t.enable_adaptive_estimated_cpu_per_request_us,
-                refill_interval: t.refill_interval,
-                burst_window: t.burst_window,
-                enable_dynamic_adjustment: t.enable_dynamic_adjustment,
-                high_watermark: t.high_watermark,
-                low_watermark: t.low_watermark,
-                enable_fair_allocation: t.enable_fair_allocation,
-                fair_allocation_threshold: t.fair_allocation_threshold,
-                enable_burst: t.enable_burst,
-                burst_threshold: t.burst_threshold,
-                keyspace_burst_enabled: burst_enabled,
-                enable_runtime_token_management: t.enable_runtime_token_management,
-                runtime_check_interval_us: t.runtime_check_interval_us,
-                additional_allocation_threshold: t.additional_allocation_threshold,
-                per_allocation_us: t.per_allocation_us,
-                tenant_max_cpu_ratio: t.tenant_max_cpu_ratio,
-                tenant_cap_idle_ttl: t.tenant_cap_idle_ttl,
-                low_priority_dag_global_enabled: t.low_priority_dag_global_enabled,
-            },
-        },
-        write_quota: WriteQuota { pending_write_threshold: raw.write_quota.pending_write_threshold },
-        admission_control: AdmissionControl {
-            mode: raw.admission_control.mode,
-            max_concurrent_per_tenant: Some(raw.admission_control.max_concurrent_per_tenant).filter(|n| *n > 0),
-        },
+        resource_control: raw.resource_control.clone(),
+        write_quota: raw.write_quota.clone(),
+        admission_control: raw.admission_control.clone(),
         agent: AgentConfig {
             control_socket: a.control_socket.clone(),
             metrics_addr,
@@ -275,6 +230,7 @@ impl ValidatedConfig {
 #[cfg(test)]
 mod tests {
     use super::super::checker::CAP_KEY;
+    use super::super::keyspace_list::KeyspaceList;
     use super::super::error::ConfigError;
     use super::*;
 
@@ -325,7 +281,7 @@ mod tests {
         let mut raw = RawConfig::default();
         raw.agent.max_keyspaces = 16;
         raw.resource_control.cpu_throttle.keyspace_cpu_quotas =
-            (1..=17).map(|i| format!("{i}:100")).collect::<Vec<_>>().join(",");
+            KeyspaceList::read(&(1..=17).map(|i| format!("{i}:100")).collect::<Vec<_>>().join(","));
         let errors = validate(&raw, &SourceMap::none()).unwrap_err();
         assert_eq!(errors.keys(), vec!["resource-control.cpu-throttle.keyspace-cpu-quotas"]);
     }

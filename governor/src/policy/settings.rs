@@ -135,7 +135,7 @@ impl Settings {
             pd_override_config: t.pd_override_config,
             pending_write_threshold_bytes: cfg.write_quota().pending_write_threshold.get(),
             admission_mode: cfg.admission_control().mode,
-            max_concurrent_per_tenant: cfg.admission_control().max_concurrent_per_tenant.map_or(0, u64::from),
+            max_concurrent_per_tenant: cfg.admission_control().max_concurrent_per_tenant.into(),
         }
     }
 

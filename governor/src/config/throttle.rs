@@ -1,5 +1,6 @@
-//! `[resource-control.cpu-throttle]` as written: every key of the throttle
-//! seed's Configuration TOML plus the tenant-cap seed's three keys.
+//! `[resource-control.cpu-throttle]`: every key of the throttle seed's
+//! Configuration TOML plus the tenant-cap seed's three keys. One type as
+//! read from the file, as validated, and as the policy runs on it.
 //!
 //! Defaults are Premium-style (the throttle seed's sample values) with the
 //! uniform tenant cap off (`tenant-max-cpu-ratio = 0.0`), so a node without
@@ -7,12 +8,13 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::keyspace_list::KeyspaceList;
 use super::units::ConfigDuration;
 
 /// `[resource-control.cpu-throttle]`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
-pub struct RawCpuThrottle {
+pub struct CpuThrottle {
     /// A deployment profile: `"custom"` (default: every key as written or
     /// its default), `"essential"` (the tenant-cap seed's Essential profile,
     /// §4.1: keys the file leaves out take its values) or `"premium"` (the
@@ -24,7 +26,7 @@ pub struct RawCpuThrottle {
     /// Per-keyspace quotas, `"id:millicores,..."`. Premium tenants get their
     /// own bucket; unlisted keyspaces are not throttled unless the tenant cap
     /// is on. Must be empty in tenant-cap mode. Default `""`.
-    pub keyspace_cpu_quotas: String,
+    pub keyspace_cpu_quotas: KeyspaceList<u64>,
     /// Makes the global bucket a hard node-level cap instead of best-effort
     /// tracking after keyspace allocation. Required in tenant-cap mode.
     /// Default `false` (the seed's Premium sample).
@@ -55,7 +57,7 @@ pub struct RawCpuThrottle {
     /// known. Default 1000 (1 ms).
     pub estimated_cpu_per_request_us: u64,
     /// Per-keyspace overrides of the estimate, `"id:us,..."`. Default `""`.
-    pub keyspace_estimated_cpu_per_request_us: String,
+    pub keyspace_estimated_cpu_per_request_us: KeyspaceList<u64>,
     /// Learns each keyspace's estimate as an EMA of measured CPU per request,
     /// once per `stats-interval`. Default true.
     pub enable_adaptive_estimated_cpu_per_request_us: bool,
@@ -86,7 +88,7 @@ pub struct RawCpuThrottle {
     /// Node CPU ratio below which bursting is allowed. Default 0.9.
     pub burst_threshold: f64,
     /// Per-keyspace burst switches, `"id:true,..."`. Default `""`.
-    pub keyspace_burst_enabled: String,
+    pub keyspace_burst_enabled: KeyspaceList<bool>,
 
     /// Tops up tokens while a long request runs instead of guessing its whole
     /// cost up front. Allowed in tenant-cap mode (same buckets). Default true.
@@ -114,6 +116,13 @@ pub struct RawCpuThrottle {
     pub low_priority_dag_global_enabled: bool,
 }
 
+impl CpuThrottle {
+    /// True in Essential mode: every keyspace gets a uniform-cap bucket.
+    pub fn tenant_cap_enabled(&self) -> bool {
+        self.tenant_max_cpu_ratio > 0.0
+    }
+}
+
 /// `profile`: the keys a deployment profile decides, set in one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -139,8 +148,8 @@ impl Profile {
     /// Gives `t` the profile's value for each key it decides, except those
     /// `keep` names (a key written in the file, or a running tenant cap when
     /// the profile is set online).
-    pub(crate) fn fill(self, t: &mut RawCpuThrottle, keep: impl Fn(&str) -> bool) {
-        let premium = RawCpuThrottle::default();
+    pub(crate) fn fill(self, t: &mut CpuThrottle, keep: impl Fn(&str) -> bool) {
+        let premium = CpuThrottle::default();
         let (enabled, ratio, off, global) = match self {
             Profile::Custom => return,
             Profile::Essential => (Some(true), ESSENTIAL_TENANT_MAX_CPU_RATIO, true, true),
@@ -179,12 +188,12 @@ impl Profile {
     }
 }
 
-impl Default for RawCpuThrottle {
+impl Default for CpuThrottle {
     fn default() -> Self {
         Self {
             profile: Profile::Custom,
             enabled: false,
-            keyspace_cpu_quotas: String::new(),
+            keyspace_cpu_quotas: KeyspaceList::default(),
             enforce_global_limit: false,
             enable_pd_service_limit: false,
             pd_service_limit_fetch_interval: ConfigDuration::from_secs(30),
@@ -194,7 +203,7 @@ impl Default for RawCpuThrottle {
             pd_service_limit_update_threshold: 0.01,
             pd_override_config: true,
             estimated_cpu_per_request_us: 1000,
-            keyspace_estimated_cpu_per_request_us: String::new(),
+            keyspace_estimated_cpu_per_request_us: KeyspaceList::default(),
             enable_adaptive_estimated_cpu_per_request_us: true,
             refill_interval: ConfigDuration::from_millis(10),
             burst_window: ConfigDuration::from_millis(100),
@@ -205,7 +214,7 @@ impl Default for RawCpuThrottle {
             fair_allocation_threshold: 0.7,
             enable_burst: true,
             burst_threshold: 0.9,
-            keyspace_burst_enabled: String::new(),
+            keyspace_burst_enabled: KeyspaceList::default(),
             enable_runtime_token_management: true,
             runtime_check_interval_us: 2000,
             additional_allocation_threshold: 0.5,

@@ -1,0 +1,131 @@
+//! `[resource-control]`, `[write-quota]` and `[admission-control]`: one type
+//! each from the file to the policy (read with defaults and
+//! `deny_unknown_fields`, checked in place by [`super::validate`], and held
+//! as they are by a [`super::ValidatedConfig`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::throttle::CpuThrottle;
+use super::units::{ByteSize, ConfigDuration};
+
+/// `[resource-control]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ResourceControl {
+    /// Master switch. Off means the governor measures nothing and admits
+    /// everything, which is how a node behaves without it.
+    pub enabled: bool,
+    /// How often the monitor samples CPU counters and recomputes ratios;
+    /// also the cadence of the adaptive per-request estimate. Default `1s`.
+    pub stats_interval: ConfigDuration,
+    /// How far back the monitor window looks when computing global and
+    /// per-keyspace ratios. Longer is steadier, shorter reacts faster.
+    /// Default `1m`.
+    pub window_size: ConfigDuration,
+    /// Share of node CPU that reads may use in total; sizes the global bucket
+    /// (`cores × ratio`). Default `0.6`, the value both seeds use, leaving
+    /// 40% of the node for writes, raft and compaction.
+    pub max_read_cpu_ratio: f64,
+    /// The cores the storage servers may use, which `max-read-cpu-ratio`
+    /// and `tenant-max-cpu-ratio` are fractions of. `0` (default): read from
+    /// the cgroups of the processes that register threads (CFS quota and
+    /// cpuset, v1 and v2, re-read every second), the node's online CPUs
+    /// while none is registered or limited.
+    pub server_cpu_cores: f64,
+    /// Keeps the legacy QPS/bytes read limiter running next to the CPU
+    /// throttle. Default `true` to match the seed sample.
+    pub enable_qps_bytes_limiter: bool,
+    /// `[resource-control.cpu-throttle]`.
+    pub cpu_throttle: CpuThrottle,
+}
+
+impl Default for ResourceControl {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            stats_interval: ConfigDuration::from_secs(1),
+            window_size: ConfigDuration::from_secs(60),
+            max_read_cpu_ratio: 0.6,
+            server_cpu_cores: 0.0,
+            enable_qps_bytes_limiter: false,
+            cpu_throttle: CpuThrottle::default(),
+        }
+    }
+}
+
+/// `[write-quota]`: the scheduler's pending-write guard.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct WriteQuota {
+    /// Global cap on write bytes queued in the scheduler, protecting memory.
+    /// Each keyspace may hold at most 30% of it (fixed by the seed, not a
+    /// key), so one keyspace cannot starve the others. A size string
+    /// (`"100MiB"`) or an integer of bytes. Default `100MiB`.
+    pub pending_write_threshold: ByteSize,
+}
+
+impl WriteQuota {
+    /// The per-keyspace cap, `0.3 ×` the global threshold (rounded down).
+    /// Derived, not a key: the seed deliberately adds no knob.
+    pub fn per_keyspace_pending_write_threshold(&self) -> ByteSize {
+        ByteSize(self.pending_write_threshold.0 / 10 * 3 + self.pending_write_threshold.0 % 10 * 3 / 10)
+    }
+}
+
+impl Default for WriteQuota {
+    fn default() -> Self {
+        Self { pending_write_threshold: ByteSize::mib(100) }
+    }
+}
+
+/// How firmly the per-tenant concurrency limit is applied
+/// (tenant-admission-control.md); the policy takes it as it is
+/// (`policy::AdmissionMode`). Written kebab-case in the configuration and
+/// in status alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdmissionMode {
+    /// Nothing is counted, nothing refused. The default.
+    #[default]
+    Disabled,
+    /// Counted and breaches recorded, but the work still runs: pick a limit
+    /// from evidence before enforcing it.
+    Monitor,
+    /// A tenant over its limit is refused with the `tenant_admission_control`
+    /// marker.
+    Enforced,
+}
+
+/// `[admission-control]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct AdmissionControl {
+    /// `disabled` (default), `monitor` or `enforced`.
+    pub mode: AdmissionMode,
+    /// Most requests one tenant may have in flight. `0` means no limit (not
+    /// "refuse everything"), which keeps monitor mode honest before anybody
+    /// has picked a number.
+    pub max_concurrent_per_tenant: u32,
+}
+
+impl AdmissionControl {
+    /// The in-flight limit per tenant; `None` when the file says 0.
+    pub fn limit(&self) -> Option<u32> {
+        Some(self.max_concurrent_per_tenant).filter(|n| *n > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_keyspace_write_threshold_is_thirty_percent_rounded_down() {
+        let share =
+            |n| WriteQuota { pending_write_threshold: ByteSize(n) }.per_keyspace_pending_write_threshold().get();
+        assert_eq!(share(10), 3);
+        assert_eq!(share(7), 2);
+        assert_eq!(share(100 << 20), (100u64 << 20) * 3 / 10);
+        assert_eq!(share(u64::MAX), (u128::from(u64::MAX) * 3 / 10) as u64);
+    }
+}
