@@ -5,12 +5,15 @@
 mod common;
 
 use common::{SEC, base};
+use keyspace_governor::config::AdmissionControl;
 use keyspace_governor::policy::{
     AdmissionMode, Demand, Grant, Policy, Refusal, Settings, TENANT_ADMISSION_CONTROL_MARKER,
 };
 
 fn settings(mode: AdmissionMode, max: u64) -> Settings {
-    Settings { admission_mode: mode, max_concurrent_per_tenant: max, ..base() }
+    let mut s = base();
+    s.admission = AdmissionControl { mode, max_concurrent_per_tenant: max as u32 };
+    s
 }
 
 fn policy(mode: AdmissionMode, max: u64) -> Policy {
@@ -96,7 +99,7 @@ fn admission_mode_change_while_running_keeps_counts_exact() {
     let counted = enter(&p, 1).unwrap();
     assert!(counted.counted());
     let mut s = p.settings().clone();
-    s.admission_mode = AdmissionMode::Disabled;
+    s.admission.mode = AdmissionMode::Disabled;
     p.update_settings(s).unwrap();
     let uncounted = enter(&p, 1).unwrap();
     assert!(!uncounted.counted());
@@ -104,7 +107,7 @@ fn admission_mode_change_while_running_keeps_counts_exact() {
     assert_eq!(p.inflight_requests(1), 1, "an uncounted grant gives back nothing");
     // Enforced with the count still held: the limit of 1 is reached.
     let mut s = p.settings().clone();
-    s.admission_mode = AdmissionMode::Enforced;
+    s.admission.mode = AdmissionMode::Enforced;
     p.update_settings(s).unwrap();
     assert!(matches!(enter(&p, 1), Err(Refusal::ConcurrencyLimited { inflight: 1, limit: 1, .. })));
     p.release(counted, 0);
@@ -118,7 +121,7 @@ fn admission_limit_change_while_running_applies_to_the_next_request() {
     let p = policy(AdmissionMode::Enforced, 3);
     let held: Vec<_> = (0..3).map(|_| enter(&p, 1).unwrap()).collect();
     let mut s = p.settings().clone();
-    s.max_concurrent_per_tenant = 2;
+    s.admission.max_concurrent_per_tenant = 2;
     p.update_settings(s).unwrap();
     assert!(matches!(enter(&p, 1), Err(Refusal::ConcurrencyLimited { inflight: 3, limit: 2, .. })));
     held.into_iter().for_each(|g| p.release(g, 0));

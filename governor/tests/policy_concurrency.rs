@@ -27,11 +27,11 @@ struct Tally {
 #[test]
 fn concurrent_allocate_release_and_agent_ticks_conserve_tokens() {
     let mut s = essential_settings(2.0, 0.3);
-    s.enable_runtime_token_management = true;
+    s.throttle_mut().enable_runtime_token_management = true;
     // Count in-flight requests and pending write bytes too (never refusing: no limit, and a
     // threshold far above what is ever pending).
-    s.admission_mode = AdmissionMode::Monitor;
-    s.max_concurrent_per_tenant = 0;
+    s.admission.mode = AdmissionMode::Monitor;
+    s.admission.max_concurrent_per_tenant = 0;
     let p = Arc::new(Policy::new(s, 0).unwrap());
     let done = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..4u32)

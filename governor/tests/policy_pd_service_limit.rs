@@ -5,13 +5,15 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{SEC, base};
+use keyspace_governor::config::ConfigDuration;
 use keyspace_governor::policy::{PdAction, PdFetch, PdLimit, Policy, QuotaSource, Settings};
 
 fn pd(f: impl FnOnce(&mut Settings)) -> Policy {
-    let mut s = Settings {
-        enable_pd_service_limit: true,
-        pd_service_limit_ttl_us: 600 * SEC,
-        ..base() // 8 cores × 0.6 → global refill 48_000 µs per 10 ms
+    let mut s = {
+        let mut s = base();
+        s.throttle_mut().enable_pd_service_limit = true;
+        s.throttle_mut().pd_service_limit_ttl = ConfigDuration::from_micros(600 * SEC);
+        s
     };
     f(&mut s);
     Policy::new(s, 0).unwrap()
@@ -60,8 +62,8 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
     p.release(g, 1);
 
     let p = pd(|s| {
-        s.pd_override_config = false;
-        s.keyspace_cpu_quotas_millicores = [(1, 1000)].into(); // 10_000 µs
+        s.throttle_mut().pd_override_config = false;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 1000)].into(); // 10_000 µs
     });
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
     assert_eq!(quota(&p, 1), Some(10_000), "static config is not overridden");
@@ -69,7 +71,7 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
     assert_eq!(quota(&p, 1), Some(10_000), "static quota kept on unlimited");
     assert_eq!(p.keyspace(1).unwrap().source(), QuotaSource::Config);
 
-    let p = pd(|s| s.keyspace_cpu_quotas_millicores = [(1, 1000)].into());
+    let p = pd(|s| s.throttle_mut().keyspace_cpu_quotas = [(1, 1000)].into());
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0))]));
     assert_eq!(quota(&p, 1), Some(48_000), "pd-override-config = true: PD wins");
     // ...its "unlimited" too: the static quota goes while PD says 0, and
@@ -86,7 +88,7 @@ fn pd_limit_zero_removes_quota_unless_static_config_wins() {
 
 #[test]
 fn pd_404_removes_only_after_consecutive_count_or_ttl() {
-    let p = pd(|s| s.pd_service_limit_consecutive_404 = 3);
+    let p = pd(|s| s.throttle_mut().pd_service_limit_consecutive_404 = 3);
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]));
     for i in 1..=2 {
         assert!(
@@ -131,7 +133,7 @@ fn pd_unreachable_keeps_last_quotas() {
 
 #[test]
 fn pd_quota_throttles_and_does_not_outlive_pd() {
-    let p = pd(|s| s.keyspace_cpu_quotas_millicores = [(2, 1000)].into());
+    let p = pd(|s| s.throttle_mut().keyspace_cpu_quotas = [(2, 1000)].into());
     p.apply_pd_service_limits(0, &fetched(&[(1, PdLimit::Limit(100.0)), (2, PdLimit::Limit(100.0))]));
     assert_eq!((quota(&p, 1), quota(&p, 2)), (Some(24_000), Some(24_000)));
     // The PD quota is a bucket like any other: capacity = rate × 100 ms burst window.
@@ -146,7 +148,7 @@ fn pd_quota_throttles_and_does_not_outlive_pd() {
     p.release(g, 240_000);
     // Turning PD off online drops its quotas; a static quota comes back.
     let mut s = p.settings().clone();
-    s.enable_pd_service_limit = false;
+    s.throttle_mut().enable_pd_service_limit = false;
     p.update_settings(s).unwrap();
     assert_eq!(quota(&p, 1), None);
     assert_eq!(quota(&p, 2), Some(10_000));

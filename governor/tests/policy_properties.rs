@@ -4,6 +4,7 @@
 mod common;
 
 use common::{base, essential_settings};
+use keyspace_governor::config::ConfigDuration;
 use keyspace_governor::policy::{BucketSnapshot, Grant, Policy, Settings, UsageSample};
 use proptest::prelude::*;
 
@@ -198,8 +199,8 @@ proptest! {
         let mut s = essential_settings(2.0, 0.3);
         // Forbidden with the cap by the configuration; the policy must stay consistent anyway
         // (the low-priority path is cap-aware).
-        s.low_priority_dag_global_enabled = true;
-        s.tenant_cap_idle_ttl_us = 50_000;
+        s.throttle_mut().low_priority_dag_global_enabled = true;
+        s.throttle_mut().tenant_cap_idle_ttl = keyspace_governor::config::ConfigDuration::from_micros(50_000);
         // The configuration would refuse quotas while capped; the policy applies them, and the
         // cap takes precedence until a SetRatio of 0 lets them act.
         run_stream(s, ops)?;
@@ -207,17 +208,18 @@ proptest! {
 
     #[test]
     fn prop_tokens_conserved_and_capacity_respected_in_premium_mode(ops in prop::collection::vec(op(), 1..300)) {
-        let s = Settings {
-            cpu_cores: 2.0,
-            enable_burst: true,
-            enable_dynamic_adjustment: true,
-            enable_fair_allocation: true,
-            enable_runtime_token_management: true,
-            keyspace_cpu_quotas_millicores: [(1, 500), (2, 1000)].into(),
-            window_size_us: 20_000,
-            stats_interval_us: 10_000,
-            ..base()
-        };
+        let s = {
+    let mut s = base();
+    s.cpu_cores = 2.0;
+    s.throttle_mut().enable_burst = true;
+    s.throttle_mut().enable_dynamic_adjustment = true;
+    s.throttle_mut().enable_fair_allocation = true;
+    s.throttle_mut().enable_runtime_token_management = true;
+    s.throttle_mut().keyspace_cpu_quotas = [(1, 500), (2, 1000)].into();
+    s.resource.window_size = ConfigDuration::from_micros(20_000);
+    s.resource.stats_interval = ConfigDuration::from_micros(10_000);
+    s
+};
         // SetRatio > 0 switches to cap mode with burst / fair / dynamic still set (the
         // configuration would refuse that combination; the policy must stay consistent).
         run_stream(s, ops)?;
@@ -233,8 +235,8 @@ proptest! {
         const INTERVAL: u64 = 10_000;
         const MAX_REQUEST: u64 = 8_000;
         let mut s = essential_settings(2.0, 0.4); // cap 8_000 µs per 10 ms
-        s.burst_window_us = INTERVAL; // capacity = one refill quantum
-        s.enable_runtime_token_management = runtime;
+        s.throttle_mut().burst_window = keyspace_governor::config::ConfigDuration::from_micros(INTERVAL); // capacity = one refill quantum
+        s.throttle_mut().enable_runtime_token_management = runtime;
         let p = Policy::new(s, 0).unwrap();
         let cap = p.tenant_cap_refill_us();
         prop_assert_eq!(cap, 8_000);
@@ -275,7 +277,7 @@ proptest! {
         const INTERVAL: u64 = 10_000;
         const MAX_CONSUMED: u64 = 8_000;
         let mut s = essential_settings(4.0, 0.2); // cap 8_000 µs per 10 ms each, global 24_000
-        s.burst_window_us = INTERVAL;
+        s.throttle_mut().burst_window = keyspace_governor::config::ConfigDuration::from_micros(INTERVAL);
         let p = Policy::new(s, 0).unwrap();
         let cap = p.tenant_cap_refill_us();
         prop_assert_eq!(cap, 8_000);

@@ -92,8 +92,8 @@ fn seed_cap_05_exhausted_tenant_never_bursts() {
     // burst condition of the throttle seed holds: idle node, global tokens left, burst budget
     // covering the request.
     let mut s = essential_settings(CORES, 0.4);
-    s.enable_runtime_token_management = false;
-    s.enable_burst = true; // forbidden by the configuration; the policy must still not burst
+    s.throttle_mut().enable_runtime_token_management = false;
+    s.throttle_mut().enable_burst = true; // forbidden by the configuration; the policy must still not burst
     let p = Policy::new(s, 0).unwrap();
     let cap = p.tenant_cap_refill_us() * 10; // full bucket = burst window
     assert_eq!(cap, 320_000);
@@ -142,13 +142,13 @@ fn seed_cap_06_no_pd_dependency() {
 fn essential_helper_is_the_seed_profile() {
     let fixture = include_str!("fixtures/seed_cap_essential.toml");
     let mut from_fixture = keyspace_governor::policy::Settings::from_toml(fixture, CORES).unwrap();
-    assert!(from_fixture.enable_adaptive_estimate, "the profile leaves the default on");
-    from_fixture.enable_adaptive_estimate = false;
+    assert!(from_fixture.throttle().enable_adaptive_estimated_cpu_per_request_us, "the profile leaves the default on");
+    from_fixture.throttle_mut().enable_adaptive_estimated_cpu_per_request_us = false;
     assert_eq!(essential_settings(CORES, 0.4), from_fixture);
     let s = essential_settings(CORES, 0.4);
-    assert!(s.cap_mode() && s.throttle_enabled && s.enforce_global_limit);
-    assert!(s.enable_runtime_token_management);
-    assert_eq!(s.tenant_cap_refill_us(s.tenant_max_cpu_ratio), Some(32_000));
+    assert!(s.cap_mode() && s.throttle().enabled && s.throttle().enforce_global_limit);
+    assert!(s.throttle().enable_runtime_token_management);
+    assert_eq!(s.tenant_cap_refill_us(s.throttle().tenant_max_cpu_ratio), Some(32_000));
 }
 
 /// §7 point 3's premise, enforced by the policy itself: in cap mode the global bucket is a hard
@@ -156,8 +156,8 @@ fn essential_helper_is_the_seed_profile() {
 #[test]
 fn cap_mode_always_enforces_the_global_bucket() {
     let mut s = essential_settings(CORES, 0.7); // cap 56_000 per 10 ms > global 48_000
-    s.enable_runtime_token_management = false;
-    s.enforce_global_limit = false;
+    s.throttle_mut().enable_runtime_token_management = false;
+    s.throttle_mut().enforce_global_limit = false;
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate(9, Some(480_000), 0).unwrap();
     assert_eq!(p.global_bucket().available_us(), 0);

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{CORES, Load, MS, SEC, assert_close, base, essential, essential_settings, run, steady};
-use keyspace_governor::policy::{AdmissionMode, Policy, Refusal, Settings};
+use keyspace_governor::policy::{AdmissionMode, Policy, Refusal};
 
 #[test]
 fn seed_cap_09_runtime_top_up_uses_only_tenant_and_global_buckets() {
@@ -42,13 +42,13 @@ fn seed_cap_09_runtime_top_up_uses_only_tenant_and_global_buckets() {
 fn runtime_top_up_threshold_follows_the_configured_fraction() {
     let p = essential(0.4);
     let s = p.settings().clone();
-    assert_eq!((s.additional_allocation_threshold, s.per_allocation_us), (0.5, 4000));
-    let threshold_milli = (s.additional_allocation_threshold * 1000.0) as u64;
+    assert_eq!((s.throttle().additional_allocation_threshold, s.throttle().per_allocation_us), (0.5, 4000));
+    let threshold_milli = (s.throttle().additional_allocation_threshold * 1000.0) as u64;
     let mut g = p.allocate(1, Some(8_000), 0).unwrap();
     assert_eq!(g.granted_us(), 8_000);
     assert!(!g.needs_top_up(4_000, threshold_milli), "at 50 %: not yet");
     assert!(g.needs_top_up(4_001, threshold_milli), "past 50 %");
-    p.allocate_more(&mut g, s.per_allocation_us, 1).unwrap();
+    p.allocate_more(&mut g, s.throttle().per_allocation_us, 1).unwrap();
     assert_eq!(g.granted_us(), 12_000);
     assert!(!g.needs_top_up(6_000, threshold_milli));
     assert!(g.needs_top_up(6_001, threshold_milli));
@@ -61,12 +61,12 @@ fn runtime_top_up_threshold_follows_the_configured_fraction() {
 fn seed_cap_10_low_priority_dag_is_cap_aware() {
     // The Essential profile keeps the low-priority DAG bucket off (and the configuration
     // refuses to turn it on with the cap, config_seed_cap.rs)...
-    assert!(!essential_settings(CORES, 0.4).low_priority_dag_global_enabled);
+    assert!(!essential_settings(CORES, 0.4).throttle().low_priority_dag_global_enabled);
     // ...and when a test profile enables it, unknown keyspaces still pass their tenant cap.
     let mut s = essential_settings(CORES, 0.4);
-    s.low_priority_dag_global_enabled = true;
+    s.throttle_mut().low_priority_dag_global_enabled = true;
     s.low_priority_dag_cpu_ratio = 0.5; // 40_000 µs per interval, larger than the cap
-    s.enable_runtime_token_management = false;
+    s.throttle_mut().enable_runtime_token_management = false;
     let p = Policy::new(s, 0).unwrap();
     // Unknown keyspace: low-priority bucket, then its tenant cap bucket.
     let g = p.allocate_low_priority(7, Some(320_000), 0).unwrap();
@@ -82,7 +82,11 @@ fn seed_cap_10_low_priority_dag_is_cap_aware() {
     assert_eq!(p.counters().skipped, 0);
 
     // Premium (no cap): an unknown keyspace uses the legacy global-only fallback.
-    let s = Settings { low_priority_dag_global_enabled: true, ..base() };
+    let s = {
+        let mut s = base();
+        s.throttle_mut().low_priority_dag_global_enabled = true;
+        s
+    };
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate_low_priority(7, Some(1000), 0).unwrap();
     assert!(!g.is_skip());
@@ -101,7 +105,7 @@ fn seed_cap_10_low_priority_dag_is_cap_aware() {
 #[test]
 fn seed_cap_11_premium_mode_is_unchanged() {
     let mut s = base();
-    s.keyspace_cpu_quotas_millicores.insert(1, 1000); // 1 core = 10_000 µs per 10 ms
+    s.throttle_mut().keyspace_cpu_quotas.set(1, Some(1000)); // 1 core = 10_000 µs per 10 ms
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate(42, Some(1_000_000), 0).unwrap();
     assert!(g.is_skip(), "unknown keyspace skips throttling");
@@ -156,7 +160,7 @@ fn seed_cap_12_hot_update_recomputes_every_cap_bucket() {
 #[test]
 fn seed_cap_13_disabling_the_cap_removes_auto_created_buckets() {
     let s = essential_settings(CORES, 0.4);
-    assert!(s.enforce_global_limit);
+    assert!(s.throttle().enforce_global_limit);
     let p = Policy::new(s, 0).unwrap();
     for ks in 1..=3 {
         let g = p.allocate(ks, Some(10), 0).unwrap();
@@ -220,7 +224,7 @@ fn online_update_that_does_not_shrink_the_cap_leaves_busy_buckets_alone() {
     assert_eq!(available, 320_000 - 55_000);
     // An unrelated change (admission mode) must not touch the tenant buckets.
     let mut next = p.settings().clone();
-    next.admission_mode = AdmissionMode::Monitor;
+    next.admission.mode = AdmissionMode::Monitor;
     p.update_settings(next).unwrap();
     assert!(!k().bucket().in_debt(), "unchanged cap is not a shrink");
     assert_eq!(k().bucket().available_us(), available);
@@ -243,7 +247,7 @@ fn online_update_that_does_not_shrink_the_cap_leaves_busy_buckets_alone() {
 #[test]
 fn a_tiny_cap_ratio_caps_instead_of_turning_the_cap_off() {
     let mut s = essential_settings(CORES, 0.4);
-    s.enable_runtime_token_management = false; // the estimate is taken whole
+    s.throttle_mut().enable_runtime_token_management = false; // the estimate is taken whole
     let p = Policy::new(s, 0).unwrap();
     p.set_tenant_max_cpu_ratio(1e-9).unwrap();
     assert_eq!(p.tenant_cap_refill_us(), 1, "at least 1 µs per interval");
@@ -262,7 +266,7 @@ fn a_tiny_cap_ratio_caps_instead_of_turning_the_cap_off() {
 #[test]
 fn reenabling_the_cap_at_a_lower_ratio_gives_buckets_the_new_capacity() {
     let mut s = essential_settings(CORES, 0.4);
-    s.enable_runtime_token_management = false; // estimates taken whole
+    s.throttle_mut().enable_runtime_token_management = false; // estimates taken whole
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate(1, Some(10), 0).unwrap();
     p.release(g, 10);

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{MS, SEC, base};
+use keyspace_governor::config::ConfigDuration;
 use keyspace_governor::policy::{
     AdmissionMode, FairInput, Policy, QuotaSource, Refusal, Settings, UsageSample, fair_allocate,
 };
@@ -31,8 +32,14 @@ fn throttle_worked_example_fair_allocation() {
 
 /// 8 cores, max-read-cpu-ratio 1.0, 10 ms refill, 1 s window = 1 s stats interval.
 fn premium(f: impl FnOnce(&mut Settings)) -> Settings {
-    let mut s =
-        Settings { cpu_cores: 8.0, max_read_cpu_ratio: 1.0, window_size_us: SEC, stats_interval_us: SEC, ..base() };
+    let mut s = {
+        let mut s = base();
+        s.cpu_cores = 8.0;
+        s.resource.max_read_cpu_ratio = 1.0;
+        s.resource.window_size = ConfigDuration::from_micros(SEC);
+        s.resource.stats_interval = ConfigDuration::from_micros(SEC);
+        s
+    };
     f(&mut s);
     s
 }
@@ -44,8 +51,8 @@ fn sample(global_cum_us: u64, ks: &[(u32, u64)]) -> UsageSample {
 #[test]
 fn fair_allocation_drives_keyspace_refill_above_threshold() {
     let s = premium(|s| {
-        s.enable_fair_allocation = true;
-        s.keyspace_cpu_quotas_millicores = [(1, 4000), (2, 2000), (3, 2000)].into();
+        s.throttle_mut().enable_fair_allocation = true;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 4000), (2, 2000), (3, 2000)].into();
     });
     let p = Policy::new(s, 0).unwrap();
     p.tick(0, Some(&sample(0, &[])));
@@ -72,11 +79,11 @@ fn fair_allocation_drives_keyspace_refill_above_threshold() {
 #[test]
 fn burst_uses_global_tokens_under_the_seed_conditions_and_is_capped_per_interval() {
     let s = premium(|s| {
-        s.max_read_cpu_ratio = 0.6; // global refill 48_000 per interval
-        s.enable_burst = true;
-        s.enable_runtime_token_management = false;
-        s.keyspace_cpu_quotas_millicores = [(1, 1000), (2, 1000)].into();
-        s.keyspace_burst_enabled = [(2, false)].into();
+        s.resource.max_read_cpu_ratio = 0.6; // global refill 48_000 per interval
+        s.throttle_mut().enable_burst = true;
+        s.throttle_mut().enable_runtime_token_management = false;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 1000), (2, 1000)].into();
+        s.throttle_mut().keyspace_burst_enabled = [(2, false)].into();
     });
     let p = Policy::new(s, 0).unwrap();
     p.tick(0, Some(&sample(0, &[])));
@@ -121,9 +128,9 @@ fn burst_uses_global_tokens_under_the_seed_conditions_and_is_capped_per_interval
 #[test]
 fn dynamic_adjustment_follows_the_watermarks() {
     let s = premium(|s| {
-        s.max_read_cpu_ratio = 0.6; // global 48_000 per interval, 4.8 s per 1 s window
-        s.enable_dynamic_adjustment = true;
-        s.keyspace_cpu_quotas_millicores = [(1, 2000)].into(); // 20_000; quota ratio 0.4167
+        s.resource.max_read_cpu_ratio = 0.6; // global 48_000 per interval, 4.8 s per 1 s window
+        s.throttle_mut().enable_dynamic_adjustment = true;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 2000)].into(); // 20_000; quota ratio 0.4167
     });
     let p = Policy::new(s, 0).unwrap();
     p.tick(0, Some(&sample(0, &[])));
@@ -142,7 +149,7 @@ fn dynamic_adjustment_follows_the_watermarks() {
 
 #[test]
 fn quota_shrink_enters_debt_until_inflight_drains() {
-    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 2000)].into());
+    let s = premium(|s| s.throttle_mut().keyspace_cpu_quotas = [(1, 2000)].into());
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate(1, Some(15_000), 0).unwrap();
     p.set_keyspace_quota_millicores(1, Some(1000), 0).unwrap(); // 10_000 < 15_000 in flight
@@ -167,8 +174,8 @@ fn quota_shrink_enters_debt_until_inflight_drains() {
 #[test]
 fn release_refunds_unused_estimate_and_charges_overrun() {
     let s = premium(|s| {
-        s.enforce_global_limit = true;
-        s.keyspace_cpu_quotas_millicores = [(1, 1000)].into();
+        s.throttle_mut().enforce_global_limit = true;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 1000)].into();
     });
     let p = Policy::new(s, 0).unwrap();
     let full = p.keyspace(1).unwrap().bucket().available_us();
@@ -190,9 +197,9 @@ fn global_is_best_effort_tracking_unless_enforced() {
     let mk = |enforce| {
         Policy::new(
             premium(|s| {
-                s.enforce_global_limit = enforce;
+                s.throttle_mut().enforce_global_limit = enforce;
                 s.cpu_cores = 1.0; // global 10_000 per interval, capacity 100_000
-                s.keyspace_cpu_quotas_millicores = [(1, 8000)].into();
+                s.throttle_mut().keyspace_cpu_quotas = [(1, 8000)].into();
             }),
             0,
         )
@@ -216,10 +223,10 @@ fn global_is_best_effort_tracking_unless_enforced() {
 #[test]
 fn adaptive_estimate_updates_once_per_stats_interval() {
     let s = premium(|s| {
-        s.enable_adaptive_estimate = true;
+        s.throttle_mut().enable_adaptive_estimated_cpu_per_request_us = true;
         s.adaptive_estimate_alpha = 0.5;
-        s.keyspace_cpu_quotas_millicores = [(1, 4000), (2, 4000)].into();
-        s.keyspace_estimated_cpu_per_request_us = [(2, 1500)].into();
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 4000), (2, 4000)].into();
+        s.throttle_mut().keyspace_estimated_cpu_per_request_us = [(2, 1500)].into();
     });
     let p = Policy::new(s, 0).unwrap();
     assert_eq!(p.keyspace(1).unwrap().estimate_us(), 1000);
@@ -242,9 +249,19 @@ fn adaptive_estimate_updates_once_per_stats_interval() {
 
 #[test]
 fn monitor_window_ratios_are_published_and_exported() {
-    let s =
-        Settings { cpu_cores: 4.0, max_read_cpu_ratio: 0.5, window_size_us: 4 * SEC, stats_interval_us: SEC, ..base() };
-    let s = Settings { keyspace_cpu_quotas_millicores: [(1, 1000)].into(), ..s };
+    let s = {
+        let mut s = base();
+        s.cpu_cores = 4.0;
+        s.resource.max_read_cpu_ratio = 0.5;
+        s.resource.window_size = ConfigDuration::from_micros(4 * SEC);
+        s.resource.stats_interval = ConfigDuration::from_micros(SEC);
+        s
+    };
+    let s = {
+        let mut s = s;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 1000)].into();
+        s
+    };
     let p = Policy::new(s, 0).unwrap();
     // max_cpu_time = 4 × 0.5 × 4 s = 8 s.
     for i in 0..=5u64 {
@@ -282,7 +299,7 @@ fn monitor_window_ratios_are_published_and_exported() {
 
 #[test]
 fn refill_is_per_interval_and_never_exceeds_capacity() {
-    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 500)].into()); // 5_000 / 10 ms
+    let s = premium(|s| s.throttle_mut().keyspace_cpu_quotas = [(1, 500)].into()); // 5_000 / 10 ms
     let p = Policy::new(s, 0).unwrap();
     // Entries are snapshots: read again after every change.
     let b = || p.keyspace(1).unwrap();
@@ -307,23 +324,27 @@ fn refill_is_per_interval_and_never_exceeds_capacity() {
 #[test]
 fn base_settings_are_the_premium_defaults_with_optional_mechanisms_off() {
     let s = base();
-    assert!(s.enabled && s.throttle_enabled);
-    assert_eq!((s.cpu_cores, s.max_read_cpu_ratio), (8.0, 0.6));
+    assert!(s.resource.enabled && s.throttle().enabled);
+    assert_eq!((s.cpu_cores, s.resource.max_read_cpu_ratio), (8.0, 0.6));
     assert_eq!(
-        (s.refill_interval_us, s.burst_window_us, s.stats_interval_us, s.window_size_us),
+        (s.refill_interval_us(), s.burst_window_us(), s.stats_interval_us(), s.window_size_us()),
         (10 * MS, 100 * MS, SEC, 60 * SEC)
     );
-    assert!(!s.enforce_global_limit && !s.cap_mode());
-    assert!(!s.enable_adaptive_estimate && !s.enable_dynamic_adjustment);
-    assert!(!s.enable_fair_allocation && !s.enable_burst && !s.enable_runtime_token_management);
-    assert!(!s.enable_pd_service_limit && !s.low_priority_dag_global_enabled);
-    assert!(s.keyspace_cpu_quotas_millicores.is_empty());
-    assert_eq!(s.estimated_cpu_per_request_us, 1000);
-    assert_eq!((s.high_watermark, s.low_watermark), (0.8, 0.5));
-    assert_eq!((s.fair_allocation_threshold, s.burst_threshold), (0.7, 0.9));
-    assert_eq!(s.tenant_cap_idle_ttl_us, 600 * SEC);
-    assert_eq!(s.pending_write_threshold_bytes, 100 << 20);
-    assert_eq!((s.admission_mode, s.max_concurrent_per_tenant), (AdmissionMode::Disabled, 0));
+    assert!(!s.throttle().enforce_global_limit && !s.cap_mode());
+    assert!(!s.throttle().enable_adaptive_estimated_cpu_per_request_us && !s.throttle().enable_dynamic_adjustment);
+    assert!(
+        !s.throttle().enable_fair_allocation
+            && !s.throttle().enable_burst
+            && !s.throttle().enable_runtime_token_management
+    );
+    assert!(!s.throttle().enable_pd_service_limit && !s.throttle().low_priority_dag_global_enabled);
+    assert!(s.throttle().keyspace_cpu_quotas.map().is_empty());
+    assert_eq!(s.throttle().estimated_cpu_per_request_us, 1000);
+    assert_eq!((s.throttle().high_watermark, s.throttle().low_watermark), (0.8, 0.5));
+    assert_eq!((s.throttle().fair_allocation_threshold, s.throttle().burst_threshold), (0.7, 0.9));
+    assert_eq!(s.tenant_cap_idle_ttl_us(), 600 * SEC);
+    assert_eq!(s.pending_write_threshold_bytes(), 100 << 20);
+    assert_eq!((s.admission.mode, s.max_concurrent_per_tenant()), (AdmissionMode::Disabled, 0));
     assert_eq!(s.global_refill_us(), 48_000);
     let p = Policy::new(s, 0).unwrap();
     let g = p.global_bucket();
@@ -335,24 +356,32 @@ fn base_settings_are_the_premium_defaults_with_optional_mechanisms_off() {
 #[test]
 fn throttle_and_resource_control_switches() {
     let quota = [(1, 100)].into(); // 1_000 µs per interval, capacity 10_000
-    let p =
-        Policy::new(Settings { throttle_enabled: false, keyspace_cpu_quotas_millicores: quota, ..base() }, 0).unwrap();
+    let p = Policy::new(
+        {
+            let mut s = base();
+            s.throttle_mut().enabled = false;
+            s.throttle_mut().keyspace_cpu_quotas = quota;
+            s
+        },
+        0,
+    )
+    .unwrap();
     let g = p.allocate(1, Some(1_000_000), 0).unwrap();
     assert!(g.is_skip(), "cpu-throttle off: no tokens taken");
     p.release(g, 1_000_000);
     assert_eq!(p.keyspace(1).unwrap().bucket().available_us(), 10_000);
     // Switched on online: the quota acts.
     let mut s = p.settings().clone();
-    s.throttle_enabled = true;
+    s.throttle_mut().enabled = true;
     p.update_settings(s).unwrap();
     let g = p.allocate(1, Some(10_000), 0).unwrap();
     assert!(!g.is_skip());
     assert!(p.allocate(1, Some(1), 0).is_err());
     // resource-control.enabled = false admits everything, counting nothing against limits.
     let mut s = p.settings().clone();
-    s.enabled = false;
-    s.admission_mode = AdmissionMode::Enforced;
-    s.max_concurrent_per_tenant = 1;
+    s.resource.enabled = false;
+    s.admission.mode = AdmissionMode::Enforced;
+    s.admission.max_concurrent_per_tenant = 1;
     p.update_settings(s).unwrap();
     let free: Vec<_> = (0..3).map(|_| p.allocate(1, Some(1), 0).unwrap()).collect();
     assert!(free.iter().all(|g| g.is_skip() && !g.counted()));
@@ -366,7 +395,7 @@ fn throttle_and_resource_control_switches() {
 
 #[test]
 fn refunds_are_kept_back_while_in_shrink_debt() {
-    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 2000)].into()); // 20_000 / 10 ms
+    let s = premium(|s| s.throttle_mut().keyspace_cpu_quotas = [(1, 2000)].into()); // 20_000 / 10 ms
     let p = Policy::new(s, 0).unwrap();
     let a = p.allocate(1, Some(12_000), 0).unwrap();
     let b = p.allocate(1, Some(8_000), 0).unwrap();
@@ -395,7 +424,7 @@ fn refunds_are_kept_back_while_in_shrink_debt() {
 /// again lower starts as a fresh bucket of the new size: never above its new capacity.
 #[test]
 fn a_quota_removed_and_set_again_lower_starts_within_its_new_capacity() {
-    let s = premium(|s| s.keyspace_cpu_quotas_millicores = [(1, 4000)].into()); // capacity 400_000
+    let s = premium(|s| s.throttle_mut().keyspace_cpu_quotas = [(1, 4000)].into()); // capacity 400_000
     let p = Policy::new(s, 0).unwrap();
     let g = p.allocate(1, Some(10), 0).unwrap();
     p.release(g, 10);
@@ -422,10 +451,11 @@ fn a_quota_removed_and_set_again_lower_starts_within_its_new_capacity() {
 /// bucket goes negative (an overdraft), it never hands out µs it did not take.
 #[test]
 fn best_effort_global_tracks_top_ups_of_unthrottled_grants() {
-    let s = Settings {
-        low_priority_dag_global_enabled: true,
-        keyspace_cpu_quotas_millicores: [(2, 80_000)].into(), // large enough to drain the node
-        ..base()                                              // global 48_000 per 10 ms, capacity 480_000, best effort
+    let s = {
+        let mut s = base();
+        s.throttle_mut().low_priority_dag_global_enabled = true;
+        s.throttle_mut().keyspace_cpu_quotas = [(2, 80_000)].into();
+        s
     };
     let p = Policy::new(s, 0).unwrap();
     let big = p.allocate(2, Some(479_000), 0).unwrap();
@@ -453,7 +483,12 @@ fn best_effort_global_tracks_top_ups_of_unthrottled_grants() {
 /// not take the new holder's tokens when it tops up: its release could not give them back.
 #[test]
 fn a_top_up_never_touches_a_cell_given_to_another_holder() {
-    let s = Settings { low_priority_dag_global_enabled: true, tenant_cap_idle_ttl_us: 50 * MS, ..base() };
+    let s = {
+        let mut s = base();
+        s.throttle_mut().low_priority_dag_global_enabled = true;
+        s.throttle_mut().tenant_cap_idle_ttl = ConfigDuration::from_micros(50 * MS);
+        s
+    };
     let p = Policy::new(s, 0).unwrap();
     let mut lp = p.allocate_low_priority(3, Some(1_000), 0).unwrap();
     assert_eq!(lp.tenant_us(), 0);
@@ -482,8 +517,12 @@ fn a_top_up_never_touches_a_cell_given_to_another_holder() {
 fn the_low_priority_bucket_is_switched_on_and_off_online() {
     // 8 cores × low-priority-dag-cpu-ratio 0.1 × 10 ms: 8 000 µs a refill,
     // 80 000 µs of capacity.
-    let off = premium(|s| s.low_priority_dag_global_enabled = false);
-    let on = Settings { low_priority_dag_global_enabled: true, ..off.clone() };
+    let off = premium(|s| s.throttle_mut().low_priority_dag_global_enabled = false);
+    let on = {
+        let mut s = off.clone();
+        s.throttle_mut().low_priority_dag_global_enabled = true;
+        s
+    };
     let p = Policy::new(off.clone(), 0).unwrap();
     let take = |n: u32| (0..n).map(|_| p.allocate_low_priority(1, Some(30_000), 0)).collect::<Vec<_>>();
     assert!(take(3).iter().all(|g| g.is_ok()), "off: 90 000 µs of low-priority work admitted past the bucket");
@@ -498,8 +537,8 @@ fn the_low_priority_bucket_is_switched_on_and_off_online() {
 #[test]
 fn turning_adaptive_estimates_off_puts_the_static_estimate_back() {
     let s = premium(|s| {
-        s.keyspace_cpu_quotas_millicores = [(1, 4000)].into();
-        s.enable_adaptive_estimate = true;
+        s.throttle_mut().keyspace_cpu_quotas = [(1, 4000)].into();
+        s.throttle_mut().enable_adaptive_estimated_cpu_per_request_us = true;
     });
     let static_us = s.static_estimate_us(1);
     let p = Policy::new(s.clone(), 0).unwrap();
@@ -512,7 +551,15 @@ fn turning_adaptive_estimates_off_puts_the_static_estimate_back() {
     p.tick(SEC, Some(&sample(100_000, &[(1, 100_000)])));
     let learned = p.snapshot().keyspaces[0].estimate_us;
     assert!(learned > static_us, "learned {learned} µs, static {static_us} µs");
-    p.update_settings_at(Settings { enable_adaptive_estimate: false, ..s }, SEC).unwrap();
+    p.update_settings_at(
+        {
+            let mut s = s;
+            s.throttle_mut().enable_adaptive_estimated_cpu_per_request_us = false;
+            s
+        },
+        SEC,
+    )
+    .unwrap();
     assert_eq!(p.snapshot().keyspaces[0].estimate_us, static_us, "the learned value does not outlive the setting");
 }
 
@@ -520,31 +567,57 @@ fn turning_adaptive_estimates_off_puts_the_static_estimate_back() {
 fn the_node_budget_and_the_tenant_caps_follow_the_cores_and_the_ratio_online() {
     // Throttle off: max-read-cpu-ratio may change online; the global bucket
     // follows (8 cores × 1.0 × 10 ms = 80 000 µs a refill, then × 0.5).
-    let off = premium(|s| s.throttle_enabled = false);
+    let off = premium(|s| s.throttle_mut().enabled = false);
     let p = Policy::new(off.clone(), 0).unwrap();
     assert_eq!(p.global_bucket().refill_us(), 80_000);
-    p.update_settings_at(Settings { max_read_cpu_ratio: 0.5, ..off.clone() }, 0).unwrap();
+    p.update_settings_at(
+        {
+            let mut s = off.clone();
+            s.resource.max_read_cpu_ratio = 0.5;
+            s
+        },
+        0,
+    )
+    .unwrap();
     let g = p.global_bucket();
     assert_eq!((g.refill_us(), g.capacity_us()), (40_000, 400_000), "the bucket has the new size");
     // The throttle turned on afterwards runs on that budget.
-    p.update_settings_at(Settings { max_read_cpu_ratio: 0.5, throttle_enabled: true, ..off.clone() }, 0).unwrap();
+    p.update_settings_at(
+        {
+            let mut s = off.clone();
+            s.resource.max_read_cpu_ratio = 0.5;
+            s.throttle_mut().enabled = true;
+            s
+        },
+        0,
+    )
+    .unwrap();
     assert_eq!(p.global_bucket().refill_us(), 40_000);
     // The servers' cores shrink (a cgroup resized): the node budget and a
     // tenant cap shrink with them, on the next settings.
-    let capped = Settings {
-        throttle_enabled: true,
-        enforce_global_limit: true,
-        tenant_max_cpu_ratio: 0.25,
-        enable_burst: false,
-        enable_fair_allocation: false,
-        enable_dynamic_adjustment: false,
-        ..off
+    let capped = {
+        let mut s = off;
+        s.throttle_mut().enabled = true;
+        s.throttle_mut().enforce_global_limit = true;
+        s.throttle_mut().tenant_max_cpu_ratio = 0.25;
+        s.throttle_mut().enable_burst = false;
+        s.throttle_mut().enable_fair_allocation = false;
+        s.throttle_mut().enable_dynamic_adjustment = false;
+        s
     };
     let p = Policy::new(capped.clone(), 0).unwrap();
     let g = p.allocate(1, Some(1), 0).unwrap();
     p.release(g, 1);
     assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 20_000, "0.25 × 8 cores × 10 ms");
-    p.update_settings_at(Settings { cpu_cores: 2.0, ..capped }, 0).unwrap();
+    p.update_settings_at(
+        {
+            let mut s = capped;
+            s.cpu_cores = 2.0;
+            s
+        },
+        0,
+    )
+    .unwrap();
     assert_eq!(p.keyspace(1).unwrap().bucket().refill_us(), 5_000, "0.25 × 2 cores × 10 ms");
     assert_eq!(p.global_bucket().refill_us(), 20_000, "1.0 × 2 cores × 10 ms");
 }

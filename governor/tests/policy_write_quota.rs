@@ -5,14 +5,21 @@
 mod common;
 
 use common::{SEC, base};
-use keyspace_governor::policy::{
-    Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Policy, Refusal, Settings, WriteLimitKind,
-};
+use keyspace_governor::config::ByteSize;
+use keyspace_governor::policy::{Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Policy, Refusal, WriteLimitKind};
 
 /// A global threshold of `threshold` bytes. (The configuration's floor is 1 KiB; the seed's
 /// arithmetic reads better with 1000, so the field is set directly.)
 fn policy(threshold: u64) -> Policy {
-    Policy::new(Settings { pending_write_threshold_bytes: threshold, ..base() }, 0).unwrap()
+    Policy::new(
+        {
+            let mut s = base();
+            s.write_quota.pending_write_threshold = ByteSize(threshold);
+            s
+        },
+        0,
+    )
+    .unwrap()
 }
 
 fn write(p: &Policy, keyspace: u32, bytes: u64) -> Result<Grant, Refusal> {
@@ -124,12 +131,13 @@ fn write_quota_uses_the_request_context_keyspace_id() {
 #[test]
 fn write_bytes_and_the_in_flight_place_come_back_when_cpu_refuses() {
     let p = Policy::new(
-        Settings {
-            pending_write_threshold_bytes: 1000,
-            admission_mode: keyspace_governor::policy::AdmissionMode::Enforced,
-            max_concurrent_per_tenant: 10,
-            keyspace_cpu_quotas_millicores: [(1, 100)].into(), // 1_000 µs per 10 ms, capacity 10_000
-            ..base()
+        {
+            let mut s = base();
+            s.write_quota.pending_write_threshold = ByteSize(1000);
+            s.admission.mode = keyspace_governor::policy::AdmissionMode::Enforced;
+            s.admission.max_concurrent_per_tenant = 10;
+            s.throttle_mut().keyspace_cpu_quotas = [(1, 100)].into();
+            s
         },
         0,
     )

@@ -406,7 +406,7 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
             shared.refresh_server_cpu();
             last_limits = Instant::now();
         }
-        let stats = shared.policy.settings().stats_interval_us;
+        let stats = shared.policy.settings().stats_interval_us();
         let sample = if last_sample.is_none_or(|t| t.elapsed() >= Duration::from_micros(stats)) {
             last_sample = Some(Instant::now());
             let servers = shared.servers_ran();

@@ -126,10 +126,10 @@ impl Shared {
             window_seconds: span_us as f64 / 1e6,
             threads: self.lock_slots().stats(),
             admission: AdmissionStatus {
-                enabled: s.enabled,
-                throttle: s.throttle_enabled,
-                tenant_max_cpu_ratio: s.tenant_max_cpu_ratio,
-                admission_mode: format!("{:?}", s.admission_mode).to_lowercase(),
+                enabled: s.resource.enabled,
+                throttle: s.throttle().enabled,
+                tenant_max_cpu_ratio: s.throttle().tenant_max_cpu_ratio,
+                admission_mode: format!("{:?}", s.admission.mode).to_lowercase(),
                 global: BucketStatus {
                     source: "global".into(),
                     available_us: snap.global.available_us,

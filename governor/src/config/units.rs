@@ -20,6 +20,11 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub struct ConfigDuration(pub Duration);
 
 impl ConfigDuration {
+    /// Builds a duration from microseconds.
+    pub const fn from_micros(us: u64) -> Self {
+        Self(Duration::from_micros(us))
+    }
+
     /// Builds a duration from milliseconds (used for defaults).
     pub const fn from_millis(ms: u64) -> Self {
         Self(Duration::from_millis(ms))

@@ -12,8 +12,8 @@ use serde::Serialize;
 
 use super::error::{ConfigError, ConfigErrors, UpdateRejected};
 use super::raw::RawConfig;
-use super::throttle::Profile;
 use super::source::SourceMap;
+use super::throttle::Profile;
 use super::validated::ValidatedConfig;
 
 /// Keys that only take effect at start, and why.

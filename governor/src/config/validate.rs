@@ -12,8 +12,8 @@ use std::time::Duration;
 use super::checker::{CT, Checker, RC};
 use super::error::ConfigErrors;
 use super::raw::RawConfig;
-use super::throttle::Profile;
 use super::source::SourceMap;
+use super::throttle::Profile;
 use super::validated::{AgentConfig, EMBEDDED_DEFAULT_TOML, ValidatedConfig, parse_file};
 
 const MS: Duration = Duration::from_millis(1);
@@ -230,8 +230,8 @@ impl ValidatedConfig {
 #[cfg(test)]
 mod tests {
     use super::super::checker::CAP_KEY;
-    use super::super::keyspace_list::KeyspaceList;
     use super::super::error::ConfigError;
+    use super::super::keyspace_list::KeyspaceList;
     use super::*;
 
     fn capped() -> RawConfig {

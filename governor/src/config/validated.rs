@@ -15,8 +15,8 @@ use serde::Serialize;
 
 use super::raw::{MeasureMode, RawConfig};
 use super::sections::{AdmissionControl, ResourceControl, WriteQuota};
-use super::throttle::CpuThrottle;
 use super::source::SourceMap;
+use super::throttle::CpuThrottle;
 use super::units::ConfigDuration;
 
 /// The embedded default configuration file, documented key by key.

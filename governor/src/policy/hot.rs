@@ -32,16 +32,16 @@ impl Policy {
         self.publish_knobs(&next);
         let r = self.regions();
         let mut e = self.engine();
-        if prev.window_size_us != next.window_size_us || prev.max_window_cpu_us() != next.max_window_cpu_us() {
-            let old = std::mem::replace(&mut e.window, MonitorWindow::new(next.window_size_us, next.max_window_cpu_us()));
+        if prev.window_size_us() != next.window_size_us() || prev.max_window_cpu_us() != next.max_window_cpu_us() {
+            let old = std::mem::replace(&mut e.window, MonitorWindow::new(next.window_size_us(), next.max_window_cpu_us()));
             e.window.take_samples_from(old);
         }
-        if !next.enable_pd_service_limit || next.cap_mode() {
+        if !next.throttle().enable_pd_service_limit || next.cap_mode() {
             e.pd = Default::default();
         }
         // Every keyspace with a cell, and every configured one, decided again.
         let mut ids: Vec<u32> = e.cells.iter().flatten().map(|st| st.id).collect();
-        ids.extend(next.keyspace_cpu_quotas_millicores.keys());
+        ids.extend(next.throttle().keyspace_cpu_quotas.map().keys());
         ids.sort_unstable();
         ids.dedup();
         for ks in ids {
@@ -57,15 +57,15 @@ impl Policy {
             }
         }
         for st in e.cells.iter_mut().flatten() {
-            st.burst_enabled = next.keyspace_burst_enabled.get(&st.id).copied().unwrap_or(true);
+            st.burst_enabled = next.throttle().keyspace_burst_enabled.map().get(&st.id).copied().unwrap_or(true);
             // A new static estimate, or adaptive estimates turned off: the
             // learned value goes, the configured one is in force.
             if prev.static_estimate_us(st.id) != next.static_estimate_us(st.id)
-                || (prev.enable_adaptive_estimate && !next.enable_adaptive_estimate)
+                || (prev.throttle().enable_adaptive_estimated_cpu_per_request_us && !next.throttle().enable_adaptive_estimated_cpu_per_request_us)
             {
                 st.estimate_us = next.static_estimate_us(st.id);
             }
-            if !next.enable_burst {
+            if !next.throttle().enable_burst {
                 st.burst_allowed = false;
             }
         }
@@ -74,7 +74,7 @@ impl Policy {
                 p.estimate_us.store(st.estimate_us, Ordering::Relaxed);
             }
         }
-        if !next.enable_dynamic_adjustment {
+        if !next.throttle().enable_dynamic_adjustment {
             e.global.refill_us = e.global.base_refill_us;
         }
         // The node's buckets follow `max-read-cpu-ratio`, the low-priority
@@ -93,30 +93,27 @@ impl Policy {
     /// Hot update of `tenant-max-cpu-ratio`.
     pub fn set_tenant_max_cpu_ratio(&self, ratio: f64) -> Result<(), RegionError> {
         let mut next = self.settings().clone();
-        next.tenant_max_cpu_ratio = ratio;
+        next.throttle_mut().tenant_max_cpu_ratio = ratio;
         self.update_settings(next)
     }
 
     /// Hot update of `tenant-cap-idle-ttl`, µs; the next eviction scan uses it.
     pub fn set_tenant_cap_idle_ttl_us(&self, ttl_us: u64) -> Result<(), RegionError> {
         let mut next = self.settings().clone();
-        next.tenant_cap_idle_ttl_us = ttl_us;
+        next.throttle_mut().tenant_cap_idle_ttl = crate::config::ConfigDuration(std::time::Duration::from_micros(ttl_us));
         self.update_settings(next)
     }
 
     /// Sets (or with `None` removes) a configured keyspace quota in millicores.
     pub fn set_keyspace_quota_millicores(&self, keyspace: u32, millicores: Option<u64>, now_us: u64) -> Result<(), RegionError> {
         let mut next = self.settings().clone();
-        match millicores {
-            Some(mc) => next.keyspace_cpu_quotas_millicores.insert(keyspace, mc),
-            None => next.keyspace_cpu_quotas_millicores.remove(&keyspace),
-        };
+        next.throttle_mut().keyspace_cpu_quotas.set(keyspace, millicores);
         self.update_settings_at(next, now_us)
     }
 
     /// Current idle TTL of tenant-cap buckets, µs.
     pub fn tenant_cap_idle_ttl_us(&self) -> u64 {
-        self.settings().tenant_cap_idle_ttl_us
+        self.settings().tenant_cap_idle_ttl_us()
     }
 
     /// Keyspaces whose bucket comes from `source`.

@@ -88,8 +88,8 @@ impl Policy {
             low_priority: BucketBook::default(),
             overflow: BucketBook::default(),
             last_refill_us: now_us,
-            next_refill_at_us: now_us + settings.refill_interval_us,
-            window: MonitorWindow::new(settings.window_size_us, settings.max_window_cpu_us()),
+            next_refill_at_us: now_us + settings.refill_interval_us(),
+            window: MonitorWindow::new(settings.window_size_us(), settings.max_window_cpu_us()),
             estimates: EstimateTracker::default(),
             pd: PdTracker::default(),
             last_demand: HashMap::new(),
@@ -108,8 +108,8 @@ impl Policy {
             let mut e = p.engine();
             p.publish_knobs(&settings);
             p.setup_node_buckets(&mut e, &settings);
-            for (&ks, &mc) in &settings.keyspace_cpu_quotas_millicores {
-                let us = millicores_to_us_per_interval(mc, settings.refill_interval_us);
+            for (&ks, &mc) in settings.throttle().keyspace_cpu_quotas.map() {
+                let us = millicores_to_us_per_interval(mc, settings.refill_interval_us());
                 p.set_source(&mut e, &settings, ks, Some((QuotaSource::Config, us)), now_us)?;
             }
         }
@@ -145,27 +145,27 @@ impl Policy {
         let cap = s.cap_mode();
         let mut flags = 0;
         for (on, f) in [
-            (s.enabled, KNOB_ENABLED),
-            (s.throttle_enabled, KNOB_THROTTLE),
-            (s.enforce_global_limit || cap, KNOB_ENFORCE_GLOBAL),
-            (s.enable_burst && !cap, KNOB_BURST),
-            (s.enable_runtime_token_management, KNOB_RUNTIME_TOPUP),
+            (s.resource.enabled, KNOB_ENABLED),
+            (s.throttle().enabled, KNOB_THROTTLE),
+            (s.throttle().enforce_global_limit || cap, KNOB_ENFORCE_GLOBAL),
+            (s.throttle().enable_burst && !cap, KNOB_BURST),
+            (s.throttle().enable_runtime_token_management, KNOB_RUNTIME_TOPUP),
             (cap, KNOB_CAP_MODE),
-            (s.enable_fair_allocation, KNOB_TRACK_DEMAND),
-            (s.admission_mode == AdmissionMode::Monitor, KNOB_ADMISSION_MONITOR),
-            (s.admission_mode == AdmissionMode::Enforced, KNOB_ADMISSION_ENFORCED),
+            (s.throttle().enable_fair_allocation, KNOB_TRACK_DEMAND),
+            (s.admission.mode == AdmissionMode::Monitor, KNOB_ADMISSION_MONITOR),
+            (s.admission.mode == AdmissionMode::Enforced, KNOB_ADMISSION_ENFORCED),
         ] {
             if on {
                 flags |= f;
             }
         }
-        k.refill_interval_us.store(s.refill_interval_us, Ordering::Relaxed);
-        k.default_estimate_us.store(s.estimated_cpu_per_request_us.max(1), Ordering::Relaxed);
-        k.topup_threshold_milli.store((s.additional_allocation_threshold * 1000.0) as u64, Ordering::Relaxed);
-        k.per_allocation_us.store(s.per_allocation_us, Ordering::Relaxed);
-        k.runtime_check_interval_us.store(s.runtime_check_interval_us, Ordering::Relaxed);
-        k.pending_write_threshold.store(s.pending_write_threshold_bytes, Ordering::Relaxed);
-        k.max_concurrent_per_tenant.store(s.max_concurrent_per_tenant, Ordering::Relaxed);
+        k.refill_interval_us.store(s.refill_interval_us(), Ordering::Relaxed);
+        k.default_estimate_us.store(s.throttle().estimated_cpu_per_request_us.max(1), Ordering::Relaxed);
+        k.topup_threshold_milli.store((s.throttle().additional_allocation_threshold * 1000.0) as u64, Ordering::Relaxed);
+        k.per_allocation_us.store(s.throttle().per_allocation_us, Ordering::Relaxed);
+        k.runtime_check_interval_us.store(s.throttle().runtime_check_interval_us, Ordering::Relaxed);
+        k.pending_write_threshold.store(s.pending_write_threshold_bytes(), Ordering::Relaxed);
+        k.max_concurrent_per_tenant.store(s.max_concurrent_per_tenant(), Ordering::Relaxed);
         k.flags.store(flags, Ordering::Release);
     }
 
@@ -197,7 +197,7 @@ impl Policy {
                 LOW_PRIORITY,
                 s.low_priority_refill_us(),
                 &mut e.low_priority,
-                if s.low_priority_dag_global_enabled { P_THROTTLED } else { 0 },
+                if s.throttle().low_priority_dag_global_enabled { P_THROTTLED } else { 0 },
             ),
             (OVERFLOW, overflow.map_or(0, |x| x.1), &mut e.overflow, overflow_flags),
         ] {
@@ -239,13 +239,13 @@ impl Policy {
     /// quota passes the CPU check, as it would with a cell). Concurrency and
     /// write-byte limits hold on it whatever this says.
     pub(crate) fn overflow_source(&self, e: &Engine, s: &Settings) -> Option<(QuotaSource, u64)> {
-        if let Some(cap) = s.tenant_cap_refill_us(s.tenant_max_cpu_ratio) {
+        if let Some(cap) = s.tenant_cap_refill_us(s.throttle().tenant_max_cpu_ratio) {
             return Some((QuotaSource::TenantCap, cap));
         }
         let configured = s
-            .keyspace_cpu_quotas_millicores
+            .throttle().keyspace_cpu_quotas.map()
             .values()
-            .map(|&mc| (QuotaSource::Config, millicores_to_us_per_interval(mc, s.refill_interval_us)));
+            .map(|&mc| (QuotaSource::Config, millicores_to_us_per_interval(mc, s.refill_interval_us())));
         let pd = e.pd.applied().map(|us| (QuotaSource::Pd, us));
         configured.chain(pd).min_by_key(|x| x.1)
     }
@@ -265,15 +265,15 @@ impl Policy {
     /// What bucket `keyspace` gets by the settings: its configured (or PD)
     /// quota, the uniform cap, or none.
     pub(crate) fn source_for(&self, e: &Engine, s: &Settings, keyspace: u32) -> Option<(QuotaSource, u64)> {
-        let cfg = s.keyspace_cpu_quotas_millicores.get(&keyspace).map(|&mc| millicores_to_us_per_interval(mc, s.refill_interval_us));
-        let pd = if s.enable_pd_service_limit { e.pd.applied_us(keyspace) } else { None };
+        let cfg = s.throttle().keyspace_cpu_quotas.map().get(&keyspace).map(|&mc| millicores_to_us_per_interval(mc, s.refill_interval_us()));
+        let pd = if s.throttle().enable_pd_service_limit { e.pd.applied_us(keyspace) } else { None };
         // PD's "unlimited" (service_limit 0) removes a static quota too,
         // unless the static one wins (pd-override-config = false).
-        let unlimited = s.enable_pd_service_limit && s.pd_override_config && e.pd.unlimited(keyspace);
-        match (s.tenant_cap_refill_us(s.tenant_max_cpu_ratio), pd, cfg) {
+        let unlimited = s.throttle().enable_pd_service_limit && s.throttle().pd_override_config && e.pd.unlimited(keyspace);
+        match (s.tenant_cap_refill_us(s.throttle().tenant_max_cpu_ratio), pd, cfg) {
             (Some(cap), _, _) => Some((QuotaSource::TenantCap, cap)),
             (None, None, Some(_)) if unlimited => None,
-            (None, Some(pd), Some(_)) if s.pd_override_config => Some((QuotaSource::Pd, pd)),
+            (None, Some(pd), Some(_)) if s.throttle().pd_override_config => Some((QuotaSource::Pd, pd)),
             (None, _, Some(cfg)) => Some((QuotaSource::Config, cfg)),
             (None, Some(pd), None) => Some((QuotaSource::Pd, pd)),
             (None, None, None) => None,
@@ -316,7 +316,7 @@ impl Policy {
                 source: None,
                 book: BucketBook::default(),
                 estimate_us: s.static_estimate_us(keyspace),
-                burst_enabled: s.keyspace_burst_enabled.get(&keyspace).copied().unwrap_or(true),
+                burst_enabled: s.throttle().keyspace_burst_enabled.map().get(&keyspace).copied().unwrap_or(true),
                 burst_allowed: false,
                 ratio: 0.0,
                 fair_allocations: 0,
@@ -435,15 +435,15 @@ impl Policy {
     /// actions the tracker decided (including ones static config overrides).
     pub fn apply_pd_service_limits(&self, now_us: u64, fetch: &PdFetch) -> Vec<PdAction> {
         let s = self.settings();
-        if !s.enable_pd_service_limit || s.cap_mode() {
+        if !s.throttle().enable_pd_service_limit || s.cap_mode() {
             return Vec::new();
         }
         let mut e = self.engine();
         let params = PdParams {
             global_refill_us: e.global.base_refill_us,
-            update_threshold: s.pd_service_limit_update_threshold,
-            consecutive_404: s.pd_service_limit_consecutive_404,
-            ttl_us: s.pd_service_limit_ttl_us,
+            update_threshold: s.throttle().pd_service_limit_update_threshold,
+            consecutive_404: s.throttle().pd_service_limit_consecutive_404,
+            ttl_us: s.pd_service_limit_ttl_us(),
         };
         let actions = e.pd.update(now_us, fetch, params);
         for a in &actions {

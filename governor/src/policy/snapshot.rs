@@ -140,17 +140,17 @@ impl Policy {
             })
             .collect();
         keyspaces.sort_by_key(|k| k.keyspace);
-        let threshold = s.pending_write_threshold_bytes;
+        let threshold = s.pending_write_threshold_bytes();
         PolicySnapshot {
             global: self.global_bucket(),
             low_priority: self.low_priority_bucket(),
             global_ratio: self.global_ratio(),
-            tenant_max_cpu_ratio: s.tenant_max_cpu_ratio,
-            tenant_cap_refill_us: s.tenant_cap_refill_us(s.tenant_max_cpu_ratio).unwrap_or(0),
-            tenant_cap_idle_ttl_us: s.tenant_cap_idle_ttl_us,
+            tenant_max_cpu_ratio: s.throttle().tenant_max_cpu_ratio,
+            tenant_cap_refill_us: s.tenant_cap_refill_us(s.throttle().tenant_max_cpu_ratio).unwrap_or(0),
+            tenant_cap_idle_ttl_us: s.tenant_cap_idle_ttl_us(),
             burst_budget_us: r.bucket(GLOBAL).burst_budget_us.load(Ordering::Relaxed),
-            admission_mode: s.admission_mode,
-            max_concurrent_per_tenant: s.max_concurrent_per_tenant,
+            admission_mode: s.admission.mode,
+            max_concurrent_per_tenant: s.max_concurrent_per_tenant(),
             counters: self.counters(),
             pending_writes: PendingWritesSnapshot {
                 global_threshold_bytes: threshold,
@@ -283,13 +283,13 @@ impl Policy {
 
     /// Current `tenant-max-cpu-ratio`.
     pub fn tenant_max_cpu_ratio(&self) -> f64 {
-        self.settings().tenant_max_cpu_ratio
+        self.settings().throttle().tenant_max_cpu_ratio
     }
 
     /// Uniform cap per refill interval, µs (0 = cap mode off).
     pub fn tenant_cap_refill_us(&self) -> u64 {
         let s = self.settings();
-        s.tenant_cap_refill_us(s.tenant_max_cpu_ratio).unwrap_or(0)
+        s.tenant_cap_refill_us(s.throttle().tenant_max_cpu_ratio).unwrap_or(0)
     }
 
     /// Requests of `keyspace` counted in flight (admission control).

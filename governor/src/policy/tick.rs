@@ -74,7 +74,7 @@ impl Policy {
     /// Applies whole refill intervals elapsed since the last refill, waking
     /// waiters of every bucket that gained tokens. Returns how many.
     pub fn refill(&self, now_us: u64) -> u64 {
-        let interval = self.settings().refill_interval_us.max(1);
+        let interval = self.settings().refill_interval_us().max(1);
         let mut e = self.engine();
         if now_us <= e.last_refill_us {
             return 0;
@@ -134,8 +134,8 @@ impl Policy {
 
         // Global refill: dynamic adjustment or base.
         let global_base = e.global.base_refill_us;
-        e.global.refill_us = if s.enable_dynamic_adjustment {
-            adjust_global_refill(global_base, e.global.refill_us, global_ratio, s.high_watermark, s.low_watermark)
+        e.global.refill_us = if s.throttle().enable_dynamic_adjustment {
+            adjust_global_refill(global_base, e.global.refill_us, global_ratio, s.throttle().high_watermark, s.throttle().low_watermark)
         } else {
             global_base
         };
@@ -143,7 +143,7 @@ impl Policy {
             Self::publish_book(p, &e.global);
         }
 
-        let fair_active = s.enable_fair_allocation && global_ratio > s.fair_allocation_threshold;
+        let fair_active = s.throttle().enable_fair_allocation && global_ratio > s.throttle().fair_allocation_threshold;
         let mut fair_inputs = Vec::new();
         let total = global_base as f64;
         let active: HashSet<u32> = sample.keyspace_cpu_us.iter().filter(|(_, us)| *us > 0).map(|(ks, _)| *ks).collect();
@@ -159,7 +159,7 @@ impl Policy {
             }
             let demand_total = b.counter(counter::DEMAND_US);
             let prev_demand = last_demand.insert(c, demand_total).unwrap_or(0);
-            if s.enable_adaptive_estimate {
+            if s.throttle().enable_adaptive_estimated_cpu_per_request_us {
                 let consumed = b.counter(counter::CONSUMED_US);
                 let released = b.counter(counter::RELEASED);
                 if let Some(mean) = estimates.interval_mean(c, consumed, released) {
@@ -182,19 +182,19 @@ impl Policy {
                 }
                 Some(_) => {
                     st.burst_allowed =
-                        s.enable_burst && global_ratio < s.burst_threshold && ratio < s.keyspace_burst_threshold;
+                        s.throttle().enable_burst && global_ratio < s.throttle().burst_threshold && ratio < s.keyspace_burst_threshold;
                     if st.burst_allowed {
                         flags |= P_BURST_ALLOWED;
                     }
                     let base = st.book.base_refill_us;
-                    st.book.refill_us = if s.enable_dynamic_adjustment && global_base > 0 {
+                    st.book.refill_us = if s.throttle().enable_dynamic_adjustment && global_base > 0 {
                         adjust_keyspace_refill(base, ratio, base as f64 / global_base as f64)
                     } else {
                         base
                     };
                     if fair_active {
                         // Demand over the stats interval, scaled to one refill interval.
-                        let demand = demand_total.saturating_sub(prev_demand) as f64 * s.refill_interval_us as f64
+                        let demand = demand_total.saturating_sub(prev_demand) as f64 * s.refill_interval_us() as f64
                             / elapsed as f64;
                         fair_inputs.push(FairInput { keyspace: c, quota: base as f64, usage: ratio * total, demand: Some(demand) });
                     }
@@ -229,7 +229,7 @@ impl Policy {
     /// quotas stay. Returns how many went.
     /// `pinned` is asked (once) only if some cell is idle.
     pub fn evict_idle(&self, now_us: u64, pinned: impl FnOnce() -> HashSet<u32>) -> usize {
-        let ttl = self.settings().tenant_cap_idle_ttl_us;
+        let ttl = self.settings().tenant_cap_idle_ttl_us();
         let r = self.regions();
         let mut e = self.engine();
         let now_ms = now_us / 1000;
