@@ -6,7 +6,7 @@ mod common;
 
 use common::essential;
 use keyspace_governor::policy::{Demand, Policy, Refusal, SPARE_MAX_US, Spare, acquire_with, release_with};
-use keyspace_governor::region::{AdmissionRegions, BucketView, GLOBAL};
+use keyspace_governor::region::{AdmissionRegions, BucketView, CellRef, GLOBAL};
 use std::sync::atomic::Ordering;
 
 fn demand(us: u64) -> Demand {
@@ -19,13 +19,13 @@ fn tail(b: &BucketView) -> u64 {
 
 /// A cap-mode policy with keyspace `ks` in the directory: its regions,
 /// cell and tenant bucket.
-fn setup(p: &Policy, ks: u32) -> Option<(u32, u64)> {
+fn setup(p: &Policy, ks: u32) -> Option<CellRef> {
     p.release(p.allocate(ks, Some(10), 0).unwrap(), 10);
     p.regions().directory().find(ks)
 }
 
-fn tenant(r: &AdmissionRegions, cell: Option<(u32, u64)>) -> &BucketView {
-    r.keyspace_cell(cell.unwrap().0).unwrap().0
+fn tenant(r: &AdmissionRegions, cell: Option<CellRef>) -> &BucketView {
+    r.keyspace_cell(cell.unwrap().index).unwrap().0
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! see of that (how many, which, since when) and warns once per keyspace.
 
 use crate::policy::Policy;
-use crate::region::RegionError;
+use crate::region::{CellRef, RegionError};
 use keyspace_governor_common::admission::DIR_LIVE;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -60,7 +60,7 @@ impl CellGrants {
         now_us: u64,
     ) -> Result<(u32, u64, bool), CellRefusal> {
         let r = policy.regions();
-        if let Some((cell, generation)) = r.directory().find(id) {
+        if let Some(CellRef { index: cell, generation }) = r.directory().find(id) {
             return Ok((cell, generation, false));
         }
         if uid != 0 {
@@ -75,7 +75,7 @@ impl CellGrants {
             }
         }
         match policy.ensure_keyspace(id, now_us) {
-            Ok((cell, generation)) => {
+            Ok(CellRef { index: cell, generation }) => {
                 self.owners.insert(cell, (uid, generation));
                 if self.overflowed.remove(&id).is_some() {
                     log::info!("keyspace {id} has a cell now; it leaves the overflow bucket");

@@ -8,7 +8,7 @@
 //! another keyspace (a different generation) returns nothing to it.
 
 use crate::policy::{self, Grant, Policy};
-use crate::region::{LedgerMemory, RegionError};
+use crate::region::{CellRef, LedgerMemory, RegionError};
 use keyspace_governor_common::admission::{LEDGER_LEN, T_COUNTED, T_SPARE, TICKET_FREE, TICKET_HELD, counter};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -48,7 +48,8 @@ impl Ledgers {
                 continue;
             }
             let cell = rec.cell.load(Ordering::Relaxed);
-            let cell = cell.checked_sub(1).map(|c| (c, rec.generation.load(Ordering::Relaxed)));
+            let cell =
+                cell.checked_sub(1).map(|index| CellRef { index, generation: rec.generation.load(Ordering::Relaxed) });
             if rec.flags.load(Ordering::Relaxed) & T_SPARE != 0 {
                 // A thread's spare tokens: no ticket, only tokens to return.
                 // A thread never keeps more than `SPARE_MAX_US`: a record

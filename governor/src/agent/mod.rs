@@ -191,7 +191,8 @@ impl Shared {
         let mut cells = Vec::with_capacity(list.len());
         for r in list {
             let before = self.policy.regions().directory().find(r.keyspace);
-            let (cell, generation) = self.policy.ensure_keyspace(r.keyspace, now_us())?;
+            let crate::region::CellRef { index: cell, generation } =
+                self.policy.ensure_keyspace(r.keyspace, now_us())?;
             if before.is_none() {
                 let m = self.lock_measurement();
                 self.lock_usage().note(&m, cell, r.keyspace, generation);

@@ -3,7 +3,7 @@
 
 use super::error::ClientError;
 use crate::proto::{BackendKind, Reply, Request};
-use crate::region::{AdmissionRegions, MeasureRegions, RegionSizes, Table, TicketView, fd};
+use crate::region::{AdmissionRegions, CellRef, MeasureRegions, RegionSizes, Table, TicketView, fd};
 use crate::sys;
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -164,12 +164,14 @@ impl Attachment {
     /// The cell of `keyspace_id`: looked up in the shared directory, or
     /// given by the agent (one round trip, the first time this agent sees
     /// the keyspace).
-    pub(crate) fn cell_of(&self, keyspace_id: u32) -> Result<(u32, u64), ClientError> {
+    pub(crate) fn cell_of(&self, keyspace_id: u32) -> Result<CellRef, ClientError> {
         if let Some(found) = self.admission.directory().find(keyspace_id) {
             return Ok(found);
         }
         match self.call(&Request::Keyspace { id: keyspace_id })? {
-            Reply::Keyspace { cell, generation } if cell < self.sizes.keyspaces => Ok((cell, generation)),
+            Reply::Keyspace { cell, generation } if cell < self.sizes.keyspaces => {
+                Ok(CellRef { index: cell, generation })
+            }
             other => Err(ClientError::Protocol { detail: format!("expected a keyspace cell, got {other:?}") }),
         }
     }

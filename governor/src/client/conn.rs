@@ -241,8 +241,8 @@ impl Client {
     /// Charged on-CPU ns of `keyspace_id` so far, as the shared table says.
     pub fn keyspace_cpu_ns(&self, keyspace_id: u32) -> Option<u64> {
         let att = self.attachment()?;
-        let (cell, _) = att.admission.directory().find(keyspace_id)?;
-        Some(att.measure.keyspaces.get(cell)?.cpu_ns.load(Ordering::Relaxed))
+        let cell = att.admission.directory().find(keyspace_id)?;
+        Some(att.measure.keyspaces.get(cell.index)?.cpu_ns.load(Ordering::Relaxed))
     }
 }
 

@@ -45,12 +45,12 @@ impl<F: Future> Future for Tagged<F> {
         let looked_up =
             super::with_thread(|client, ctx| client.inner.helper.cell(&ctx.att, *this.keyspace_id, Some(cx.waker())));
         let cell = match looked_up {
-            Ok(Some(super::helper::Cell::Found(c, g))) => Some((c, g)),
+            Ok(Some(super::helper::Cell::Found(c))) => Some(c),
             Ok(Some(super::helper::Cell::Pending)) => return Poll::Pending,
             _ => None,
         };
         // The guard restores the worker's tag even if the poll panics.
-        let _restore = super::TagGuard::new(cell.and_then(|(c, _)| set_raw_tag(tag_for_cell(c))));
+        let _restore = super::TagGuard::new(cell.and_then(|c| set_raw_tag(tag_for_cell(c.index))));
         this.inner.poll(cx)
     }
 }

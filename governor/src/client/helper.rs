@@ -12,6 +12,7 @@
 
 use super::attachment::Attachment;
 use crate::proto::{Reply, Request};
+use crate::region::CellRef;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Condvar, Mutex};
 use std::task::Waker;
@@ -39,7 +40,7 @@ struct Jobs {
 
 /// What a look-up without a round trip found.
 pub(crate) enum Cell {
-    Found(u32, u64),
+    Found(CellRef),
     /// Asked for; the waker (if any) is woken when the answer is in.
     Pending,
     /// The agent gave this keyspace no cell (recently).
@@ -60,8 +61,8 @@ impl Helper {
     /// The cell of `keyspace` in `att`, without a round trip: from the shared
     /// directory, or asked for in the background.
     pub(crate) fn cell(&self, att: &Attachment, keyspace: u32, waker: Option<&Waker>) -> Cell {
-        if let Some((c, g)) = att.admission.directory().find(keyspace) {
-            return Cell::Found(c, g);
+        if let Some(c) = att.admission.directory().find(keyspace) {
+            return Cell::Found(c);
         }
         let key = (att.epoch, keyspace);
         let mut j = self.jobs();
@@ -72,8 +73,8 @@ impl Helper {
             j.refused.remove(&key);
         }
         // Asked meanwhile and answered: the directory has it now.
-        if let Some((c, g)) = att.admission.directory().find(keyspace) {
-            return Cell::Found(c, g);
+        if let Some(c) = att.admission.directory().find(keyspace) {
+            return Cell::Found(c);
         }
         j.cells.insert(key);
         if let Some(w) = waker {

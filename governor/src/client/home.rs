@@ -100,7 +100,7 @@ impl Home {
         }
         let r = self.record(self.first);
         if self.spare.cell != self.mirrored.cell {
-            let (cell, generation) = self.spare.cell.map_or((0, 0), |(c, g)| (c + 1, g));
+            let (cell, generation) = self.spare.cell.map_or((0, 0), |c| (c.index + 1, c.generation));
             r.cell.store(cell, Ordering::Relaxed);
             r.generation.store(generation, Ordering::Relaxed);
         }

@@ -124,7 +124,7 @@ pub(crate) fn with_thread<R>(f: impl FnOnce(&Client, &conn::ThreadCtx) -> R) -> 
 /// keyspace). While no agent answers it reports [`ClientError::AgentGone`].
 pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
     // One visit to the thread's context: find the cell, switch to it.
-    let previous = with_ctx(|ctx| ctx.att.cell_of(keyspace_id).map(|(cell, _)| ctx.switch(tag_for_cell(cell))))?;
+    let previous = with_ctx(|ctx| ctx.att.cell_of(keyspace_id).map(|cell| ctx.switch(tag_for_cell(cell.index))))?;
     Ok(TagGuard::new(previous.transpose()?))
 }
 

@@ -23,7 +23,7 @@ use super::error::{ClientError, Refused};
 use super::home;
 use super::line::{Waited, agent_alive, charged, wait_in_line};
 use crate::policy::{self, Demand, Grant, Knobs, Progress, Queued, Refusal};
-use crate::region::TicketView;
+use crate::region::{CellRef, TicketView};
 use crate::sys;
 use keyspace_governor_common::admission::{
     KNOB_RUNTIME_TOPUP, T_COUNTED, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, counter,
@@ -123,7 +123,7 @@ fn record(att: &Attachment, idx: u32) -> &TicketView {
 #[inline]
 fn write_record(att: &Attachment, idx: u32, g: &Grant) {
     let r = record(att, idx);
-    let (cell, generation) = g.cell_at().map_or((0, 0), |(c, g)| (c + 1, g));
+    let (cell, generation) = g.cell_at().map_or((0, 0), |c| (c.index + 1, c.generation));
     r.cell.store(cell, Ordering::Relaxed);
     r.generation.store(generation, Ordering::Relaxed);
     r.tenant_us.store(g.tenant_us, Ordering::Relaxed);
@@ -146,8 +146,8 @@ impl Client {
     pub fn report_pool_rejection(&self, keyspace: u32) {
         let Some(att) = self.attachment().filter(|a| a.alive()) else { return };
         match self.inner.helper.cell(att, keyspace, None) {
-            super::helper::Cell::Found(c, _) => {
-                if let Some((b, _)) = att.admission.keyspace_cell(c) {
+            super::helper::Cell::Found(c) => {
+                if let Some((b, _)) = att.admission.keyspace_cell(c.index) {
                     b.count(counter::POOL_REJECTED, 1);
                 }
             }
@@ -196,7 +196,7 @@ impl Client {
         keyspace: u32,
         demand: &Demand,
         t: &mut Ticket,
-        known: Option<Option<(u32, u64)>>,
+        known: Option<Option<CellRef>>,
     ) -> Result<Option<Box<Waiting>>, Refused> {
         let Some(att) = self.attachment().filter(|a| a.alive()) else {
             *t = self.fail_open(keyspace, None);

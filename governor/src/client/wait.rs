@@ -20,7 +20,7 @@ use super::line::{LIVENESS_CHECK, agent_alive, charged};
 use super::ticket::{Ticket, granted};
 use crate::policy::Demand;
 use crate::policy::{self, Knobs, Progress, Queued};
-use crate::region::BucketView;
+use crate::region::{BucketView, CellRef};
 use crate::sys;
 use keyspace_governor_common::admission::counter;
 use std::future::Future;
@@ -294,7 +294,7 @@ impl Client {
         AcquireFuture { state: self.acquire_state(keyspace, demand, None) }
     }
 
-    fn acquire_state(&self, keyspace: u32, demand: Demand, known: Option<Option<(u32, u64)>>) -> AcquireState {
+    fn acquire_state(&self, keyspace: u32, demand: Demand, known: Option<Option<CellRef>>) -> AcquireState {
         let mut t = Ticket::blank(keyspace);
         match self.begin(keyspace, &demand, &mut t, known) {
             Ok(None) => AcquireState::Ready(Some(Ok(t))),
@@ -322,7 +322,7 @@ impl Future for AcquireFuture {
         if let AcquireState::Cell { client, keyspace, .. } = &this.state {
             let known = match client.attachment().filter(|a| a.alive()) {
                 Some(att) => match client.inner.helper.cell(att, *keyspace, Some(cx.waker())) {
-                    super::helper::Cell::Found(c, g) => Some(Some((c, g))),
+                    super::helper::Cell::Found(c) => Some(Some(c)),
                     super::helper::Cell::Pending => return Poll::Pending,
                     super::helper::Cell::Refused => Some(None),
                 },

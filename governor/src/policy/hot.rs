@@ -45,7 +45,7 @@ impl Policy {
         ids.sort_unstable();
         ids.dedup();
         for ks in ids {
-            let current = r.directory().find(ks).and_then(|(c, _)| e.cells[c as usize].as_ref()).map(|st| (st.source, st.book.base_refill_us));
+            let current = r.directory().find(ks).and_then(|c| e.cells[c.index as usize].as_ref()).map(|st| (st.source, st.book.base_refill_us));
             let wanted = self.source_for(&e, &next, ks);
             let changed = match (current, wanted) {
                 (None, None) => false,

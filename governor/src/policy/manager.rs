@@ -23,7 +23,7 @@ use super::pd::{PdAction, PdFetch, PdParams, PdTracked, PdTracker};
 use super::settings::{millicores_to_us_per_interval, Settings};
 use super::window::MonitorWindow;
 use super::AdmissionMode;
-use crate::region::{AdmissionMemory, AdmissionRegions, ParamsView, RegionError, GLOBAL, LOW_PRIORITY, OVERFLOW};
+use crate::region::{AdmissionMemory, AdmissionRegions, CellRef, ParamsView, RegionError, GLOBAL, LOW_PRIORITY, OVERFLOW};
 
 /// Keyspace cells of a policy built by [`Policy::new`].
 pub const DEFAULT_CELLS: u32 = keyspace_governor_common::DEFAULT_MAX_KEYSPACES;
@@ -251,8 +251,8 @@ impl Policy {
     }
 
     /// The cell of `keyspace`, giving it one (with the bucket its settings
-    /// call for) when it has none. Returns (cell, generation).
-    pub fn ensure_keyspace(&self, keyspace: u32, now_us: u64) -> Result<(u32, u64), RegionError> {
+    /// call for) when it has none.
+    pub fn ensure_keyspace(&self, keyspace: u32, now_us: u64) -> Result<CellRef, RegionError> {
         if let Some(found) = self.regions().directory().find(keyspace) {
             return Ok(found);
         }
@@ -292,7 +292,7 @@ impl Policy {
         keyspace: u32,
         source: Option<(QuotaSource, u64)>,
         now_us: u64,
-    ) -> Result<(u32, u64), RegionError> {
+    ) -> Result<CellRef, RegionError> {
         let r = self.regions();
         // A new cell's counters and tokens restart before the entry is
         // published: from then on clients find it and count into it, and a
@@ -385,7 +385,7 @@ impl Policy {
         }
         params.estimate_us.store(st.estimate_us, Ordering::Relaxed);
         Self::publish_book(params, &st.book);
-        Ok((cell, generation))
+        Ok(CellRef { index: cell, generation })
     }
 
     /// Admits one request without waiting, as a client would, with the

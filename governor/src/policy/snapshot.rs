@@ -203,7 +203,7 @@ impl Policy {
 
     /// A keyspace's entry, if it has a bucket.
     pub fn keyspace(&self, keyspace: u32) -> Option<KeyspaceEntry> {
-        let (c, _) = self.regions().directory().find(keyspace)?;
+        let c = self.regions().directory().find(keyspace)?.index;
         let e = self.engine();
         let st = e.cells.get(c as usize)?.as_ref().filter(|st| st.source.is_some() && st.id == keyspace)?;
         let (b, _) = self.regions().keyspace_cell(c)?;
@@ -297,7 +297,7 @@ impl Policy {
         self.regions()
             .directory()
             .find(keyspace)
-            .and_then(|(c, _)| self.regions().keyspace_cell(c))
+            .and_then(|c| self.regions().keyspace_cell(c.index))
             .map_or(0, |(b, _)| b.inflight_requests.load(Ordering::Relaxed))
     }
 
@@ -306,7 +306,7 @@ impl Policy {
         self.regions()
             .directory()
             .find(keyspace)
-            .and_then(|(c, _)| self.regions().keyspace_cell(c))
+            .and_then(|c| self.regions().keyspace_cell(c.index))
             .map_or(0, |(b, _)| b.pending_write_bytes.load(Ordering::Relaxed))
     }
 }

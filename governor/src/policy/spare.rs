@@ -20,7 +20,7 @@
 //! them in its ledger, so the agent gets them back when the client dies.
 
 use super::bucket::give_back;
-use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL};
+use crate::region::{CellRef, AdmissionRegions, BucketView, ParamsView, GLOBAL};
 use keyspace_governor_common::admission::P_SHRINK_DEBT;
 use std::sync::atomic::Ordering;
 
@@ -32,7 +32,7 @@ pub const SPARE_MAX_US: u64 = 1000;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Spare {
     /// (cell, generation) the tokens came from.
-    pub cell: Option<(u32, u64)>,
+    pub cell: Option<CellRef>,
     pub us: u64,
 }
 
@@ -46,8 +46,8 @@ pub(crate) fn quiet(b: &BucketView) -> bool {
 /// The tenant bucket of `cell`, if the cell still belongs to the keyspace
 /// that took the tokens.
 #[inline]
-pub(crate) fn tenant_of(r: &AdmissionRegions, cell: Option<(u32, u64)>) -> Option<(&BucketView, &ParamsView)> {
-    let (c, generation) = cell?;
+pub(crate) fn tenant_of(r: &AdmissionRegions, cell: Option<CellRef>) -> Option<(&BucketView, &ParamsView)> {
+    let CellRef { index: c, generation } = cell?;
     r.keyspace_cell(c).filter(|(_, p)| p.generation.load(Ordering::Acquire) == generation)
 }
 
@@ -56,7 +56,7 @@ impl Spare {
     /// and both buckets are quiet. A spare of another keyspace, or one that
     /// meets a line or debt, goes back to its buckets.
     #[inline]
-    pub(crate) fn take(&mut self, r: &AdmissionRegions, cell: Option<(u32, u64)>, us: u64) -> bool {
+    pub(crate) fn take(&mut self, r: &AdmissionRegions, cell: Option<CellRef>, us: u64) -> bool {
         if self.us == 0 {
             return false;
         }
@@ -89,7 +89,7 @@ impl Spare {
 
 /// Returns `us` spare µs of `cell` to its buckets: the agent does this for
 /// the spare of a client that died.
-pub fn return_tokens(r: &AdmissionRegions, cell: Option<(u32, u64)>, us: u64) {
+pub fn return_tokens(r: &AdmissionRegions, cell: Option<CellRef>, us: u64) {
     if let Some(p) = r.params.get(GLOBAL) {
         give_back(r.bucket(GLOBAL), p, us);
     }

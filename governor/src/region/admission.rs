@@ -309,9 +309,9 @@ impl<'a> Directory<'a> {
         self.params.get(cell + FIRST_KEYSPACE).expect("cell masked to the table")
     }
 
-    /// (cell, generation) of `keyspace_id`, if present.
+    /// The cell of `keyspace_id`, if present.
     #[inline]
-    pub fn find(&self, keyspace_id: u32) -> Option<(u32, u64)> {
+    pub fn find(&self, keyspace_id: u32) -> Option<super::CellRef> {
         if self.len == 0 {
             return None;
         }
@@ -321,7 +321,9 @@ impl<'a> Directory<'a> {
             let p = self.entry(c);
             match p.entry() {
                 (DIR_EMPTY, _) => return None,
-                (DIR_LIVE, id) if id == keyspace_id => return Some((c, p.generation.load(Ordering::Acquire))),
+                (DIR_LIVE, id) if id == keyspace_id => {
+                    return Some(super::CellRef { index: c, generation: p.generation.load(Ordering::Acquire) });
+                }
                 _ => {}
             }
             c = (c + 1) & mask;
@@ -335,7 +337,7 @@ impl<'a> Directory<'a> {
     /// becomes visible: a client can find it and count into it from then on.
     /// Returns (cell, generation, inserted).
     pub fn insert(&self, keyspace_id: u32, init: impl FnOnce(u32, &ParamsView)) -> Result<(u32, u64, bool), RegionError> {
-        if let Some((c, g)) = self.find(keyspace_id) {
+        if let Some(super::CellRef { index: c, generation: g }) = self.find(keyspace_id) {
             return Ok((c, g, false));
         }
         let mask = self.len.checked_sub(1).ok_or(RegionError::KeyspaceTableFull { capacity: 0 })?;
@@ -395,7 +397,7 @@ mod tests {
             assert!(new && g == 1 && cells.insert(c), "cell {c} handed out twice");
         }
         assert_eq!(d.live().count(), 200);
-        let (c, _) = d.find(14).unwrap();
+        let c = d.find(14).unwrap().index;
         assert_eq!(t.get(c + FIRST_KEYSPACE).unwrap().capacity_us.load(Ordering::Relaxed), 2);
         assert_eq!(d.insert(14, |_, _| panic!("no init for a present keyspace")).unwrap(), (c, 1, false));
         d.evict(c);

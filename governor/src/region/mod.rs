@@ -206,6 +206,15 @@ pub const OVERFLOW: u32 = 2;
 /// Index of keyspace cell 0; keyspace cell `c` is at `c + FIRST_KEYSPACE`.
 pub const FIRST_KEYSPACE: u32 = 3;
 
+/// A keyspace's cell in the shared table as a request found it: its index
+/// and the generation it had then (a cell evicted and given to another
+/// keyspace since has moved on, and is not this request's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CellRef {
+    pub index: u32,
+    pub generation: u64,
+}
+
 /// The admission regions' layout (bucket indices, cell layouts): a client
 /// attaches only to an agent that publishes the same. Raised with every
 /// change a client of another build would misread.
@@ -290,10 +299,10 @@ impl AdmissionRegions {
     /// to another keyspace since it was looked up: a grant of it settles
     /// into nothing.
     #[inline]
-    pub fn tenant_bucket(&self, cell: Option<(u32, u64)>) -> Option<(u32, &BucketView, &ParamsView)> {
+    pub fn tenant_bucket(&self, cell: Option<CellRef>) -> Option<(u32, &BucketView, &ParamsView)> {
         match cell {
             None => Some((OVERFLOW, self.buckets.get(OVERFLOW)?, self.params.get(OVERFLOW)?)),
-            Some((c, generation)) => {
+            Some(CellRef { index: c, generation }) => {
                 let (b, p) = self.keyspace_cell(c)?;
                 (p.generation.load(std::sync::atomic::Ordering::Acquire) == generation).then_some((
                     c + FIRST_KEYSPACE,

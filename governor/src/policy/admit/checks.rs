@@ -1,10 +1,10 @@
 //! The checks that never wait, in the fast path's order, and what undoes them.
 
-use super::{sub_saturating, Cells, Demand, Grant, Knobs, KEYSPACE_PENDING_WRITE_RATIO};
+use super::{sub_saturating, RequestBuckets, Demand, Grant, Knobs, KEYSPACE_PENDING_WRITE_RATIO};
 use crate::policy::bucket::give_back;
 use crate::policy::error::{Refusal, WriteLimitKind};
 use crate::policy::spare::Spare;
-use crate::region::{AdmissionRegions, BucketView, LOW_PRIORITY};
+use crate::region::{CellRef, AdmissionRegions, BucketView, LOW_PRIORITY};
 use keyspace_governor_common::admission::{
     counter as c, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL,
     KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED,
@@ -38,19 +38,19 @@ pub(super) fn take_burst(global: &BucketView, us: u64) -> bool {
 /// CPU tokens from the tenant bucket then the global bucket (rollback when
 /// the global refuses); burst outside cap mode. Returns (tenant µs, burst µs).
 #[inline]
-pub(super) fn take_cpu(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
-    let Some((tenant, params)) = cells.tenant else {
+pub(super) fn take_cpu(k: &Knobs, buckets: &RequestBuckets<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+    let Some((tenant, params)) = buckets.tenant else {
         return Err(Refusal::GlobalCpuExhausted { keyspace });
     };
     let cap = params.has(P_CAP);
     if tenant.try_take(us) {
-        if cells.global.try_take(us) {
+        if buckets.global.try_take(us) {
             return Ok((us, 0));
         }
         if !cap && !k.has(KNOB_ENFORCE_GLOBAL) {
             // Best effort: the global bucket tracks the usage, it does not refuse.
-            cells.global.take_forced(us);
-            cells.global.count(c::OVERDRAFT, 1);
+            buckets.global.take_forced(us);
+            buckets.global.count(c::OVERDRAFT, 1);
             return Ok((us, 0));
         }
         give_back(tenant, params, us);
@@ -61,7 +61,7 @@ pub(super) fn take_cpu(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> 
         && k.has(KNOB_BURST)
         && params.has(P_BURST_ENABLED)
         && params.has(P_BURST_ALLOWED)
-        && take_burst(cells.global, us)
+        && take_burst(buckets.global, us)
     {
         tenant.count(c::BURST_GRANTED, 1);
         tenant.count(c::BURST_US, us);
@@ -138,13 +138,13 @@ pub(super) fn enter_writes(k: &Knobs, global: &BucketView, tenant: &BucketView, 
 /// or with runtime token management at most a tenth of what the tenant and
 /// global buckets hold (it tops up as it runs).
 #[inline]
-pub(super) fn estimate(k: &Knobs, cells: &Cells<'_>, demand: &Demand) -> (u64, u64) {
-    let published = cells.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
+pub(super) fn estimate(k: &Knobs, buckets: &RequestBuckets<'_>, demand: &Demand) -> (u64, u64) {
+    let published = buckets.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
     let estimated = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
     let mut est = estimated;
     if k.has(KNOB_RUNTIME_TOPUP)
-        && let Some((tenant, _)) = cells.tenant {
-            let room = cells.global.available_us().min(tenant.available_us()) / 10;
+        && let Some((tenant, _)) = buckets.tenant {
+            let room = buckets.global.available_us().min(tenant.available_us()) / 10;
             if room > 0 {
                 est = est.min(room as u64);
             }
@@ -168,19 +168,19 @@ pub(super) enum Prep {
 pub(super) fn prepare(
     r: &AdmissionRegions,
     k: &Knobs,
-    cells: &Cells<'_>,
+    buckets: &RequestBuckets<'_>,
     keyspace: u32,
-    cell: Option<(u32, u64)>,
+    cell: Option<CellRef>,
     demand: &Demand,
     spare: Option<&mut Spare>,
 ) -> Result<Prep, Refusal> {
     let mut g = Grant::unchecked(keyspace, cell);
     if !k.has(KNOB_ENABLED) {
-        cells.global.count(c::SKIPPED, 1);
-        cells.global.count(c::GRANTED, 1);
+        buckets.global.count(c::SKIPPED, 1);
+        buckets.global.count(c::GRANTED, 1);
         return Ok(Prep::Done(g));
     }
-    let tenant = cells.tenant.map(|t| t.0);
+    let tenant = buckets.tenant.map(|t| t.0);
     if let Some(b) = tenant {
         g.counted = enter_concurrency(k, b, keyspace)?;
         // Idle eviction reads it; the agent's coarse clock, so no clock read.
@@ -191,22 +191,22 @@ pub(super) fn prepare(
     }
     if demand.write_bytes > 0
         && let Some(b) = tenant {
-            if let Err(e) = enter_writes(k, cells.global, b, keyspace, demand.write_bytes) {
-                undo(r, cells, &g);
+            if let Err(e) = enter_writes(k, buckets.global, b, keyspace, demand.write_bytes) {
+                undo(r, buckets, &g);
                 return Err(e);
             }
             g.write_bytes = demand.write_bytes;
         }
-    let throttled = k.has(KNOB_THROTTLE) && cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
+    let throttled = k.has(KNOB_THROTTLE) && buckets.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
     let low = k.has(KNOB_THROTTLE) && demand.low_priority && r.params.get(LOW_PRIORITY).is_some_and(|p| p.has(P_THROTTLED));
     if !throttled && !low {
-        let b = tenant.unwrap_or(cells.global);
+        let b = tenant.unwrap_or(buckets.global);
         b.count(c::SKIPPED, 1);
         b.count(c::GRANTED, 1);
         return Ok(Prep::Done(g));
     }
     g.skipped = false;
-    let (est, estimated) = estimate(k, cells, demand);
+    let (est, estimated) = estimate(k, buckets, demand);
     g.estimate_us = estimated;
     if k.has(KNOB_TRACK_DEMAND)
         && let Some(b) = tenant {
@@ -217,7 +217,7 @@ pub(super) fn prepare(
         let lb = r.bucket(LOW_PRIORITY);
         if !lb.try_take(est) {
             lb.count(c::REFUSED_GLOBAL, 1);
-            undo(r, cells, &g);
+            undo(r, buckets, &g);
             return Err(Refusal::LowPriorityCpuExhausted { keyspace });
         }
         g.low_priority_us = est;
@@ -230,8 +230,8 @@ pub(super) fn prepare(
 
 /// Gives back what [`prepare`] took: the low-priority tokens, the write
 /// bytes, the place among the tenant's in-flight requests.
-pub(super) fn undo(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant) {
-    let tenant = cells.tenant.map(|t| t.0);
+pub(super) fn undo(r: &AdmissionRegions, buckets: &RequestBuckets<'_>, g: &Grant) {
+    let tenant = buckets.tenant.map(|t| t.0);
     if g.low_priority_us > 0
         && let Some(p) = r.params.get(LOW_PRIORITY) {
             give_back(r.bucket(LOW_PRIORITY), p, g.low_priority_us);
@@ -241,7 +241,7 @@ pub(super) fn undo(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant) {
             sub_saturating(&b.inflight_requests, 1);
         }
     if g.write_bytes > 0 {
-        sub_saturating(&cells.global.pending_write_bytes, g.write_bytes);
+        sub_saturating(&buckets.global.pending_write_bytes, g.write_bytes);
         if let Some(b) = tenant {
             sub_saturating(&b.pending_write_bytes, g.write_bytes);
         }
@@ -251,33 +251,33 @@ pub(super) fn undo(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant) {
 /// Records a grant that got its CPU tokens (`from_spare`: the thread's
 /// spare tokens, already counted in flight).
 #[inline]
-pub(super) fn finish(cells: &Cells<'_>, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
+pub(super) fn finish(buckets: &RequestBuckets<'_>, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
     g.tenant_us = tenant_us;
     g.burst_us = burst_us;
     g.global_us = est;
-    match cells.tenant {
+    match buckets.tenant {
         Some((b, _)) => {
             if tenant_us > 0 && !from_spare {
                 b.add_inflight_us(tenant_us);
             }
             b.count(c::GRANTED, 1);
         }
-        None => cells.global.count(c::GRANTED, 1),
+        None => buckets.global.count(c::GRANTED, 1),
     }
     g
 }
 
 /// CPU from the global bucket alone (a keyspace without a bucket, on the
 /// low-priority path).
-pub(super) fn take_global_only(k: &Knobs, cells: &Cells<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
-    if cells.global.try_take(us) {
+pub(super) fn take_global_only(k: &Knobs, buckets: &RequestBuckets<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+    if buckets.global.try_take(us) {
         return Ok((0, 0));
     }
     if !k.has(KNOB_ENFORCE_GLOBAL) {
-        cells.global.take_forced(us);
-        cells.global.count(c::OVERDRAFT, 1);
+        buckets.global.take_forced(us);
+        buckets.global.count(c::OVERDRAFT, 1);
         return Ok((0, 0));
     }
-    cells.global.count(c::REFUSED_GLOBAL, 1);
+    buckets.global.count(c::REFUSED_GLOBAL, 1);
     Err(Refusal::GlobalCpuExhausted { keyspace })
 }

@@ -25,7 +25,7 @@ use checks::{finish, prepare, take_cpu, take_global_only, undo, Prep};
 
 use super::error::Refusal;
 use super::spare::Spare;
-use crate::region::{AdmissionRegions, BucketView, ParamsView, GLOBAL};
+use crate::region::{CellRef, AdmissionRegions, BucketView, ParamsView, GLOBAL};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
 use keyspace_governor_common::admission::{counter as c, P_THROTTLED};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -124,11 +124,11 @@ pub struct Grant {
 impl Grant {
     /// Nothing taken yet: the state a grant starts in, and a ticket admitted
     /// without checks (fail-open) keeps.
-    pub(crate) fn unchecked(keyspace: u32, cell: Option<(u32, u64)>) -> Grant {
+    pub(crate) fn unchecked(keyspace: u32, cell: Option<CellRef>) -> Grant {
         Grant {
             keyspace,
-            cell_index: cell.map_or(0, |c| c.0),
-            cell_generation: cell.map_or(0, |c| c.1),
+            cell_index: cell.map_or(0, |c| c.index),
+            cell_generation: cell.map_or(0, |c| c.generation),
             tenant_us: 0,
             global_us: 0,
             burst_us: 0,
@@ -174,13 +174,13 @@ impl Grant {
         self.counted
     }
     pub fn cell(&self) -> Option<u32> {
-        self.cell_at().map(|c| c.0)
+        self.cell_at().map(|c| c.index)
     }
 
     /// Keyspace cell and its generation when granted, if it had one.
     #[inline]
-    pub(crate) fn cell_at(&self) -> Option<(u32, u64)> {
-        (self.cell_generation != 0).then_some((self.cell_index, self.cell_generation))
+    pub(crate) fn cell_at(&self) -> Option<CellRef> {
+        (self.cell_generation != 0).then_some(CellRef { index: self.cell_index, generation: self.cell_generation })
     }
     /// Runtime token management: should the holder top up now?
     /// (`consumed > threshold × granted`)
@@ -202,7 +202,7 @@ fn sub_saturating(a: &AtomicU64, n: u64) {
 }
 
 /// The buckets and parameters one request touches.
-struct Cells<'a> {
+struct RequestBuckets<'a> {
     global: &'a BucketView,
     global_params: &'a ParamsView,
     tenant: Option<(&'a BucketView, &'a ParamsView)>,
@@ -210,15 +210,15 @@ struct Cells<'a> {
     tenant_index: u32,
 }
 
-impl<'a> Cells<'a> {
+impl<'a> RequestBuckets<'a> {
     /// The keyspace's own bucket, or the overflow bucket for a keyspace
     /// without a cell ([`AdmissionRegions::tenant_bucket`]). A cell given to
     /// another keyspace since `cell` was looked up (its generation moved) is
     /// not this request's: it is left alone.
     #[inline]
-    fn of(r: &'a AdmissionRegions, cell: Option<(u32, u64)>) -> Self {
+    fn of(r: &'a AdmissionRegions, cell: Option<CellRef>) -> Self {
         let tenant = r.tenant_bucket(cell);
-        Cells {
+        RequestBuckets {
             global: r.bucket(GLOBAL),
             global_params: r.params.get(GLOBAL).expect("global parameters"),
             tenant: tenant.map(|(_, b, p)| (b, p)),
@@ -234,7 +234,7 @@ pub fn acquire(
     r: &AdmissionRegions,
     k: &Knobs,
     keyspace: u32,
-    cell: Option<(u32, u64)>,
+    cell: Option<CellRef>,
     demand: &Demand,
 ) -> Result<Grant, Refusal> {
     acquire_with(r, k, keyspace, cell, demand, None)
@@ -246,21 +246,21 @@ pub fn acquire_with(
     r: &AdmissionRegions,
     k: &Knobs,
     keyspace: u32,
-    cell: Option<(u32, u64)>,
+    cell: Option<CellRef>,
     demand: &Demand,
     spare: Option<&mut Spare>,
 ) -> Result<Grant, Refusal> {
-    let cells = Cells::of(r, cell);
-    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand, spare)? {
+    let buckets = RequestBuckets::of(r, cell);
+    let (g, est, throttled) = match prepare(r, k, &buckets, keyspace, cell, demand, spare)? {
         Prep::Done(g) => return Ok(g),
-        Prep::Spared { g, est } => return Ok(finish(&cells, g, est, est, 0, true)),
+        Prep::Spared { g, est } => return Ok(finish(&buckets, g, est, est, 0, true)),
         Prep::Cpu { g, est, throttled } => (g, est, throttled),
     };
-    let result = if throttled { take_cpu(k, &cells, keyspace, est) } else { take_global_only(k, &cells, keyspace, est) };
+    let result = if throttled { take_cpu(k, &buckets, keyspace, est) } else { take_global_only(k, &buckets, keyspace, est) };
     match result {
-        Ok((tenant_us, burst_us)) => Ok(finish(&cells, g, est, tenant_us, burst_us, false)),
+        Ok((tenant_us, burst_us)) => Ok(finish(&buckets, g, est, tenant_us, burst_us, false)),
         Err(e) => {
-            undo(r, &cells, &g);
+            undo(r, &buckets, &g);
             Err(e)
         }
     }
@@ -272,18 +272,18 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
     if g.skipped {
         return Ok(());
     }
-    let cells = Cells::of(r, g.cell_at());
+    let buckets = RequestBuckets::of(r, g.cell_at());
     let us = us.max(1);
-    let result = if cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED)) {
-        take_cpu(k, &cells, g.keyspace, us)
+    let result = if buckets.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED)) {
+        take_cpu(k, &buckets, g.keyspace, us)
     } else {
-        take_global_only(k, &cells, g.keyspace, us)
+        take_global_only(k, &buckets, g.keyspace, us)
     };
-    let counted_on = cells.tenant.map_or(cells.global, |t| t.0);
+    let counted_on = buckets.tenant.map_or(buckets.global, |t| t.0);
     match result {
         Ok((tenant_us, burst_us)) => {
             if tenant_us > 0
-                && let Some((b, _)) = cells.tenant {
+                && let Some((b, _)) = buckets.tenant {
                     b.add_inflight_us(tenant_us);
                 }
             g.tenant_us += tenant_us;

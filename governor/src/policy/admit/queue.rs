@@ -2,11 +2,11 @@
 //! request's top-up).
 
 use super::checks::{finish, prepare, take_burst, undo, Prep};
-use super::{Cells, Demand, Grant, Knobs};
+use super::{RequestBuckets, Demand, Grant, Knobs};
 use crate::policy::bucket::give_back;
 use crate::policy::error::Refusal;
 use crate::policy::spare::Spare;
-use crate::region::{AdmissionRegions, GLOBAL};
+use crate::region::{CellRef, AdmissionRegions, GLOBAL};
 use keyspace_governor_common::admission::{
     counter as c, hist, KNOB_BURST, KNOB_ENFORCE_GLOBAL, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED,
 };
@@ -55,31 +55,31 @@ pub fn acquire_queued(
     r: &AdmissionRegions,
     k: &Knobs,
     keyspace: u32,
-    cell: Option<(u32, u64)>,
+    cell: Option<CellRef>,
     demand: &Demand,
     spare: Option<&mut Spare>,
 ) -> Result<Queued, Refusal> {
-    let cells = Cells::of(r, cell);
+    let buckets = RequestBuckets::of(r, cell);
     let done = |g, est, tenant_us, spared| Queued { g, est, tenant_us, burst_us: 0, stage: Stage::Done, topup: false, spared };
-    let (g, est, throttled) = match prepare(r, k, &cells, keyspace, cell, demand, spare)? {
+    let (g, est, throttled) = match prepare(r, k, &buckets, keyspace, cell, demand, spare)? {
         Prep::Done(g) => return Ok(done(g, 0, 0, false)),
         Prep::Spared { g, est } => return Ok(done(g, est, est, true)),
         Prep::Cpu { g, est, throttled } => (g, est, throttled),
     };
-    Ok(Queued::start(&cells, k, g, est, throttled, false))
+    Ok(Queued::start(&buckets, k, g, est, throttled, false))
 }
 
 /// A top-up of `us` for the running request `g`, waiting in line like a new
 /// request. Its grant, once ready, holds only the top-up: add it to `g` with
 /// [`Grant::absorb`].
 pub fn top_up_queued(r: &AdmissionRegions, k: &Knobs, g: &Grant, us: u64) -> Queued {
-    let cells = Cells::of(r, g.cell_at());
+    let buckets = RequestBuckets::of(r, g.cell_at());
     let part = Grant { tenant_us: 0, global_us: 0, burst_us: 0, low_priority_us: 0, write_bytes: 0, counted: false, ..g.clone() };
-    let throttled = cells.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
+    let throttled = buckets.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
     if g.skipped {
         return Queued { g: part, est: 0, tenant_us: 0, burst_us: 0, stage: Stage::Done, topup: true, spared: false };
     }
-    Queued::start(&cells, k, part, us.max(1), throttled, true)
+    Queued::start(&buckets, k, part, us.max(1), throttled, true)
 }
 
 impl Grant {
@@ -92,16 +92,16 @@ impl Grant {
 }
 
 impl Queued {
-    fn start(cells: &Cells<'_>, k: &Knobs, g: Grant, est: u64, throttled: bool, topup: bool) -> Queued {
+    fn start(buckets: &RequestBuckets<'_>, k: &Knobs, g: Grant, est: u64, throttled: bool, topup: bool) -> Queued {
         let mut q = Queued { g, est, tenant_us: 0, burst_us: 0, stage: Stage::Global(None), topup, spared: false };
-        let Some((tenant, params)) = cells.tenant.filter(|_| throttled) else { return q };
+        let Some((tenant, params)) = buckets.tenant.filter(|_| throttled) else { return q };
         if tenant.try_take(est) {
             q.tenant_us = est;
         } else if !params.has(P_CAP)
             && k.has(KNOB_BURST)
             && params.has(P_BURST_ENABLED)
             && params.has(P_BURST_ALLOWED)
-            && take_burst(cells.global, est)
+            && take_burst(buckets.global, est)
         {
             tenant.count(c::BURST_GRANTED, 1);
             tenant.count(c::BURST_US, est);
@@ -115,34 +115,34 @@ impl Queued {
 
     /// Moves as far as the buckets allow.
     pub fn poll(&mut self, r: &AdmissionRegions, k: &Knobs) -> Progress {
-        let cells = Cells::of(r, self.g.cell_at());
+        let buckets = RequestBuckets::of(r, self.g.cell_at());
         loop {
             match self.stage {
                 Stage::Tenant(pos) => {
-                    let Some((tenant, _)) = cells.tenant else {
+                    let Some((tenant, _)) = buckets.tenant else {
                         self.stage = Stage::Global(None);
                         continue;
                     };
                     if !tenant.reached(pos) {
-                        return Progress::Waiting { bucket: cells.tenant_index, pos };
+                        return Progress::Waiting { bucket: buckets.tenant_index, pos };
                     }
                     self.tenant_us = self.est;
                     self.stage = Stage::Global(None);
                 }
                 Stage::Global(None) => {
-                    let cap = cells.tenant.is_some_and(|(_, p)| p.has(P_CAP));
-                    if cells.global.try_take(self.est) {
+                    let cap = buckets.tenant.is_some_and(|(_, p)| p.has(P_CAP));
+                    if buckets.global.try_take(self.est) {
                         self.stage = Stage::Done;
                     } else if !cap && !k.has(KNOB_ENFORCE_GLOBAL) {
-                        cells.global.take_forced(self.est);
-                        cells.global.count(c::OVERDRAFT, 1);
+                        buckets.global.take_forced(self.est);
+                        buckets.global.count(c::OVERDRAFT, 1);
                         self.stage = Stage::Done;
                     } else {
-                        self.stage = Stage::Global(Some(cells.global.reserve(self.est)));
+                        self.stage = Stage::Global(Some(buckets.global.reserve(self.est)));
                     }
                 }
                 Stage::Global(Some(pos)) => {
-                    if !cells.global.reached(pos) {
+                    if !buckets.global.reached(pos) {
                         return Progress::Waiting { bucket: GLOBAL, pos };
                     }
                     self.stage = Stage::Done;
@@ -157,14 +157,14 @@ impl Queued {
                         part.tenant_us = self.tenant_us;
                         part.burst_us = self.burst_us;
                         part.global_us = self.est;
-                        let on = cells.tenant.map_or(cells.global, |t| t.0);
+                        let on = buckets.tenant.map_or(buckets.global, |t| t.0);
                         if self.tenant_us > 0 {
                             on.add_inflight_us(self.tenant_us);
                         }
                         on.count(c::TOPUP_GRANTED, 1);
                         return Progress::Ready(part);
                     }
-                    return Progress::Ready(finish(&cells, g, self.est, self.tenant_us, self.burst_us, self.spared));
+                    return Progress::Ready(finish(&buckets, g, self.est, self.tenant_us, self.burst_us, self.spared));
                 }
             }
         }
@@ -173,21 +173,21 @@ impl Queued {
     /// Gives up: leaves every line, returns tokens and what the checks took.
     /// Returns the refusal the request ends with.
     pub fn cancel(self, r: &AdmissionRegions) -> Refusal {
-        let cells = Cells::of(r, self.g.cell_at());
+        let buckets = RequestBuckets::of(r, self.g.cell_at());
         let keyspace = self.g.keyspace;
-        let cap = cells.tenant.is_some_and(|(_, p)| p.has(P_CAP));
+        let cap = buckets.tenant.is_some_and(|(_, p)| p.has(P_CAP));
         let refusal = match self.stage {
             Stage::Tenant(_) if cap => Refusal::TenantCpuExhausted { keyspace },
             Stage::Tenant(_) => Refusal::KeyspaceCpuExhaustedNoBurst { keyspace },
             _ => Refusal::GlobalCpuExhausted { keyspace },
         };
-        let on = cells.tenant.map_or(cells.global, |t| t.0);
+        let on = buckets.tenant.map_or(buckets.global, |t| t.0);
         if self.topup && self.stage != Stage::Done {
             on.count(c::TOPUP_REFUSED, 1);
         }
         match self.stage {
             Stage::Tenant(_) => {
-                if let Some((tenant, _)) = cells.tenant {
+                if let Some((tenant, _)) = buckets.tenant {
                     tenant.cancel(self.est);
                     if !self.topup {
                         tenant.count(if cap { c::REFUSED_CAP } else { c::REFUSED_QUOTA }, 1);
@@ -196,9 +196,9 @@ impl Queued {
             }
             Stage::Global(pos) => {
                 if pos.is_some() {
-                    cells.global.cancel(self.est);
+                    buckets.global.cancel(self.est);
                 }
-                if let Some((tenant, params)) = cells.tenant
+                if let Some((tenant, params)) = buckets.tenant
                     && self.tenant_us > 0 {
                         give_back(tenant, params, self.tenant_us);
                     }
@@ -209,7 +209,7 @@ impl Queued {
             Stage::Done => {}
         }
         if self.stage != Stage::Done && !self.topup {
-            undo(r, &cells, &self.g);
+            undo(r, &buckets, &self.g);
         }
         refusal
     }

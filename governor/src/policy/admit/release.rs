@@ -1,7 +1,7 @@
 //! Closing a grant with the CPU its request consumed: refunds, bounded debt,
 //! the thread's spare tokens, the request histograms.
 
-use super::{sub_saturating, Cells, Grant};
+use super::{sub_saturating, RequestBuckets, Grant};
 use crate::policy::bucket::give_back;
 use crate::policy::spare::{self, Spare, SPARE_MAX_US};
 use crate::region::{AdmissionRegions, BucketView, ParamsView, LOW_PRIORITY};
@@ -46,22 +46,22 @@ pub fn release(r: &AdmissionRegions, g: &Grant, consumed_us: u64) {
 /// burst, no low-priority tokens) and its buckets are quiet.
 #[inline]
 pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Option<&mut Spare>) {
-    let cells = Cells::of(r, g.cell_at());
+    let buckets = RequestBuckets::of(r, g.cell_at());
     if let Some(s) = spare
-        && keep_refund(r, &cells, g, consumed_us, s)
+        && keep_refund(r, &buckets, g, consumed_us, s)
     {
         return;
     }
-    let tenant = cells.tenant;
+    let tenant = buckets.tenant;
     if g.global_us > 0 {
-        settle(cells.global, cells.global_params, g.global_us, consumed_us);
+        settle(buckets.global, buckets.global_params, g.global_us, consumed_us);
     }
     if g.burst_us > 0 {
         // The burst budget caps what bursting consumes per interval, not what
         // it estimated: the unused part goes back to it.
         let back = g.burst_us.saturating_sub(consumed_us);
         if back > 0 {
-            cells.global.burst_budget_us.fetch_add(i64::try_from(back).unwrap_or(0), Ordering::AcqRel);
+            buckets.global.burst_budget_us.fetch_add(i64::try_from(back).unwrap_or(0), Ordering::AcqRel);
         }
     }
     if g.low_priority_us > 0
@@ -88,30 +88,30 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
             b.count(c::RELEASED, 1);
         }
     } else if g.estimate_us > 0 {
-        cells.global.observe_request(consumed_us, g.estimate_us);
+        buckets.global.observe_request(consumed_us, g.estimate_us);
     } else {
-        cells.global.count(c::RELEASED, 1);
+        buckets.global.count(c::RELEASED, 1);
     }
     if g.write_bytes > 0 {
-        sub_saturating(&cells.global.pending_write_bytes, g.write_bytes);
+        sub_saturating(&buckets.global.pending_write_bytes, g.write_bytes);
     }
 }
 
 /// The release of [`release_with`] when the refund stays spare; `false`
 /// (nothing done) when it may not.
 #[inline]
-pub(super) fn keep_refund(r: &AdmissionRegions, cells: &Cells<'_>, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
+pub(super) fn keep_refund(r: &AdmissionRegions, buckets: &RequestBuckets<'_>, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
     let granted = g.tenant_us;
-    // The overflow bucket's tokens are shared by keyspaces without cells: a
+    // The overflow bucket's tokens are shared by keyspaces without buckets: a
     // thread keeps no spare of them.
     if g.cell_generation == 0 || granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell_at()) {
         return false;
     }
-    let Some((b, p)) = cells.tenant else { return false };
+    let Some((b, p)) = buckets.tenant else { return false };
     if !spare::may_keep(r, b, p) {
         return false;
     }
-    let (global, gp) = (cells.global, cells.global_params);
+    let (global, gp) = (buckets.global, buckets.global_params);
     let used = consumed_us.min(granted);
     // An overrun is paid from the spare first; the rest is debt, as ever.
     let over = consumed_us - used;
