@@ -101,17 +101,19 @@ fn weight(version: Version, cores: f64) -> (&'static str, u64) {
     }
 }
 
+/// No mounted hierarchy offers the cpu controller.
+#[derive(Debug, thiserror::Error)]
+#[error("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)")]
+struct NoCpuController;
+
 /// The hierarchy with the cpu controller: v2 when it has it, else v1.
-fn detect() -> Result<(PathBuf, Version), String> {
+fn detect() -> Result<(PathBuf, Version), NoCpuController> {
     let mounts = crate::procs::cgroup_mounts();
     let pick = |v2: bool| mounts.iter().find(|m| m.cpu && m.v2 == v2).map(|m| m.dir.clone());
     match (pick(true), pick(false)) {
         (Some(dir), _) => Ok((dir, Version::V2)),
         (None, Some(dir)) => Ok((dir, Version::V1)),
-        (None, None) => {
-            Err("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)"
-                .into())
-        }
+        (None, None) => Err(NoCpuController),
     }
 }
 
@@ -126,7 +128,7 @@ impl Enforcer {
     pub(crate) fn new(state_path: PathBuf, slice: String) -> Enforcer {
         let (hierarchy, unavailable) = match detect() {
             Ok(h) => (Some(h), None),
-            Err(why) => (None, Some(why)),
+            Err(why) => (None, Some(why.to_string())),
         };
         let mut e = Enforcer {
             hierarchy,

@@ -4,21 +4,21 @@
 //! against the running configuration (restart-only keys are refused with
 //! the reason). It is applied entirely or not at all: on any error the
 //! running configuration stays, the log records every reason and
-//! `governor_config_updates_total{result="rejected"}` counts it. An
-//! accepted change reaches the policy (buckets, caps, quotas, estimates,
-//! window, admission mode) and the agent's own limits (per-uid quotas, the
-//! metrics cardinality guard) at once; the log lists every key it changed.
+//! `governor_config_updates_total{result="rejected"}` counts it.
+//!
+//! This module decides and records; it changes nothing else. A change is
+//! first a [`Proposal`]: the next configuration, what differs, and the
+//! [`Effects`] it asks of the agent. The agent puts those in force (rule
+//! cells and the kernel's caps, the policy's settings, the socket's access,
+//! its own limits) and then [`Running::accept`]s or [`Running::refuse`]s it.
 //!
 //! Who may change it: the admin role of `agent.access` (root, the agent's
 //! own user, `admins`); the server checks the peer before it gets here.
 
-use super::Shared;
-use crate::config::{ConfigDiff, UpdateRejected, ValidatedConfig};
-use crate::policy::Settings;
-use crate::proto::{ConfigChange, ConfigUpdates, Reply};
+use crate::config::{ConfigDiff, RawRule, UpdateRejected, ValidatedConfig};
+use crate::proto::ConfigUpdates;
+use crate::region::RegionError;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 /// The configuration in force and its history.
 pub(crate) struct Running {
@@ -26,6 +26,93 @@ pub(crate) struct Running {
     path: Option<PathBuf>,
     accepted: u64,
     rejected: u64,
+}
+
+/// What a peer (or SIGHUP) asks to change.
+pub(crate) enum Change<'a> {
+    /// Read the file again; the string names the trigger in the log.
+    Reload(String),
+    Set(&'a str, &'a str),
+    AddRule(&'a str, Option<usize>),
+    RemoveRule(&'a str),
+}
+
+impl Change<'_> {
+    /// The change as the log names it.
+    fn describe(&self) -> String {
+        match self {
+            Change::Reload(what) => what.clone(),
+            Change::Set(key, value) => format!("config set {key}={value}"),
+            Change::AddRule(..) => "rules add".into(),
+            Change::RemoveRule(name) => format!("rules remove {name}"),
+        }
+    }
+}
+
+/// Why a change was refused; the running configuration stays.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Refused {
+    #[error(
+        "the agent runs on the embedded default configuration (no --config file): nothing to reload; \
+         use `governor config set`"
+    )]
+    NoFile,
+    #[error("cannot read {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Invalid(UpdateRejected),
+    #[error("rule: {0}")]
+    RuleSyntax(String),
+    #[error("rule {name:?} refused")]
+    Rule {
+        name: String,
+        #[source]
+        source: UpdateRejected,
+    },
+    #[error("no rule named {name:?} (rules: {})", if rules.is_empty() { "none".into() } else { rules.join(", ") })]
+    NoSuchRule { name: String, rules: Vec<String> },
+    #[error("the rules' keyspaces get no cell: {0}")]
+    RuleCells(#[source] RegionError),
+    #[error("the policy could not take it: {0}")]
+    Policy(#[source] RegionError),
+}
+
+impl Refused {
+    /// Every reason, one line each, as the reply and the log carry them.
+    pub(crate) fn reasons(&self) -> Vec<String> {
+        let each = |e: &UpdateRejected| e.errors.errors.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        match self {
+            Refused::Invalid(e) => each(e),
+            Refused::Rule { source, .. } => std::iter::once(format!("{self}:")).chain(each(source)).collect(),
+            Refused::Read { source, .. } => vec![format!("{self}: {source}")],
+            _ => vec![self.to_string()],
+        }
+    }
+}
+
+/// What an accepted configuration asks of the rest of the agent, besides
+/// the policy's settings and the agent's limits, which it always sets again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Effects {
+    /// The rules changed, or (with rules present) the caps they are
+    /// fractions of did: their keyspaces get cells and the kernel's caps are
+    /// set again.
+    pub rules: bool,
+    /// `agent.access` changed: the control socket's mode and group.
+    pub access: bool,
+}
+
+/// A change validated against the running configuration, not yet in force.
+pub(crate) struct Proposal {
+    pub next: ValidatedConfig,
+    pub diff: ConfigDiff,
+    pub effects: Effects,
+    /// The change as the log names it.
+    pub what: String,
 }
 
 impl Running {
@@ -45,174 +132,74 @@ impl Running {
             path: self.path.as_ref().map(|p| p.display().to_string()),
         }
     }
-}
 
-/// Why a change was refused: every reason, one line each.
-fn reasons(e: &UpdateRejected) -> Vec<String> {
-    e.errors.errors.iter().map(|x| x.to_string()).collect()
-}
-
-impl Shared {
-    /// Re-reads the configuration file and applies it (`what` names the
-    /// trigger in the log).
-    pub(crate) fn reload_config(&self, what: &str) -> Result<ConfigDiff, Vec<String>> {
-        let mut running = self.lock_config();
-        let Some(path) = running.path.clone() else {
-            running.rejected += 1;
-            let why = "the agent runs on the embedded default configuration (no --config file): \
-                       nothing to reload; use `governor config set`"
-                .to_string();
-            log::warn!("{what}: {why}");
-            return Err(vec![why]);
-        };
-        let next = std::fs::read_to_string(&path)
-            .map_err(|e| vec![format!("cannot read {}: {e}", path.display())])
-            .and_then(|text| running.config.apply_update(&text).map_err(|e| reasons(&e)));
-        self.settle(&mut running, next, &format!("{what} ({})", path.display()))
-    }
-
-    /// Changes one key of the running configuration.
-    pub(crate) fn set_config(&self, key: &str, value: &str) -> Result<ConfigDiff, Vec<String>> {
-        let mut running = self.lock_config();
-        let next = running.config.apply_set(key, value).map_err(|e| reasons(&e));
-        self.settle(&mut running, next, &format!("config set {key}={value}"))
-    }
-
-    /// Adds a rule (its keys as a TOML table) at `position` (default: last).
-    pub(crate) fn add_rule(&self, text: &str, position: Option<usize>) -> Result<ConfigDiff, Vec<String>> {
-        let mut running = self.lock_config();
-        let next = toml::from_str::<crate::config::RawRule>(text)
-            .map_err(|e| vec![format!("rule: {}", e.message().trim())])
-            .and_then(|rule| {
-                let mut raw = running.config.to_raw();
-                let at = position.unwrap_or(raw.rules.len()).min(raw.rules.len());
-                let what = rule.name.clone();
-                raw.rules.insert(at, rule);
-                running.config.apply_update_raw(&raw).map_err(|e| {
-                    let mut r = reasons(&e);
-                    r.insert(0, format!("rule {what:?} refused:"));
-                    r
-                })
-            });
-        self.settle(&mut running, next, "rules add")
-    }
-
-    /// Removes the rule named `name`.
-    pub(crate) fn remove_rule(&self, name: &str) -> Result<ConfigDiff, Vec<String>> {
-        let mut running = self.lock_config();
-        let mut raw = running.config.to_raw();
-        let before = raw.rules.len();
-        raw.rules.retain(|r| r.name != name);
-        let next = if raw.rules.len() == before {
-            let names: Vec<&str> = running.config.rules().iter().map(|r| r.name.as_str()).collect();
-            Err(vec![format!(
-                "no rule named {name:?} (rules: {})",
-                if names.is_empty() { "none".into() } else { names.join(", ") }
-            )])
-        } else {
-            running.config.apply_update_raw(&raw).map_err(|e| reasons(&e))
-        };
-        self.settle(&mut running, next, &format!("rules remove {name}"))
-    }
-
-    /// Applies an accepted configuration, or records the refusal.
-    fn settle(
-        &self,
-        running: &mut Running,
-        next: Result<ValidatedConfig, Vec<String>>,
-        what: &str,
-    ) -> Result<ConfigDiff, Vec<String>> {
-        let next = match next {
-            Ok(n) => n,
-            Err(errors) => {
-                running.rejected += 1;
-                log::warn!("{what}: refused, the running configuration stays: {}", errors.join("; "));
-                return Err(errors);
+    /// The configuration `change` leads to, checked whole, and what it asks
+    /// of the agent; on refusal, the change as the log names it and why.
+    pub(crate) fn propose(&self, change: Change<'_>) -> Result<Proposal, (String, Refused)> {
+        let mut what = change.describe();
+        let next = match change {
+            Change::Reload(_) => match &self.path {
+                None => Err(Refused::NoFile),
+                Some(path) => {
+                    what = format!("{what} ({})", path.display());
+                    std::fs::read_to_string(path)
+                        .map_err(|source| Refused::Read { path: path.clone(), source })
+                        .and_then(|text| self.config.apply_update(&text).map_err(Refused::Invalid))
+                }
+            },
+            Change::Set(key, value) => self.config.apply_set(key, value).map_err(Refused::Invalid),
+            Change::AddRule(text, position) => toml::from_str::<RawRule>(text)
+                .map_err(|e| Refused::RuleSyntax(e.message().trim().to_string()))
+                .and_then(|rule| {
+                    let mut raw = self.config.to_raw();
+                    let at = position.unwrap_or(raw.rules.len()).min(raw.rules.len());
+                    let name = rule.name.clone();
+                    raw.rules.insert(at, rule);
+                    self.config.apply_update_raw(&raw).map_err(|source| Refused::Rule { name, source })
+                }),
+            Change::RemoveRule(name) => {
+                let mut raw = self.config.to_raw();
+                let before = raw.rules.len();
+                raw.rules.retain(|r| r.name != name);
+                if raw.rules.len() == before {
+                    let rules = self.config.rules().iter().map(|r| r.name.clone()).collect();
+                    Err(Refused::NoSuchRule { name: name.to_string(), rules })
+                } else {
+                    self.config.apply_update_raw(&raw).map_err(Refused::Invalid)
+                }
             }
         };
-        let diff = running.config.diff(&next);
-        // Rules, and the caps the kernel holds their keyspaces to.
+        let next = next.map_err(|e| (what.clone(), e))?;
+        let diff = self.config.diff(&next);
         // Rule caps are fractions of the server's cores: they follow
         // `server-cpu-cores` too.
-        let rules_change = running.config.rules() != next.rules()
+        let rules = self.config.rules() != next.rules()
             || (!next.rules().is_empty()
                 && (diff.changed("resource-control.cpu-throttle")
                     || diff.changed("resource-control.server-cpu-cores")));
-        if rules_change && let Err(e) = self.apply_rules(&next) {
-            running.rejected += 1;
-            let why = format!("the rules' keyspaces get no cell: {e}");
-            log::warn!("{what}: refused, the running configuration stays: {why}");
-            let _ = self.apply_rules(&running.config);
-            return Err(vec![why]);
-        }
-        let server_cpu_cores = next.resource_control().server_cpu_cores;
-        let cores = self.lock_server_cpu().cores_with(server_cpu_cores);
-        if let Err(e) = self.policy.update_settings_at(Settings::from_config(&next, cores), super::now_us()) {
-            running.rejected += 1;
-            if rules_change {
-                let _ = self.apply_rules(&running.config);
-            }
-            let why = format!("the policy could not take it: {e}");
-            log::warn!("{what}: refused, the running configuration stays: {why}");
-            return Err(vec![why]);
-        }
-        let a = next.agent();
-        if a.access != running.config.agent().access
-            && let Err(e) = a.access.apply_to_socket(&self.socket)
-        {
-            log::warn!("{what}: the control socket's mode or group could not be set: {e}");
-        }
-        self.keyspaces_per_uid.store(a.max_keyspaces_per_uid, Ordering::Relaxed);
-        self.metrics_max_keyspaces.store(a.metrics_max_keyspaces as usize, Ordering::Relaxed);
-        self.lock_slots().set_per_uid(a.max_threads_per_uid);
-        self.lock_server_cpu().set_configured(server_cpu_cores);
-        running.config = next;
-        running.accepted += 1;
-        if diff.changes.is_empty() {
-            log::info!("{what}: accepted, nothing changed");
+        let access = next.agent().access != self.config.agent().access;
+        Ok(Proposal { next, diff, effects: Effects { rules, access }, what })
+    }
+
+    /// Puts an applied proposal in the record: it is the running
+    /// configuration now.
+    pub(crate) fn accept(&mut self, p: Proposal) -> ConfigDiff {
+        self.accepted += 1;
+        if p.diff.changes.is_empty() {
+            log::info!("{}: accepted, nothing changed", p.what);
         } else {
-            let list: Vec<String> = diff.changes.iter().map(|c| format!("{} {} -> {}", c.key, c.old, c.new)).collect();
-            log::info!("{what}: accepted: {}", list.join(", "));
+            let list: Vec<String> =
+                p.diff.changes.iter().map(|c| format!("{} {} -> {}", c.key, c.old, c.new)).collect();
+            log::info!("{}: accepted: {}", p.what, list.join(", "));
         }
-        Ok(diff)
+        self.config = p.next;
+        p.diff
     }
-}
 
-/// What a peer asks to change.
-pub(crate) enum Change<'a> {
-    Reload,
-    Set(&'a str, &'a str),
-    AddRule(&'a str, Option<usize>),
-    RemoveRule(&'a str),
-}
-
-/// A configuration change from a peer of uid `uid` (the admin role, which
-/// the server checked).
-pub(crate) fn request(shared: &Shared, uid: u32, change: Change<'_>) -> Reply {
-    let result = match change {
-        Change::Reload => shared.reload_config(&format!("config reload by uid {uid}")),
-        Change::Set(key, value) => shared.set_config(key, value),
-        Change::AddRule(text, position) => shared.add_rule(text, position),
-        Change::RemoveRule(name) => shared.remove_rule(name),
-    };
-    match result {
-        Ok(diff) => Reply::ConfigUpdated {
-            changes: diff.changes.into_iter().map(|c| ConfigChange { key: c.key, old: c.old, new: c.new }).collect(),
-        },
-        Err(errors) => Reply::ConfigRejected { errors },
-    }
-}
-
-/// Reloads the configuration file on every SIGHUP.
-pub(crate) async fn on_sighup(shared: Arc<Shared>) {
-    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            log::warn!("no SIGHUP handler ({e}); `governor config reload` still works");
-            return;
-        }
-    };
-    while hup.recv().await.is_some() {
-        let _ = shared.reload_config("SIGHUP");
+    /// Records a refusal; the running configuration stays.
+    pub(crate) fn refuse(&mut self, what: &str, why: Refused) -> Refused {
+        self.rejected += 1;
+        log::warn!("{what}: refused, the running configuration stays: {}", why.reasons().join("; "));
+        why
     }
 }

@@ -25,6 +25,7 @@ mod ledgers;
 mod live_config;
 mod metrics;
 mod pd;
+mod reconfigure;
 mod rules;
 mod server;
 mod server_cpu;
@@ -334,7 +335,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
             .map_err(AgentError::Thread)?
     };
     let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
-    let reloader = tokio::spawn(live_config::on_sighup(shared.clone()));
+    let reloader = tokio::spawn(reconfigure::on_sighup(shared.clone()));
     let pd_client = tokio::spawn(pd::run(shared.clone()));
     let result = server::serve(listener, shared.clone(), shutdown).await;
     stop_housekeeping.store(true, Ordering::Release);

@@ -14,11 +14,11 @@
 //! `SO_PEERCRED` credentials hold (admin, client, reader; see
 //! `config::access`), or is refused with `not permitted` naming who holds it.
 
-use super::live_config::Change;
+use super::live_config::{Change, Refused};
 use super::{AgentError, Shared};
-use crate::config::{Access, Peer, Role};
+use crate::config::{Access, ConfigDiff, Peer, Role};
 use crate::policy::{Demand, Grant};
-use crate::proto::{Reply, Request};
+use crate::proto::{ConfigChange, Reply, Request};
 use crate::region::fd;
 use crate::sys;
 use keyspace_governor_common::admission::LEDGER_LEN;
@@ -227,18 +227,22 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             Request::Release { ticket, consumed_us } => (grants.release(&shared, ticket, consumed_us), None),
             // Operators' verbs (the admin role, checked above).
             // A change may read its file and scan /proc for the rules.
-            Request::ConfigReload => {
-                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Reload)).await, None)
-            }
+            Request::ConfigReload => (
+                blocking(&shared, move |s| {
+                    config_reply(s.change_config(Change::Reload(format!("config reload by uid {uid}"))))
+                })
+                .await,
+                None,
+            ),
             Request::ConfigSet { key, value } => {
-                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::Set(&key, &value))).await, None)
+                (blocking(&shared, move |s| config_reply(s.change_config(Change::Set(&key, &value)))).await, None)
             }
             Request::RuleAdd { rule, position } => (
-                blocking(&shared, move |s| super::live_config::request(s, uid, Change::AddRule(&rule, position))).await,
+                blocking(&shared, move |s| config_reply(s.change_config(Change::AddRule(&rule, position)))).await,
                 None,
             ),
             Request::RuleRemove { name } => {
-                (blocking(&shared, move |s| super::live_config::request(s, uid, Change::RemoveRule(&name))).await, None)
+                (blocking(&shared, move |s| config_reply(s.change_config(Change::RemoveRule(&name)))).await, None)
             }
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {
@@ -376,6 +380,17 @@ fn keyspace(shared: &Shared, id: u32, uid: u32) -> (Reply, Option<Vec<RawFd>>) {
             (Reply::Keyspace { cell, generation }, None)
         }
         Err(e) => (Reply::Error { message: e.to_string() }, None),
+    }
+}
+
+/// The reply to a configuration change: what changed, or every reason it
+/// was refused.
+fn config_reply(result: Result<ConfigDiff, Refused>) -> Reply {
+    match result {
+        Ok(diff) => Reply::ConfigUpdated {
+            changes: diff.changes.into_iter().map(|c| ConfigChange { key: c.key, old: c.old, new: c.new }).collect(),
+        },
+        Err(why) => Reply::ConfigRejected { errors: why.reasons() },
     }
 }
 

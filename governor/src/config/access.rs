@@ -118,19 +118,29 @@ fn lookup(file: &str, name: &str) -> Option<u32> {
     })
 }
 
-fn resolve(p: &str) -> Result<Principal, String> {
+/// Why an `agent.access` entry names no one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PrincipalError {
+    #[error("unknown group {0:?} (not a number, not in /etc/group)")]
+    Group(String),
+    #[error("unknown user {0:?} (not a number, not in /etc/passwd); a group is written @name")]
+    User(String),
+}
+
+fn resolve(p: &str) -> Result<Principal, PrincipalError> {
     match p.strip_prefix('@') {
         Some(g) => g
             .parse()
             .ok()
             .or_else(|| lookup("/etc/group", g))
             .map(Principal::Gid)
-            .ok_or_else(|| format!("unknown group {g:?} (not a number, not in /etc/group)")),
-        None => {
-            p.parse().ok().or_else(|| lookup("/etc/passwd", p)).map(Principal::Uid).ok_or_else(|| {
-                format!("unknown user {p:?} (not a number, not in /etc/passwd); a group is written @name")
-            })
-        }
+            .ok_or_else(|| PrincipalError::Group(g.to_string())),
+        None => p
+            .parse()
+            .ok()
+            .or_else(|| lookup("/etc/passwd", p))
+            .map(Principal::Uid)
+            .ok_or_else(|| PrincipalError::User(p.to_string())),
     }
 }
 
@@ -185,7 +195,7 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &RawAccess) -> Access {
         Ok(Principal::Gid(gid)) => Some(gid),
         Ok(Principal::Uid(_)) => None,
         Err(e) => {
-            c.invalid("agent.access.socket-group".into(), e);
+            c.invalid("agent.access.socket-group".into(), e.to_string());
             None
         }
     });
@@ -196,7 +206,7 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &RawAccess) -> Access {
         for p in list {
             match resolve(p) {
                 Ok(r) => resolved[i].push(r),
-                Err(e) => c.invalid(format!("agent.access.{key}"), e),
+                Err(e) => c.invalid(format!("agent.access.{key}"), e.to_string()),
             }
         }
     }

@@ -51,13 +51,28 @@ impl ListValue for bool {
     }
 }
 
+/// Why a keyspace list does not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ListError {
+    #[error("entry {position} is empty in {text:?}")]
+    EmptyEntry { position: usize, text: String },
+    #[error("entry {entry:?} is not \"keyspace_id:value\"")]
+    NoColon { entry: String },
+    #[error("entry {entry:?}: keyspace id {id:?} is not a u32")]
+    BadId { entry: String, id: String },
+    #[error("entry {entry:?}: value {value:?} is not {expected}")]
+    BadValue { entry: String, value: String, expected: &'static str },
+    #[error("keyspace {id} appears more than once")]
+    Duplicate { id: KeyspaceId },
+}
+
 /// A parsed `"id:value,..."` list, sorted by keyspace id.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyspaceList<T> {
     entries: BTreeMap<KeyspaceId, T>,
     /// As written and why it does not parse, for a list read from a file
     /// that validation refuses (a validated configuration holds none).
-    malformed: Option<(String, String)>,
+    malformed: Option<(String, ListError)>,
 }
 
 impl<T> Default for KeyspaceList<T> {
@@ -76,7 +91,7 @@ impl<T: ListValue> KeyspaceList<T> {
     /// Parses the string form. The empty (or all-blank) string is the empty
     /// list; whitespace around entries is allowed; empty entries, missing
     /// ids or values, malformed values and duplicate ids are errors.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, ListError> {
         let mut entries = BTreeMap::new();
         if text.trim().is_empty() {
             return Ok(Self { entries, malformed: None });
@@ -85,21 +100,24 @@ impl<T: ListValue> KeyspaceList<T> {
             let entry = raw.trim();
             let position = index + 1;
             if entry.is_empty() {
-                return Err(format!("entry {position} is empty in {text:?}"));
+                return Err(ListError::EmptyEntry { position, text: text.to_string() });
             }
             let Some((id, value)) = entry.split_once(':') else {
-                return Err(format!("entry {entry:?} is not \"keyspace_id:value\""));
+                return Err(ListError::NoColon { entry: entry.to_string() });
             };
             let (id, value) = (id.trim(), value.trim());
             let id: KeyspaceId = id
                 .parse()
                 .ok()
                 .filter(|_| id.bytes().all(|b| b.is_ascii_digit()))
-                .ok_or_else(|| format!("entry {entry:?}: keyspace id {id:?} is not a u32"))?;
-            let value = T::parse_value(value)
-                .ok_or_else(|| format!("entry {entry:?}: value {value:?} is not {}", T::EXPECTED))?;
+                .ok_or_else(|| ListError::BadId { entry: entry.to_string(), id: id.to_string() })?;
+            let value = T::parse_value(value).ok_or_else(|| ListError::BadValue {
+                entry: entry.to_string(),
+                value: value.to_string(),
+                expected: T::EXPECTED,
+            })?;
             if entries.insert(id, value).is_some() {
-                return Err(format!("keyspace {id} appears more than once"));
+                return Err(ListError::Duplicate { id });
             }
         }
         Ok(Self { entries, malformed: None })
@@ -113,8 +131,8 @@ impl<T: ListValue> KeyspaceList<T> {
     }
 
     /// Why the list as written does not parse, if it does not.
-    pub fn problem(&self) -> Option<&str> {
-        self.malformed.as_ref().map(|(_, why)| why.as_str())
+    pub fn problem(&self) -> Option<&ListError> {
+        self.malformed.as_ref().map(|(_, why)| why)
     }
 
     /// The entries as a map, in keyspace-id order.

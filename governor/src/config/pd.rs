@@ -30,36 +30,50 @@ pub struct Pd {
 /// Most PD members worth listing.
 const MAX_ENDPOINTS: usize = 16;
 
+/// Why a `pd.endpoints` entry is not a PD member's address.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("{0:?}: https is not supported; governor reads PD over plain HTTP (give the member's http address)")]
+    Https(String),
+    #[error("{endpoint:?}: unknown scheme {scheme:?} (http, or none)")]
+    Scheme { endpoint: String, scheme: String },
+    #[error("{0:?}: give host:port only, without a path, user or query")]
+    NotAuthority(String),
+    #[error("{0:?}: missing the port (host:port, e.g. 127.0.0.1:2379)")]
+    NoPort(String),
+    #[error("{endpoint:?}: {host:?} is not a host name or address")]
+    Host { endpoint: String, host: String },
+    #[error("{endpoint:?}: {port:?} is not a port (1..65535)")]
+    Port { endpoint: String, port: String },
+}
+
 /// `host:port` of one endpoint, or why it is not one.
-fn authority(endpoint: &str) -> Result<&str, String> {
+fn authority(endpoint: &str) -> Result<&str, EndpointError> {
+    let e = || endpoint.to_string();
     let rest = match endpoint.split_once("://") {
         None => endpoint,
         Some(("http", rest)) => rest,
         Some(("https", _)) => {
-            return Err(format!(
-                "{endpoint:?}: https is not supported; governor reads PD over plain HTTP (give the member's http address)"
-            ));
+            return Err(EndpointError::Https(e()));
         }
-        Some((scheme, _)) => return Err(format!("{endpoint:?}: unknown scheme {scheme:?} (http, or none)")),
+        Some((scheme, _)) => return Err(EndpointError::Scheme { endpoint: e(), scheme: scheme.to_string() }),
     };
     let rest = rest.strip_suffix('/').unwrap_or(rest);
     if rest.contains('/') || rest.contains('@') || rest.contains('?') {
-        return Err(format!("{endpoint:?}: give host:port only, without a path, user or query"));
+        return Err(EndpointError::NotAuthority(e()));
     }
-    let (host, port) = rest
-        .rsplit_once(':')
-        .ok_or_else(|| format!("{endpoint:?}: missing the port (host:port, e.g. 127.0.0.1:2379)"))?;
+    let (host, port) = rest.rsplit_once(':').ok_or_else(|| EndpointError::NoPort(e()))?;
     let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         v6.parse::<std::net::Ipv6Addr>().is_ok()
     } else {
         !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
     };
     if !host_ok {
-        return Err(format!("{endpoint:?}: {host:?} is not a host name or address"));
+        return Err(EndpointError::Host { endpoint: e(), host: host.to_string() });
     }
     match port.parse::<u16>() {
         Ok(p) if p > 0 => Ok(rest),
-        _ => Err(format!("{endpoint:?}: {port:?} is not a port (1..65535)")),
+        _ => Err(EndpointError::Port { endpoint: e(), port: port.to_string() }),
     }
 }
 
@@ -69,7 +83,7 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &RawPd, needed: bool) -> Pd {
     for e in &raw.endpoints {
         match authority(e.trim()) {
             Ok(a) => endpoints.push(format!("http://{a}")),
-            Err(why) => c.invalid("pd.endpoints".into(), why),
+            Err(why) => c.invalid("pd.endpoints".into(), why.to_string()),
         }
     }
     c.check(
@@ -101,6 +115,6 @@ mod tests {
         {
             assert!(authority(bad).is_err(), "{bad} accepted");
         }
-        assert!(authority("https://pd:2379").unwrap_err().contains("https is not supported"));
+        assert!(authority("https://pd:2379").unwrap_err().to_string().contains("https is not supported"));
     }
 }

@@ -104,15 +104,20 @@ impl Default for RawAgent {
     }
 }
 
-impl std::str::FromStr for MeasureMode {
-    type Err = String;
+/// A measurement backend's name that is not one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown measurement backend {0:?} (auto, ebpf, thread-clock)")]
+pub struct UnknownBackend(pub String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for MeasureMode {
+    type Err = UnknownBackend;
+
+    fn from_str(s: &str) -> Result<Self, UnknownBackend> {
         match s {
             "auto" => Ok(MeasureMode::Auto),
             "ebpf" => Ok(MeasureMode::Ebpf),
             "thread-clock" => Ok(MeasureMode::ThreadClock),
-            other => Err(format!("unknown measurement backend {other:?} (auto, ebpf, thread-clock)")),
+            other => Err(UnknownBackend(other.to_string())),
         }
     }
 }

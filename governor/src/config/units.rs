@@ -11,6 +11,36 @@ use std::time::Duration;
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+/// Why a duration does not parse: a lowercase reason without the key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    #[error("empty duration; write e.g. \"10ms\" or \"1s\"")]
+    Empty,
+    #[error("invalid duration {text:?}: expected a number at position {position}; write e.g. \"10ms\" or \"1s\"")]
+    NoNumber { text: String, position: usize },
+    #[error("invalid duration {text:?}: number too large")]
+    NumberTooLarge { text: String },
+    #[error("invalid duration {text:?}: missing unit (ns, us, ms, s, m, h)")]
+    MissingUnit { text: String },
+    #[error("invalid duration {text:?}: unknown unit {unit:?} (ns, us, ms, s, m, h)")]
+    UnknownUnit { text: String, unit: String },
+    #[error("invalid duration {text:?}: too large")]
+    TooLarge { text: String },
+}
+
+/// Why a byte size does not parse: a lowercase reason without the key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("invalid size {text:?}: expected a number, e.g. \"100MiB\"")]
+    NoNumber { text: String },
+    #[error("invalid size {text:?}: number too large")]
+    NumberTooLarge { text: String },
+    #[error("invalid size {text:?}: unknown unit {unit:?} (B, KiB, MiB, GiB, TiB)")]
+    UnknownUnit { text: String, unit: String },
+    #[error("invalid size {text:?}: too large")]
+    TooLarge { text: String },
+}
+
 /// A duration written as a string of one or more `<integer><unit>` segments,
 /// e.g. `"500us"`, `"10ms"`, `"1s"`, `"1m"`, `"1h30m"`.
 ///
@@ -41,11 +71,12 @@ impl ConfigDuration {
     }
 
     /// Parses the string form; the error is a lowercase reason without the key.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, DurationError> {
         let s = text.trim();
         if s.is_empty() {
-            return Err("empty duration; write e.g. \"10ms\" or \"1s\"".into());
+            return Err(DurationError::Empty);
         }
+        let text = || text.to_string();
         let bytes = s.as_bytes();
         let mut total: u128 = 0;
         let mut i = 0;
@@ -55,13 +86,9 @@ impl ConfigDuration {
                 i += 1;
             }
             if start == i {
-                return Err(format!(
-                    "invalid duration {text:?}: expected a number at position {start}; \
-                     write e.g. \"10ms\" or \"1s\""
-                ));
+                return Err(DurationError::NoNumber { text: text(), position: start });
             }
-            let number: u128 =
-                s[start..i].parse().map_err(|_| format!("invalid duration {text:?}: number too large"))?;
+            let number: u128 = s[start..i].parse().map_err(|_| DurationError::NumberTooLarge { text: text() })?;
             let unit_start = i;
             while i < bytes.len() && !bytes[i].is_ascii_digit() {
                 i += 1;
@@ -75,18 +102,18 @@ impl ConfigDuration {
                 "m" => 60 * 1_000_000_000,
                 "h" => 3_600 * 1_000_000_000,
                 "" => {
-                    return Err(format!("invalid duration {text:?}: missing unit (ns, us, ms, s, m, h)"));
+                    return Err(DurationError::MissingUnit { text: text() });
                 }
                 other => {
-                    return Err(format!("invalid duration {text:?}: unknown unit {other:?} (ns, us, ms, s, m, h)"));
+                    return Err(DurationError::UnknownUnit { text: text(), unit: other.to_string() });
                 }
             };
             total = number
                 .checked_mul(nanos_per_unit)
                 .and_then(|n| total.checked_add(n))
-                .ok_or_else(|| format!("invalid duration {text:?}: too large"))?;
+                .ok_or_else(|| DurationError::TooLarge { text: text() })?;
         }
-        let secs = u64::try_from(total / 1_000_000_000).map_err(|_| format!("invalid duration {text:?}: too large"))?;
+        let secs = u64::try_from(total / 1_000_000_000).map_err(|_| DurationError::TooLarge { text: text() })?;
         // The remainder is < 1e9 by construction, so the cast cannot truncate.
         let nanos = (total % 1_000_000_000) as u32;
         Ok(Self(Duration::new(secs, nanos)))
@@ -157,14 +184,15 @@ impl ByteSize {
     }
 
     /// Parses the string form; the error is a lowercase reason without the key.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, SizeError> {
         let s = text.trim();
+        let text = || text.to_string();
         let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (number, unit) = s.split_at(split);
         if number.is_empty() {
-            return Err(format!("invalid size {text:?}: expected a number, e.g. \"100MiB\""));
+            return Err(SizeError::NoNumber { text: text() });
         }
-        let number: u64 = number.parse().map_err(|_| format!("invalid size {text:?}: number too large"))?;
+        let number: u64 = number.parse().map_err(|_| SizeError::NumberTooLarge { text: text() })?;
         let shift = match unit.trim() {
             "" | "B" => 0,
             "KiB" | "KB" | "K" => 10,
@@ -172,10 +200,10 @@ impl ByteSize {
             "GiB" | "GB" | "G" => 30,
             "TiB" | "TB" | "T" => 40,
             other => {
-                return Err(format!("invalid size {text:?}: unknown unit {other:?} (B, KiB, MiB, GiB, TiB)"));
+                return Err(SizeError::UnknownUnit { text: text(), unit: other.to_string() });
             }
         };
-        number.checked_mul(1u64 << shift).map(Self).ok_or_else(|| format!("invalid size {text:?}: too large"))
+        number.checked_mul(1u64 << shift).map(Self).ok_or_else(|| SizeError::TooLarge { text: text() })
     }
 }
 

@@ -132,6 +132,33 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    // `--switch`: the tag switch and the eBPF programs' cost per switch
+    // alone (the other half of a before/after on the hot paths).
+    if std::env::args().any(|a| a == "--switch") {
+        let agent = Agent::start_default("ebpf")?;
+        let client = Client::connect(&agent.socket)?;
+        client.register_current_thread()?;
+        let g = client::tag(1)?;
+        let tag_switch_ns = best(5, || {
+            per_op(2_000_000, |i| {
+                client::set_tag(1 + (i & 1) as u32).expect("tag");
+            })
+        });
+        drop(g);
+        let ebpf = switch::ebpf_cost(&agent)?;
+        let e = |k: &str| ebpf.get(k).copied().unwrap_or(f64::NAN);
+        println!(
+            "{}",
+            json!({
+                "tag_switch_ns": round2(tag_switch_ns),
+                "ebpf_stats_floor_ns": round(e("floor")),
+                "ebpf_sched_switch_net_ns": round(e("registered") - e("floor")),
+                "ebpf_sched_switch_unregistered_ns": round(e("unregistered") - e("floor")),
+            })
+        );
+        client::unregister_current_thread();
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--tickets") {
         let f = tickets::fast_path()?;
         println!(
