@@ -30,6 +30,9 @@ pub const MAP_CPUS: &str = "GOV_CPUS";
 pub const MAP_SLOTS: &str = "GOV_SLOTS";
 /// Name of the `KeyspaceCell` array map (indexed by keyspace cell id).
 pub const MAP_KEYSPACES: &str = "GOV_KEYSPACES";
+/// Name of the [`KeyspaceWait`] array map (indexed by keyspace cell id):
+/// the agent's alone, never handed to clients.
+pub const MAP_WAITS: &str = "GOV_WAITS";
 /// Name of the `tid → [slot + 1, rule tag]` array (two `u32` per tid).
 pub const MAP_TID_SLOT: &str = "GOV_TID_SLOT";
 /// Compiled-in tid table length; the agent loads it at `kernel.pid_max`.
@@ -104,6 +107,12 @@ pub struct RuleCpu {
     pub base_ns: u64,
 }
 
+/// Name of the `tid → run-queue delay at its last switch-out` hash of
+/// rule-measured tasks (kernel only).
+pub const MAP_RULE_WAIT: &str = "GOV_RULE_WAIT";
+/// Rule-measured tasks whose waits can be counted at once.
+pub const MAX_RULE_TASKS: u32 = 65536;
+
 /// Program names, as exported by the eBPF object.
 pub const PROG_SCHED_SWITCH: &str = "gov_sched_switch";
 pub const PROG_TIMER: &str = "gov_timer";
@@ -132,6 +141,12 @@ pub const GLOBAL_OFF_EXEC_START: &str = "GOV_OFF_EXEC_START";
 pub const GLOBAL_OFF_TGID: &str = "GOV_OFF_TGID";
 /// `se.prev_sum_exec_runtime` (the runtime when the current slice began).
 pub const GLOBAL_OFF_PREV_RUNTIME: &str = "GOV_OFF_PREV_RUNTIME";
+/// `sched_info.run_delay` (the task's total time runnable but waiting for a
+/// CPU, schedstat's second field), from the start of `task_struct`.
+pub const GLOBAL_OFF_RUN_DELAY: &str = "GOV_OFF_RUN_DELAY";
+/// Non-zero when the running kernel keeps `sched_info` (CONFIG_SCHED_INFO):
+/// run-queue waits are measured.
+pub const GLOBAL_WAIT_ON: &str = "GOV_WAIT_ON";
 /// `filename` in `struct linux_binprm`.
 pub const GLOBAL_OFF_BPRM_FILENAME: &str = "GOV_OFF_BPRM_FILENAME";
 
@@ -245,10 +260,16 @@ pub struct ThreadSlot {
     pub state: u32,
     /// The tgid that registered the thread (reclaim on client death).
     pub tgid: u32,
-    pub _pad0: u32,
+    /// The tag the thread had at its last switch-out: it cannot change
+    /// while the thread is off its CPU, so it is the tag of the run-queue
+    /// wait that follows (kernel only).
+    pub wait_tag: u32,
     /// Charges the thread made itself (diagnostic: how the work splits).
     pub self_charged_ns: u64,
-    pub _pad: [u64; 1],
+    /// The thread's run-queue delay (`sched_info.run_delay`) at its last
+    /// switch-out: its waits are charged from there (kernel only; the agent
+    /// sets it at registration).
+    pub delay_ns: u64,
 }
 
 /// Per-keyspace CPU cell: `cpu_ns` is the total charged to the keyspace
@@ -261,6 +282,66 @@ pub struct KeyspaceCell {
     /// Total charged on-CPU ns (monotonic).
     pub cpu_ns: u64,
     pub _pad: [u64; 7],
+}
+
+/// Log-2 buckets of a keyspace's run-queue waits ([`wait_bucket`]).
+pub const WAIT_BUCKETS: usize = 22;
+/// Waits below `1 << WAIT_BUCKET_SHIFT` ns fall in bucket 0.
+pub const WAIT_BUCKET_SHIFT: u32 = 10;
+
+/// Per-keyspace run-queue wait: how long the keyspace's threads were
+/// runnable but waiting for a CPU, charged to the tag they waited with
+/// (registered threads) or their rule's keyspace (rule-measured processes).
+/// A wait is one stretch from becoming runnable (a wakeup, or a preemption
+/// that left it runnable) to getting a CPU, as the kernel's `sched_info`
+/// counts it. Written by the kernel only; the agent reads it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KeyspaceWait {
+    /// Total ns waited (monotonic).
+    pub wait_ns: u64,
+    /// Waits counted.
+    pub waits: u64,
+    /// `hist[k]`: waits of `wait_bucket(ns) == k`.
+    pub hist: [u64; WAIT_BUCKETS],
+}
+
+/// The bucket of a wait of `ns`: the bit length of `ns >> WAIT_BUCKET_SHIFT`,
+/// at most `WAIT_BUCKETS - 1`. Bucket `k < WAIT_BUCKETS - 1` holds waits
+/// below [`wait_bucket_le_ns`]`(k)`; the last holds the rest.
+#[inline(always)]
+pub const fn wait_bucket(ns: u64) -> usize {
+    let mut v = ns >> WAIT_BUCKET_SHIFT;
+    let mut k = 0usize;
+    // A binary search, not a loop: the eBPF verifier sees a bounded path.
+    if v >= 1 << 16 {
+        v >>= 16;
+        k += 16;
+    }
+    if v >= 1 << 8 {
+        v >>= 8;
+        k += 8;
+    }
+    if v >= 1 << 4 {
+        v >>= 4;
+        k += 4;
+    }
+    if v >= 1 << 2 {
+        v >>= 2;
+        k += 2;
+    }
+    if v >= 1 << 1 {
+        v >>= 1;
+        k += 1;
+    }
+    k += v as usize;
+    if k >= WAIT_BUCKETS { WAIT_BUCKETS - 1 } else { k }
+}
+
+/// The exclusive upper bound, in ns, of wait bucket `k` (not the last).
+#[inline]
+pub const fn wait_bucket_le_ns(k: usize) -> u64 {
+    1u64 << (WAIT_BUCKET_SHIFT as usize + k)
 }
 
 /// The clock part of the agent's header ([`admission::HeaderPage`]): the
@@ -290,6 +371,7 @@ const _: () = assert!(align_of::<ThreadSlot>() == 8);
 const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
 const _: () = assert!(size_of::<RuleCpu>() == 16);
+const _: () = assert!(size_of::<KeyspaceWait>() == 192);
 
 /// First probe position of `keyspace_id` in a table of `len` cells
 /// (`len` a power of two). Fibonacci hashing: ids are often dense small
@@ -323,6 +405,8 @@ mod pod {
     unsafe impl aya::Pod for super::KeyspaceCell {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::RuleCpu {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::KeyspaceWait {}
 }
 
 #[cfg(test)]
@@ -376,5 +460,22 @@ mod tests {
         assert_eq!(core::mem::offset_of!(ThreadSlot, tid), 32);
         assert_eq!(core::mem::offset_of!(ThreadSlot, state), 36);
         assert_eq!(core::mem::offset_of!(KeyspaceCell, cpu_ns), 0);
+    }
+
+    #[test]
+    fn wait_buckets_are_log2_from_a_microsecond() {
+        assert_eq!(wait_bucket(0), 0);
+        assert_eq!(wait_bucket(1023), 0);
+        assert_eq!(wait_bucket(1024), 1);
+        assert_eq!(wait_bucket(2047), 1);
+        assert_eq!(wait_bucket(2048), 2);
+        assert_eq!(wait_bucket(u64::MAX), WAIT_BUCKETS - 1);
+        // Every wait below a bucket's bound falls in it or below, every
+        // wait at the bound above it.
+        for k in 0..WAIT_BUCKETS - 1 {
+            let le = wait_bucket_le_ns(k);
+            assert_eq!(wait_bucket(le - 1), k, "{le}");
+            assert_eq!(wait_bucket(le), k + 1, "{le}");
+        }
     }
 }

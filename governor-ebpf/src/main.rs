@@ -9,6 +9,21 @@
 //!   the kernel has counted so far for a registered task that is still
 //!   running, so a long query is charged while it runs.
 //!
+//! # Run-queue wait
+//!
+//! The kernel counts each task's time runnable but without a CPU in
+//! `sched_info.run_delay` (schedstat's second field), adding a wait when it
+//! ends: at the switch-in that ends it, after this tracepoint. So at a
+//! task's switch-out its delay has gained exactly the wait before the slice
+//! now ending. A registered thread is charged that gain at its switch-out,
+//! to the tag it had at its switch-out before (its tag cannot change while
+//! it is off its CPU: that is the tag it waited with); a rule-measured
+//! task, to its rule's keyspace, from its delay at its switch-out before
+//! (kept by tid in `GOV_RULE_WAIT`). A wait can gain the delay in parts (a
+//! waiting task moved to another CPU's queue, or stopped, adds what it
+//! waited so far then), so the base is always the last switch-out, never a
+//! switch-in. Unregistered tasks pay nothing for it.
+//!
 //! # What "exact" means here
 //!
 //! The kernel's own count of a task's CPU time is `se.sum_exec_runtime`:
@@ -56,9 +71,9 @@ use aya_ebpf::{
 use core::ptr::{addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
     CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
-    FRESH_OFFSET_NS, KeyspaceCell, MAX_CPUS, MAX_PENDING, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON,
-    RULE_CTL_RENAME, RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag,
-    cpu_owner,
+    FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, MAX_CPUS, MAX_PENDING, MAX_RULE_TASKS, RULE_CTL_DROPPED,
+    RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,
+    ThreadSlot, cell_of_tag, cpu_owner, wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -79,6 +94,11 @@ static GOV_OFF_TGID: u32 = 0;
 static GOV_OFF_PREV_RUNTIME: u32 = 0;
 #[unsafe(no_mangle)]
 static GOV_OFF_BPRM_FILENAME: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_RUN_DELAY: u32 = 0;
+/// Non-zero when the kernel has `sched_info` (`GOV_OFF_RUN_DELAY` is valid).
+#[unsafe(no_mangle)]
+static GOV_WAIT_ON: u32 = 0;
 
 #[map]
 static GOV_CPUS: Array<CpuCell> = Array::with_max_entries(MAX_CPUS, BPF_F_MMAPABLE);
@@ -86,6 +106,10 @@ static GOV_CPUS: Array<CpuCell> = Array::with_max_entries(MAX_CPUS, BPF_F_MMAPAB
 static GOV_SLOTS: Array<ThreadSlot> = Array::with_max_entries(DEFAULT_MAX_THREADS, BPF_F_MMAPABLE);
 #[map]
 static GOV_KEYSPACES: Array<KeyspaceCell> = Array::with_max_entries(DEFAULT_MAX_KEYSPACES, BPF_F_MMAPABLE);
+/// Run-queue waits by keyspace cell, beside `GOV_KEYSPACES` (the agent's
+/// alone: clients write keyspace cells, never these).
+#[map]
+static GOV_WAITS: Array<KeyspaceWait> = Array::with_max_entries(DEFAULT_MAX_KEYSPACES, BPF_F_MMAPABLE);
 /// `tid → [slot + 1, rule tag]`, one entry per possible tid
 /// (`kernel.pid_max`): an array lookup is a bounds check and an add, where a
 /// hash lookup would hash the key on every context switch.
@@ -107,6 +131,10 @@ static GOV_PENDING: HashMap<u32, u64> = HashMap::with_max_entries(MAX_PENDING, 0
 /// Exec and fork events for the agent's rules.
 #[map]
 static GOV_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+/// `tid → run-queue delay at its last switch-out` of rule-measured tasks
+/// (see the crate's notes on run-queue wait).
+#[map]
+static GOV_RULE_WAIT: HashMap<u32, u64> = HashMap::with_max_entries(MAX_RULE_TASKS, 0);
 /// `[rules on, events dropped, thread-name rules on]`.
 #[map]
 static GOV_RULE_CTL: Array<u64> = Array::with_max_entries(RULE_CTL_ENTRIES, 0);
@@ -212,12 +240,106 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
         // map value and a task pointer (the verifier refuses it).
         let charged = read_volatile(addr_of_mut!((*cell).base_ns));
         let slice_start = task_field::<u64>(task, &GOV_OFF_PREV_RUNTIME);
-        let base = if read_volatile(addr_of_mut!((*cell).tid)) == tid as u64 + 1 { charged } else { slice_start };
+        let seen = read_volatile(addr_of_mut!((*cell).tid)) == tid as u64 + 1;
+        let base = if seen { charged } else { slice_start };
         if runtime > base {
             charge_rule(task, tag, runtime - base);
         }
+        if !keep {
+            rule_waited(task, tid, tag);
+        }
         write_volatile(addr_of_mut!((*cell).tid), if keep { tid as u64 + 1 } else { 0 });
         write_volatile(addr_of_mut!((*cell).base_ns), runtime);
+    }
+}
+
+/// At a rule-measured task's switch-out: charges what its run-queue delay
+/// gained since its last switch-out to its rule's keyspace (a task first
+/// seen now only leaves its base; one whose rule is being decided charges
+/// nothing).
+///
+/// # Safety
+/// `task` is a trusted task pointer being switched out.
+#[inline(always)]
+unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32) {
+    if !wait_on() {
+        return;
+    }
+    // SAFETY: as the caller promises; map value pointers are valid for
+    // this run, and only this CPU switches the task out.
+    unsafe {
+        let delay = task_field::<u64>(task, &GOV_OFF_RUN_DELAY);
+        if let Some(p) = GOV_RULE_WAIT.get_ptr_mut(&tid) {
+            let seen = read_volatile(p);
+            if delay > seen {
+                if tag != TAG_PENDING {
+                    charge_wait(tag as u64, delay - seen);
+                }
+                write_volatile(p, delay);
+            }
+        } else {
+            // Full: this task's waits go uncounted until room is made.
+            let _ = GOV_RULE_WAIT.insert(&tid, &delay, 0);
+        }
+        if task_field::<u32>(task, &GOV_OFF_STATE) & TASK_DEAD != 0 {
+            let _ = GOV_RULE_WAIT.remove(&tid);
+        }
+    }
+}
+
+/// Whether run-queue waits are measured on this kernel.
+#[inline(always)]
+fn wait_on() -> bool {
+    // SAFETY: a read-only global the agent sets before load.
+    unsafe { read_volatile(&GOV_WAIT_ON) != 0 }
+}
+
+/// Charges one run-queue wait of `delta` ns to the keyspace of `tag`.
+#[inline(always)]
+fn charge_wait(tag: u64, delta: u64) {
+    let Some(index) = cell_of_tag(tag) else { return };
+    if let Some(w) = GOV_WAITS.get_ptr_mut(index) {
+        let k = wait_bucket(delta);
+        // SAFETY: a map value pointer, valid for the program's run; `k` is
+        // below the histogram's length; the adds are atomic against other
+        // CPUs.
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                addr_of_mut!((*w).wait_ns),
+                delta,
+            );
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                addr_of_mut!((*w).waits),
+                1,
+            );
+            if let Some(bucket) = (*w).hist.get_mut(k) {
+                core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(bucket, 1);
+            }
+        }
+    }
+}
+
+/// At a registered thread's switch-out: charges the wait that ended at this
+/// slice's start to the tag the thread waited with, and keeps the tag it
+/// leaves with for the next wait.
+///
+/// # Safety
+/// `task` is the thread's trusted task pointer, `slot` its map value
+/// pointer; the thread cannot run now.
+#[inline(always)]
+unsafe fn slot_waited(task: *const u8, slot: *mut ThreadSlot) {
+    if !wait_on() {
+        return;
+    }
+    // SAFETY: as the caller promises.
+    unsafe {
+        let delay = task_field::<u64>(task, &GOV_OFF_RUN_DELAY);
+        let seen = read_volatile(addr_of_mut!((*slot).delay_ns));
+        if delay > seen {
+            charge_wait(read_volatile(addr_of_mut!((*slot).wait_tag)) as u64, delay - seen);
+            write_volatile(addr_of_mut!((*slot).delay_ns), delay);
+        }
+        write_volatile(addr_of_mut!((*slot).wait_tag), read_volatile(addr_of_mut!((*slot).tag)) as u32);
     }
 }
 
@@ -268,6 +390,7 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
                 charge_up_to(slot, runtime);
                 write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
+                slot_waited(prev, slot);
                 if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
                     // Its final switch: the slot is dead before the tid entry
                     // clears, so the agent never sees a live slot without a tid.
@@ -320,6 +443,13 @@ pub fn gov_fork(ctx: BtfTracePointContext) -> i32 {
         let tag = tid_entry(task_field::<u32>(parent, &GOV_OFF_PID)).map_or(0, |e| rule_tag(e));
         write_volatile(entry, 0);
         write_volatile(entry.add(1), tag);
+        // A new task's run-queue delay starts at zero; a tid reused by a
+        // task no rule measures keeps no old base.
+        if tag != 0 {
+            let _ = GOV_RULE_WAIT.insert(&tid, &0, 0);
+        } else if rules_on() {
+            let _ = GOV_RULE_WAIT.remove(&tid);
+        }
         let tgid = task_field::<u32>(child, &GOV_OFF_TGID);
         if tag == TAG_PENDING
             && tgid == tid

@@ -24,8 +24,15 @@ pub fn threads(tgid: u32) -> Vec<u32> {
 /// On-CPU ns of `tid` of `tgid` as the scheduler counts it (the same
 /// counter `CLOCK_THREAD_CPUTIME_ID` reads).
 pub fn schedstat_ns(tgid: u32, tid: u32) -> Option<u64> {
+    Some(schedstat(tgid, tid)?.0)
+}
+
+/// Thread `tid` of `tgid`'s schedstat: its on-CPU ns and its run-queue
+/// wait ns (`sched_info.run_delay`), as the kernel counts them.
+pub fn schedstat(tgid: u32, tid: u32) -> Option<(u64, u64)> {
     let task = process(tgid)?.task_from_tid(i32::try_from(tid).ok()?).ok()?;
-    Some(task.schedstat().ok()?.sum_exec_runtime)
+    let s = task.schedstat().ok()?;
+    Some((s.sum_exec_runtime, s.run_delay))
 }
 
 /// The pids of thread `tid` of `tgid` in each PID namespace it is in, the

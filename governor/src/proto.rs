@@ -187,6 +187,11 @@ pub struct StatusReport {
     pub thread_clock_source: String,
     /// The node's logical cores.
     pub logical_cores: u32,
+    /// Where the keyspaces' run-queue waits come from: `kernel` (charged
+    /// at each switch, exact), `sampled` (fallback backend) or
+    /// `unavailable` (a kernel without `sched_info`).
+    #[serde(default)]
+    pub wait_source: String,
     /// The CPU the caps are fractions of, and where it came from.
     #[serde(default)]
     pub server_cpu: ServerCpuStatus,
@@ -395,6 +400,22 @@ pub struct KeyspaceStatus {
     pub cpu_seconds: f64,
     /// On-CPU time over the monitor window / (the servers' cores × window).
     pub window_ratio: f64,
+    /// Run-queue wait of its threads (runnable, waiting for a CPU), charged
+    /// to the keyspace they were tagged with while they waited; cumulative.
+    #[serde(default)]
+    pub cpu_wait_seconds: f64,
+    /// Waits counted (one per wakeup or preemption that had to wait).
+    #[serde(default)]
+    pub cpu_waits: u64,
+    /// One wait's p50 and p99 over the monitor window, µs (none: no wait).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_wait_p50_us: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_wait_p99_us: Option<f64>,
+    /// Waits by log-2 bucket since it got its cell: bucket `k` below
+    /// `2^(10 + k)` ns, the last the rest (`governor-common::wait_bucket`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cpu_wait_buckets: Vec<u64>,
     /// Its token bucket, when it has one.
     pub bucket: Option<BucketStatus>,
     pub estimate_us: u64,

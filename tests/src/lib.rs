@@ -537,9 +537,15 @@ impl Steal {
 /// The kernel's count of a thread's on-CPU ns (`/proc/<pid>/task/<tid>/schedstat`,
 /// first field), read from outside the thread.
 pub fn schedstat_ns(pid: u32, tid: u32) -> Result<u64> {
+    Ok(schedstat_pair(pid, tid)?.0)
+}
+
+/// A thread's schedstat: on-CPU ns and run-queue wait ns.
+pub fn schedstat_pair(pid: u32, tid: u32) -> Result<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))
         .with_context(|| format!("schedstat of {pid}/{tid}"))?;
-    text.split_whitespace().next().context("empty schedstat")?.parse().context("schedstat value")
+    let mut fields = text.split_whitespace().map(|f| f.parse::<u64>().context("schedstat value"));
+    Ok((fields.next().context("empty schedstat")??, fields.next().context("no run-queue field in schedstat")??))
 }
 
 /// Waits until `ok` holds, polling every 10 ms, for at most 10 s (then
@@ -815,6 +821,18 @@ pub struct ThreadReport {
     /// [`run_threads`]: all of its tagged span, the work and the moments
     /// around it.
     pub schedstat_ns: u64,
+    /// The kernel's run-queue wait (schedstat's second field) over the
+    /// same span.
+    pub schedstat_wait_ns: u64,
+}
+
+/// What [`run_threads_measured`] saw: every thread's report, and each
+/// keyspace's charged CPU and run-queue wait between the two stops (ns).
+#[derive(Clone, Debug)]
+pub struct ThreadsRun {
+    pub reports: Vec<ThreadReport>,
+    pub cpu_ns: std::collections::BTreeMap<u32, f64>,
+    pub wait_ns: std::collections::BTreeMap<u32, f64>,
 }
 
 /// A `workload threads` process (see its protocol in `workload/kinds.rs`).
@@ -852,9 +870,10 @@ impl ThreadsWorkload {
         Ok(ThreadsWorkload { child, out, ready })
     }
 
-    fn schedstat(&self) -> Result<Vec<u64>> {
+    /// Each thread's (on-CPU ns, run-queue wait ns).
+    fn schedstat(&self) -> Result<Vec<(u64, u64)>> {
         let pid = self.child.id();
-        self.ready.iter().map(|(tid, ..)| schedstat_ns(pid, *tid)).collect()
+        self.ready.iter().map(|(tid, ..)| schedstat_pair(pid, *tid)).collect()
     }
 
     fn send_line(&mut self) -> Result<()> {
@@ -866,13 +885,18 @@ impl ThreadsWorkload {
     }
 }
 
-/// Every keyspace's charge (ns) read while the processes measured are
-/// stopped: once the agent's counts hold still (at once on the eBPF
-/// backend, which charged each thread as it stopped; after a sampling
-/// pass or two on the fallback, which reads their schedstat).
-fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, f64>> {
-    let read = || -> Result<std::collections::BTreeMap<u32, f64>> {
-        Ok(agent.status()?.keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds * 1e9)).collect())
+/// Every keyspace's charge and run-queue wait (ns) read while the
+/// processes measured are stopped: once the agent's counts hold still (at
+/// once on the eBPF backend, which charged each thread as it stopped; after
+/// a sampling pass or two on the fallback, which reads their schedstat).
+fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, (f64, f64)>> {
+    let read = || -> Result<std::collections::BTreeMap<u32, (f64, f64)>> {
+        Ok(agent
+            .status()?
+            .keyspaces
+            .iter()
+            .map(|k| (k.keyspace_id, (k.cpu_seconds * 1e9, k.cpu_wait_seconds * 1e9)))
+            .collect())
     };
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut last = read()?;
@@ -899,12 +923,18 @@ pub fn run_threads(
     agent: &Agent,
     workloads: &[&[&str]],
 ) -> Result<(Vec<ThreadReport>, std::collections::BTreeMap<u32, f64>)> {
+    let run = run_threads_measured(agent, workloads)?;
+    Ok((run.reports, run.cpu_ns))
+}
+
+/// [`run_threads`], with the run-queue waits of the same span.
+pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<ThreadsRun> {
     let mut procs: Vec<ThreadsWorkload> =
         workloads.iter().map(|args| ThreadsWorkload::spawn(&agent.socket, args)).collect::<Result<_>>()?;
     let pids: std::collections::BTreeSet<u32> = procs.iter().map(|p| p.child.id()).collect();
     stop(&pids)?;
     let charged_before = settled_charges(agent)?;
-    let before: Vec<Vec<u64>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
+    let before: Vec<Vec<(u64, u64)>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
     resume(&pids);
     for p in &mut procs {
         p.send_line()?;
@@ -922,7 +952,7 @@ pub fn run_threads(
         .collect::<Result<_>>()?;
     stop(&pids)?;
     let charged_after = settled_charges(agent)?;
-    let after: Vec<Vec<u64>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
+    let after: Vec<Vec<(u64, u64)>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
     resume(&pids);
     let mut reports = Vec::new();
     for (p, ((w, b), a)) in procs.iter().zip(worked.iter().zip(&before).zip(&after)) {
@@ -939,7 +969,8 @@ pub fn run_threads(
                 kind: kind.clone(),
                 thread_cpu_ns: w["thread_cpu_ns"].as_u64().context("thread_cpu_ns")?,
                 thread_clock_ns: w["thread_clock_ns"].as_u64().context("thread_clock_ns")?,
-                schedstat_ns: a[i] - b[i],
+                schedstat_ns: a[i].0 - b[i].0,
+                schedstat_wait_ns: a[i].1 - b[i].1,
             });
         }
     }
@@ -950,8 +981,13 @@ pub fn run_threads(
             bail!("workload threads exited with {status}");
         }
     }
-    let charged = charged_after.iter().map(|(k, v)| (*k, v - charged_before.get(k).copied().unwrap_or(0.0))).collect();
-    Ok((reports, charged))
+    let since = |pick: fn(&(f64, f64)) -> f64| {
+        charged_after
+            .iter()
+            .map(|(k, v)| (*k, pick(v) - charged_before.get(k).map_or(0.0, pick)))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    Ok(ThreadsRun { reports, cpu_ns: since(|v| v.0), wait_ns: since(|v| v.1) })
 }
 
 fn read_json(out: &mut BufReader<std::process::ChildStdout>) -> Result<serde_json::Value> {

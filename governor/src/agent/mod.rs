@@ -32,6 +32,7 @@ mod server_cpu;
 pub mod slots;
 mod status;
 mod usage;
+mod waits;
 
 use crate::config::ValidatedConfig;
 use crate::measure::{MeasureError, MeasureMode, Measurement, Sizing, fallback};

@@ -158,12 +158,15 @@ impl Slots {
         // so far is where its charging starts. It is blocked waiting for this
         // reply, so the value holds still (what it ran before blocking, if
         // anything, is charged to no tag at its switch-out).
-        let start = crate::procs::schedstat_ns(tgid, tid).ok_or(SlotError::NotYourThread { tid, pid: tgid })?;
+        let (start, delay) = crate::procs::schedstat(tgid, tid).ok_or(SlotError::NotYourThread { tid, pid: tgid })?;
         let generation = view.generation.load(Ordering::Relaxed) + 1;
         view.oncpu_ns.store(start, Ordering::Relaxed);
         view.charged_ns.store(start, Ordering::Relaxed);
         view.tag.store(TAG_NONE, Ordering::Relaxed);
         view.self_charged_ns.store(0, Ordering::Relaxed);
+        // Its waits count from here, with no tag until it sets one.
+        view.delay_ns.store(delay, Ordering::Relaxed);
+        view.wait_tag.store(0, Ordering::Relaxed);
         view.tid.store(tid, Ordering::Relaxed);
         view.tgid.store(tgid, Ordering::Relaxed);
         view.generation.store(generation, Ordering::Relaxed);

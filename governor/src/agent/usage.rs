@@ -1,6 +1,7 @@
 //! Per-keyspace CPU as the measurement cells hold it, turned into the
 //! policy's usage samples (one per stats interval) and the totals status
-//! reports.
+//! reports; the run-queue waits beside it (`agent::waits`), sampled at the
+//! same times.
 //!
 //! A keyspace cell keeps counting when the agent gives it to another
 //! keyspace, so each holder's total starts from the cell's value when it got
@@ -48,6 +49,8 @@ pub(crate) struct Usage {
     /// What the servers' coarse counters (clock ticks) fell short of their
     /// tagged CPU by, carried into the next sample (≤ 0, bounded).
     carry_ns: i64,
+    /// Run-queue waits by keyspace.
+    pub(crate) waits: super::waits::Waits,
 }
 
 impl Usage {
@@ -61,6 +64,7 @@ impl Usage {
             anomalies: 0,
             untagged_ns: 0,
             carry_ns: 0,
+            waits: Default::default(),
         }
     }
 
@@ -80,6 +84,7 @@ impl Usage {
     /// (`servers`) ran untagged.
     pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, servers: &ServersRan) -> UsageSample {
         let now = sys::monotonic_ns();
+        self.waits.sample(m, policy, now, policy.settings().window_size_us().saturating_mul(1000));
         let elapsed = now.saturating_sub(self.last_sample_ns).max(1);
         self.last_sample_ns = now;
         let bound = self.bound(elapsed);
@@ -149,6 +154,7 @@ impl Usage {
         if e.generation != generation || e.id != id {
             *e = fresh;
         }
+        self.waits.note(m, cell, id, generation);
     }
 
     /// CPU charged to `keyspace` now: the last sample's total plus what the

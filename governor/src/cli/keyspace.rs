@@ -100,6 +100,17 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         k.cpu_seconds,
         k.estimate_us
     ));
+    why.push(match (k.cpu_wait_p50_us, k.cpu_wait_p99_us) {
+        (Some(p50), Some(p99)) => format!(
+            "its threads waited {:.3} s for a CPU in all ({} waits, run-queue time the kernel counted); \
+             over the monitor window one wait took {p50:.1} µs at p50, {p99:.1} µs at p99",
+            k.cpu_wait_seconds, k.cpu_waits
+        ),
+        _ => format!(
+            "its threads waited {:.3} s for a CPU in all ({} waits); none over the monitor window",
+            k.cpu_wait_seconds, k.cpu_waits
+        ),
+    });
     why.push(format!(
         "tickets since its cell was created: {} granted, {} waited, {} refused; {} in flight",
         k.granted, k.waited, k.refused, k.inflight_requests

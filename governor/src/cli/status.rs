@@ -19,6 +19,13 @@ pub fn render(s: &StatusReport) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "backend      {}", s.backend.as_str());
     let _ = writeln!(out, "thread clock {}", s.thread_clock_source);
+    let waits = match s.wait_source.as_str() {
+        "kernel" => "the kernel's sched_info, charged at each switch (exact)",
+        "sampled" => "schedstat samples of registered threads (fallback backend)",
+        "unavailable" => "not measured (this kernel keeps no sched_info)",
+        other => other,
+    };
+    let _ = writeln!(out, "runq waits   {waits}");
     let c = &s.server_cpu;
     let _ = writeln!(
         out,
@@ -75,8 +82,16 @@ pub fn render(s: &StatusReport) -> String {
     out.push('\n');
     let _ = writeln!(
         out,
-        "{:>12} {:>12} {:>8} {:>10} {:>23} {:>10} {:>9} {:>9}",
-        "keyspace", "cpu seconds", "of CPU", "bucket", "available / capacity µs", "granted", "refused", "waited"
+        "{:>12} {:>12} {:>8} {:>11} {:>10} {:>23} {:>10} {:>9} {:>9}",
+        "keyspace",
+        "cpu seconds",
+        "of CPU",
+        "runq wait s",
+        "bucket",
+        "available / capacity µs",
+        "granted",
+        "refused",
+        "waited"
     );
     for k in &s.keyspaces {
         let (source, tokens) = match &k.bucket {
@@ -85,10 +100,11 @@ pub fn render(s: &StatusReport) -> String {
         };
         let _ = write!(
             out,
-            "{:>12} {:>12.3} {:>7.1}% {:>10} {:>23} {:>10} {:>9} {:>9}",
+            "{:>12} {:>12.3} {:>7.1}% {:>11.3} {:>10} {:>23} {:>10} {:>9} {:>9}",
             k.keyspace_id,
             k.cpu_seconds,
             k.window_ratio * 100.0,
+            k.cpu_wait_seconds,
             source,
             tokens,
             k.granted,

@@ -1,8 +1,10 @@
 //! `governor top`: per keyspace CPU and admission, refreshed like `top`.
 //!
 //! Each frame compares two status reports `--interval` apart: CPU is the
-//! cores a keyspace used over that interval (what the kernel charged), the
-//! ticket counts are what happened in it. In a terminal the screen is
+//! cores a keyspace used over that interval (what the kernel charged), its
+//! run-queue wait how long its threads waited for a CPU in it (ms per
+//! second: 1000 is one thread waiting all the time), the ticket counts are
+//! what happened in it. In a terminal the screen is
 //! redrawn in place; otherwise (a pipe, `--json`) frames follow each other.
 
 use super::CliError;
@@ -17,6 +19,8 @@ use std::time::{Duration, Instant};
 pub enum SortKey {
     Cpu,
     Ratio,
+    /// Run-queue wait over the interval.
+    RunQueue,
     Fill,
     Debt,
     Waits,
@@ -32,6 +36,8 @@ pub struct Row {
     pub cpu_cores: f64,
     /// Share of the servers' CPU over the monitor window.
     pub window_ratio: f64,
+    /// Run-queue wait of its threads over the interval, ms per second.
+    pub cpu_wait_ms_per_s: f64,
     /// Bucket fill, % of capacity (none without a bucket).
     pub bucket_fill_pct: Option<f64>,
     pub bucket_source: Option<String>,
@@ -63,10 +69,12 @@ fn frame(before: &StatusReport, after: &StatusReport, seconds: f64, sort: SortKe
             let o = old.get(&k.keyspace_id);
             let delta = |f: fn(&KeyspaceStatus) -> u64| f(k).saturating_sub(o.map_or(0, |o| f(o)));
             let cpu = (k.cpu_seconds - o.map_or(0.0, |o| o.cpu_seconds)).max(0.0) / seconds;
+            let wait = (k.cpu_wait_seconds - o.map_or(0.0, |o| o.cpu_wait_seconds)).max(0.0) / seconds;
             Row {
                 keyspace_id: k.keyspace_id,
                 cpu_cores: cpu,
                 window_ratio: k.window_ratio,
+                cpu_wait_ms_per_s: wait * 1000.0,
                 bucket_fill_pct: k
                     .bucket
                     .as_ref()
@@ -85,6 +93,7 @@ fn frame(before: &StatusReport, after: &StatusReport, seconds: f64, sort: SortKe
         match sort {
             SortKey::Cpu => r.cpu_cores,
             SortKey::Ratio => r.window_ratio,
+            SortKey::RunQueue => r.cpu_wait_ms_per_s,
             SortKey::Fill => r.bucket_fill_pct.unwrap_or(-1.0),
             SortKey::Debt => r.debt_us as f64,
             SortKey::Waits => r.waited as f64,
@@ -114,17 +123,18 @@ pub fn render(f: &Frame, limit: usize) -> String {
     );
     let _ = writeln!(
         out,
-        "{:>10} {:>8} {:>8} {:>11} {:>10} {:>9} {:>8} {:>8}  RULE",
-        "KEYSPACE", "CORES", "WINDOW%", "BUCKET", "FILL%", "DEBT µs", "WAITS", "REFUSED"
+        "{:>10} {:>8} {:>8} {:>9} {:>11} {:>10} {:>9} {:>8} {:>8}  RULE",
+        "KEYSPACE", "CORES", "WINDOW%", "RUNQ ms/s", "BUCKET", "FILL%", "DEBT µs", "WAITS", "REFUSED"
     );
     for r in f.rows.iter().take(limit) {
         let fill = r.bucket_fill_pct.map_or("-".to_string(), |p| format!("{p:.0}"));
         let _ = writeln!(
             out,
-            "{:>10} {:>8.3} {:>8.1} {:>11} {:>10} {:>9} {:>8} {:>8}  {}",
+            "{:>10} {:>8.3} {:>8.1} {:>9.1} {:>11} {:>10} {:>9} {:>8} {:>8}  {}",
             r.keyspace_id,
             r.cpu_cores,
             r.window_ratio * 100.0,
+            r.cpu_wait_ms_per_s,
             r.bucket_source.as_deref().unwrap_or("-"),
             fill,
             r.debt_us,

@@ -49,6 +49,9 @@ pub struct TaskOffsets {
     /// `filename` of `struct linux_binprm` (not a task field: the path
     /// `sched_process_exec` reports).
     pub bprm_filename: u32,
+    /// `sched_info.run_delay`: the task's total run-queue wait. `None` on a
+    /// kernel without CONFIG_SCHED_INFO (waits are not measured there).
+    pub run_delay: Option<u32>,
 }
 
 const KIND_STRUCT: u32 = 4;
@@ -221,6 +224,7 @@ impl Btf {
             tgid: self.offset_of("task_struct", "tgid")?,
             prev_sum_exec_runtime: self.offset_of("task_struct", "se.prev_sum_exec_runtime")?,
             bprm_filename: self.offset_of("linux_binprm", "filename")?,
+            run_delay: self.offset_of("task_struct", "sched_info.run_delay").ok(),
         })
     }
 }

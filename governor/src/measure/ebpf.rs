@@ -12,10 +12,10 @@ use aya::programs::perf_event::{PerfEventScope, PerfTypeId, SamplePolicy, perf_s
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 use keyspace_governor_common::{
-    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUNTIME,
-    GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS,
-    MAP_TID_SLOT, PROG_EXEC, PROG_FORK, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON,
-    RULE_CTL_RENAME, RuleEvent,
+    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUN_DELAY,
+    GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, GLOBAL_WAIT_ON, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES,
+    MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC, PROG_FORK, PROG_RENAME,
+    PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME, RuleEvent,
 };
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -62,6 +62,13 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         .and_then(|b| b.task_offsets())
         .map_err(|e| MeasureError::KernelUnsupported(Box::new(e)))?;
     log::debug!("task_struct offsets from the kernel's BTF: {offsets:?}");
+    let (run_delay, wait_on) = match offsets.run_delay {
+        Some(off) => (off, 1u32),
+        None => {
+            log::warn!("this kernel keeps no sched_info (CONFIG_SCHED_INFO): run-queue waits are not measured");
+            (0, 0)
+        }
+    };
     let mut ebpf = EbpfLoader::new()
         .set_global(GLOBAL_OFF_PID, &offsets.pid, true)
         .set_global(GLOBAL_OFF_STATE, &offsets.state, true)
@@ -70,10 +77,13 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         .set_global(GLOBAL_OFF_TGID, &offsets.tgid, true)
         .set_global(GLOBAL_OFF_PREV_RUNTIME, &offsets.prev_sum_exec_runtime, true)
         .set_global(GLOBAL_OFF_BPRM_FILENAME, &offsets.bprm_filename, true)
+        .set_global(GLOBAL_OFF_RUN_DELAY, &run_delay, true)
+        .set_global(GLOBAL_WAIT_ON, &wait_on, true)
         .set_max_entries(MAP_CPUS, sizes.cpus)
         .set_max_entries(MAP_SLOTS, sizes.slots)
         .set_max_entries(MAP_TID_SLOT, max_tids)
         .set_max_entries(MAP_KEYSPACES, sizes.keyspaces)
+        .set_max_entries(MAP_WAITS, sizes.keyspaces)
         .load(crate::EBPF_OBJECT)
         .map_err(|e| MeasureError::Load(boxed(e)))?;
     if let Err(e) = aya_log::EbpfLogger::init(&mut ebpf) {
@@ -126,6 +136,12 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         fds.push(fd);
         arrays.push(data);
     }
+    let waits_map = match ebpf.take_map(MAP_WAITS) {
+        Some(Map::Array(data)) => data,
+        _ => return Err(MeasureError::Load("wait table missing".into())),
+    };
+    let waits = Table::map_with("waits", waits_map.fd().as_fd().as_raw_fd(), sizes.keyspaces, Access::ReadOnly)?;
+    arrays.push(waits_map);
     let tid_map = match ebpf.take_map(MAP_TID_SLOT) {
         Some(Map::Array(data)) => data,
         _ => return Err(MeasureError::Load("tid table missing".into())),
@@ -149,6 +165,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         kind: BackendKind::Ebpf,
         regions,
         sizes,
+        waits,
+        wait_source: if wait_on != 0 { super::WaitSource::Kernel } else { super::WaitSource::Unavailable },
         fds,
         inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, rules, _maps: arrays })),
     })

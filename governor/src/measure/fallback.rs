@@ -5,9 +5,9 @@
 
 use super::{Inner, MeasureError, Measurement, Sizing};
 use crate::proto::BackendKind;
-use crate::region::{Access, MeasureRegions, RegionSizes, SlotView, fd};
+use crate::region::{Access, MeasureRegions, RegionSizes, SlotView, Table, fd};
 use crate::sys;
-use keyspace_governor_common::{SLOT_LIVE, ThreadSlot};
+use keyspace_governor_common::{KeyspaceWait, SLOT_LIVE, ThreadSlot, cell_of_tag, wait_bucket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
@@ -34,7 +34,19 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         crate::sys::seal(f.as_raw_fd(), i == 0)
             .map_err(|source| MeasureError::Region { what: "measurement", source })?;
     }
-    Ok(Measurement { kind: BackendKind::ThreadClock, regions, sizes, fds, inner: Inner::Fallback })
+    // Run-queue waits: the agent's own memory, never handed out.
+    let waits_fd = sys::memfd("governor-waits", sizes.keyspaces as usize * std::mem::size_of::<KeyspaceWait>())
+        .map_err(|source| MeasureError::Region { what: "waits", source })?;
+    let waits = Table::map("waits", waits_fd.as_raw_fd(), sizes.keyspaces)?;
+    Ok(Measurement {
+        kind: BackendKind::ThreadClock,
+        regions,
+        sizes,
+        waits,
+        wait_source: super::WaitSource::Sampled,
+        fds,
+        inner: Inner::Fallback,
+    })
 }
 
 /// Charges `slot` up to `now_ns` of its thread clock, unless the thread
@@ -56,9 +68,20 @@ pub fn sample(m: &Measurement) {
             continue;
         }
         let (tgid, tid) = (slot.tgid.load(Ordering::Relaxed), slot.tid.load(Ordering::Relaxed));
-        if let Some(ns) = crate::procs::schedstat_ns(tgid, tid) {
+        if let Some((ns, delay)) = crate::procs::schedstat(tgid, tid) {
             slot.oncpu_ns.store(ns, Ordering::Release);
             charge_up_to(m, slot, ns);
+            // What the thread waited since the last sample, to its tag now
+            // (several waits between two samples count as one).
+            let seen = slot.delay_ns.swap(delay, Ordering::Relaxed);
+            let tag = slot.tag.load(Ordering::Relaxed);
+            if delay > seen
+                && let Some(w) = cell_of_tag(tag).and_then(|c| m.waits.get(c))
+            {
+                w.wait_ns.fetch_add(delay - seen, Ordering::Relaxed);
+                w.waits.fetch_add(1, Ordering::Relaxed);
+                w.hist[wait_bucket(delay - seen)].fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

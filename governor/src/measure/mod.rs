@@ -12,7 +12,7 @@ pub mod ebpf;
 pub mod fallback;
 
 use crate::proto::{BackendKind, ProgramStats};
-use crate::region::{MeasureRegions, RegionError, RegionSizes};
+use crate::region::{MeasureRegions, RegionError, RegionSizes, Table, WaitView};
 use std::os::fd::{AsRawFd, OwnedFd};
 
 pub use crate::config::MeasureMode;
@@ -59,9 +59,35 @@ pub struct Measurement {
     pub kind: BackendKind,
     pub regions: MeasureRegions,
     pub sizes: RegionSizes,
+    /// Run-queue waits by keyspace cell (the agent's alone).
+    pub waits: Table<WaitView>,
+    /// How the waits are measured.
+    pub wait_source: WaitSource,
     /// cpus, slots, keyspaces.
     fds: [OwnedFd; 3],
     inner: Inner,
+}
+
+/// Where a keyspace's run-queue wait comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitSource {
+    /// The kernel's `sched_info`, charged at each switch: exact.
+    Kernel,
+    /// The agent's schedstat samples of registered threads (fallback
+    /// backend): a wait is charged to the tag its thread has at the sample.
+    Sampled,
+    /// Not measured: the kernel keeps no `sched_info`.
+    Unavailable,
+}
+
+impl WaitSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitSource::Kernel => "kernel",
+            WaitSource::Sampled => "sampled",
+            WaitSource::Unavailable => "unavailable",
+        }
+    }
 }
 
 enum Inner {

@@ -1,7 +1,7 @@
 //! Atomic mirrors of the measurement layouts, and the charge step.
 
 use super::MeasureRegions;
-use keyspace_governor_common::{cell_of_tag, CpuCell, KeyspaceCell, ThreadSlot};
+use keyspace_governor_common::{cell_of_tag, CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -28,9 +28,9 @@ pub struct SlotView {
     pub tid: AtomicU32,
     pub state: AtomicU32,
     pub tgid: AtomicU32,
-    _pad0: u32,
+    pub wait_tag: AtomicU32,
     pub self_charged_ns: AtomicU64,
-    _pad: [u64; 1],
+    pub delay_ns: AtomicU64,
 }
 
 /// Atomic mirror of [`KeyspaceCell`].
@@ -38,6 +38,14 @@ pub struct SlotView {
 pub struct KeyspaceView {
     pub cpu_ns: AtomicU64,
     _pad: [u64; 7],
+}
+
+/// Atomic mirror of [`KeyspaceWait`].
+#[repr(C)]
+pub struct WaitView {
+    pub wait_ns: AtomicU64,
+    pub waits: AtomicU64,
+    pub hist: [AtomicU64; WAIT_BUCKETS],
 }
 
 macro_rules! same_layout {
@@ -49,8 +57,22 @@ macro_rules! same_layout {
 pub(super) use same_layout;
 
 same_layout!(CpuView, CpuCell, seq, last_switch_ns, owner, base_ns, mono_offset_ns, fresh_task_ns, offset_valid);
-same_layout!(SlotView, ThreadSlot, oncpu_ns, charged_ns, tag, generation, tid, state, tgid, self_charged_ns);
+same_layout!(
+    SlotView,
+    ThreadSlot,
+    oncpu_ns,
+    charged_ns,
+    tag,
+    generation,
+    tid,
+    state,
+    tgid,
+    wait_tag,
+    self_charged_ns,
+    delay_ns
+);
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
+same_layout!(WaitView, KeyspaceWait, wait_ns, waits, hist);
 
 impl MeasureRegions {
     /// One attempt at the protocol's charge: move `slot.charged_ns` from

@@ -26,7 +26,7 @@ mod measure;
 mod owned;
 
 pub use admission::{AgentView, BucketView, ClockView, Directory, HeaderView, KnobsView, ParamsView, TicketView};
-pub use measure::{CpuView, KeyspaceView, SlotView};
+pub use measure::{CpuView, KeyspaceView, SlotView, WaitView};
 pub use owned::{AdmissionMemory, LedgerMemory};
 
 use crate::sys::Mapping;
@@ -92,7 +92,7 @@ macro_rules! shared_cell {
         unsafe impl SharedCell for $t {}
     )*};
 }
-shared_cell!(CpuView, SlotView, KeyspaceView, HeaderView, BucketView, ParamsView, TicketView);
+shared_cell!(CpuView, SlotView, KeyspaceView, WaitView, HeaderView, BucketView, ParamsView, TicketView);
 // The tid table: one u32 per tid.
 impl sealed::Sealed for std::sync::atomic::AtomicU32 {}
 // SAFETY: an AtomicU32 is valid for every bit pattern.

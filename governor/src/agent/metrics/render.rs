@@ -5,6 +5,7 @@ use super::histograms::{Series, header, series};
 use crate::policy::{KeyspaceSnapshot, PolicySnapshot};
 use crate::proto::StatusReport;
 use keyspace_governor_common::admission::{hist, request as q};
+use keyspace_governor_common::{WAIT_BUCKETS, wait_bucket_le_ns};
 use prometheus::{CounterVec, Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
 use std::collections::HashMap;
 
@@ -60,6 +61,9 @@ struct Row {
     topups_refused: u64,
     wait_hist: crate::policy::WaitHistograms,
     request_hist: crate::policy::RequestHistograms,
+    /// Run-queue wait: ns in all, and waits by log-2 bucket.
+    cpu_wait_ns: u64,
+    cpu_wait_hist: [u64; WAIT_BUCKETS],
 }
 
 impl Row {
@@ -81,6 +85,10 @@ impl Row {
         self.topups_refused += o.topups_refused;
         self.wait_hist.add(&o.wait_hist);
         self.request_hist.add(&o.request_hist);
+        self.cpu_wait_ns += o.cpu_wait_ns;
+        for (a, b) in self.cpu_wait_hist.iter_mut().zip(o.cpu_wait_hist) {
+            *a += b;
+        }
     }
 }
 
@@ -189,6 +197,8 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 topups_refused: k.topups_refused,
                 wait_hist: b.map_or_else(Default::default, |b| b.counters.wait_hist),
                 request_hist: b.map_or_else(Default::default, |b| b.counters.request_hist),
+                cpu_wait_ns: (k.cpu_wait_seconds * 1e9).round() as u64,
+                cpu_wait_hist: std::array::from_fn(|i| k.cpu_wait_buckets.get(i).copied().unwrap_or(0)),
             };
             (k.keyspace_id, row)
         })
@@ -283,6 +293,18 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         cpu.with_label_values(&[l.as_str()]).inc_by(r.cpu_seconds.max(0.0));
     }
     f.registry.register(Box::new(cpu)).expect("registered once");
+    let wait = CounterVec::new(
+        Opts::new(
+            "governor_keyspace_cpu_wait_seconds_total",
+            "Run-queue wait of the keyspace's threads: runnable, waiting for a CPU, as the kernel counts it",
+        ),
+        &[KS],
+    )
+    .expect("valid metric name");
+    for (l, r) in &shown {
+        wait.with_label_values(&[l.as_str()]).inc_by(r.cpu_wait_ns as f64 / 1e9);
+    }
+    f.registry.register(Box::new(wait)).expect("registered once");
     f.counters("governor_keyspace_tickets_granted_total", "Tickets granted", KS, &per_count(&|r| r.granted));
     f.counters(
         "governor_keyspace_tickets_refused_total",
@@ -481,6 +503,14 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     let mut text = String::from_utf8(out).expect("text format is UTF-8");
     wait_histograms(&mut text, &shown);
     request_histograms(&mut text, &shown);
+    const WAIT: &str = "governor_keyspace_cpu_wait_duration_seconds";
+    header(&mut text, WAIT, "One run-queue wait of the keyspace's threads (a wakeup or preemption to getting a CPU)");
+    let bounds: [u64; WAIT_BUCKETS - 1] = std::array::from_fn(wait_bucket_le_ns);
+    for (ks, r) in &shown {
+        let labels = format!("keyspace_id=\"{ks}\"");
+        let (counts, sum) = (&r.cpu_wait_hist[..], r.cpu_wait_ns);
+        series(&mut text, WAIT, Series { labels, first: 0, counts, bounds: &bounds, sum, unit: 1e9 });
+    }
     text
 }
 

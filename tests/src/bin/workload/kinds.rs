@@ -62,6 +62,11 @@ enum Kind {
     /// Pinned to CPU 0 beside a spinner: wakes every 50 µs, works 10 µs,
     /// preempting the spinner each time.
     Waker,
+    /// CPU-bound, on any CPU: a heavy scan.
+    Busy,
+    /// Wakes every 1 ms (on a fixed schedule) for 100 µs of work: a light
+    /// tenant's point reads.
+    Ticker,
 }
 
 impl Kind {
@@ -71,6 +76,8 @@ impl Kind {
             "blocking" => Kind::Blocking,
             "spinner" => Kind::Spinner,
             "waker" => Kind::Waker,
+            "busy" => Kind::Busy,
+            "ticker" => Kind::Ticker,
             other => bail!("unknown thread kind {other:?}"),
         })
     }
@@ -81,6 +88,8 @@ impl Kind {
             Kind::Blocking => "blocking",
             Kind::Spinner => "spinner",
             Kind::Waker => "waker",
+            Kind::Busy => "busy",
+            Kind::Ticker => "ticker",
         }
     }
 
@@ -141,6 +150,21 @@ impl Kind {
                 while more() {
                     std::thread::sleep(Duration::from_micros(50));
                     work_us(10);
+                }
+            }
+            Kind::Busy => {
+                while more() {
+                    burn(50);
+                }
+            }
+            Kind::Ticker => {
+                let mut next = Instant::now();
+                while more() {
+                    next += Duration::from_millis(1);
+                    if let Some(d) = next.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(d);
+                    }
+                    work_us(100);
                 }
             }
         }

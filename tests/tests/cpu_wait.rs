@@ -1,0 +1,130 @@
+//! CPU pressure per keyspace: the run-queue wait of registered threads is
+//! charged to the keyspace they were tagged with while they waited, and
+//! matches the kernel's own per-thread count (schedstat's second field);
+//! an unregistered process's waits are charged to no one.
+
+use governor_tests::{Agent, run_threads_measured, schedstat_pair};
+use std::process::{Command, Stdio};
+
+const HEAVY: u32 = 9100;
+const LIGHT: u32 = 9200;
+
+/// Kills the child when the test ends, however it ends.
+struct Hog(std::process::Child);
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() {
+    let agent = Agent::start_default("ebpf").expect("agent");
+    assert_eq!(agent.status().unwrap().wait_source, "kernel");
+    // An unregistered CPU hog beside them: it waits too, for no keyspace.
+    let hog = Hog(Command::new("sh").args(["-c", "while :; do :; done"]).stdout(Stdio::null()).spawn().expect("hog"));
+    let hog_pid = hog.0.id();
+    let hog_wait = || schedstat_pair(hog_pid, hog_pid).expect("hog schedstat").1;
+    let hog_before = hog_wait();
+    // Keyspace HEAVY: four CPU-bound threads; keyspace LIGHT: two threads
+    // that wake every millisecond for 100 µs of work. Two processes, on two
+    // cores with the hog: everyone waits.
+    let run = run_threads_measured(
+        &agent,
+        &[
+            &["--kinds", "busy,busy,busy,busy", "--keyspace-base", &HEAVY.to_string(), "--keyspaces", "1"],
+            &["--kinds", "ticker,ticker", "--keyspace-base", &LIGHT.to_string(), "--keyspaces", "1"],
+        ],
+    )
+    .expect("workloads");
+    let hog_waited = hog_wait() - hog_before;
+    let truth = |ks: u32| run.reports.iter().filter(|r| r.keyspace == ks).map(|r| r.schedstat_wait_ns).sum::<u64>();
+    for (ks, at_least_ns) in [(HEAVY, 200_000_000u64), (LIGHT, 5_000_000)] {
+        let kernel = truth(ks) as f64;
+        let charged = run.wait_ns.get(&ks).copied().unwrap_or(0.0);
+        eprintln!("keyspace {ks}: charged {charged:.0} ns of run-queue wait, schedstat {kernel:.0} ns");
+        // Enough wait that a missing or misattributed share would show.
+        assert!(kernel >= at_least_ns as f64, "keyspace {ks} waited only {kernel} ns by schedstat: no contention");
+        let error = (charged - kernel).abs() / kernel;
+        assert!(
+            error <= 0.01,
+            "keyspace {ks}: charged {charged} ns, schedstat {kernel} ns ({:.2} % off)",
+            error * 100.0
+        );
+    }
+    // The hog waited, and nothing was charged for it: the keyspaces' waits
+    // are their threads' and no other keyspace waited.
+    assert!(hog_waited >= 50_000_000, "the hog waited only {hog_waited} ns: no contention");
+    let others: f64 = run.wait_ns.iter().filter(|(k, _)| ![HEAVY, LIGHT].contains(k)).map(|(_, v)| v).sum();
+    assert_eq!(others, 0.0, "waits charged to other keyspaces: {:?}", run.wait_ns);
+    // The light tenant's waits are shown with percentiles over the window.
+    let s = agent.status().unwrap();
+    let light = s.keyspaces.iter().find(|k| k.keyspace_id == LIGHT).expect("light keyspace in status");
+    let (p50, p99) = (light.cpu_wait_p50_us.expect("p50"), light.cpu_wait_p99_us.expect("p99"));
+    assert!(light.cpu_waits > 100, "{} waits", light.cpu_waits);
+    assert!(0.0 < p50 && p50 <= p99, "p50 {p50} µs, p99 {p99} µs");
+    // A ticker's wait is bounded by the four busy threads' slices and the hog's.
+    assert!(p99 < 1_000_000.0, "p99 {p99} µs");
+    assert_eq!(light.cpu_wait_buckets.iter().sum::<u64>(), light.cpu_waits);
+    // The same figures on /metrics, over HTTP (the workloads have exited:
+    // nothing moves between the two reads).
+    let text = governor_tests::scrape_metrics(s.metrics_addr.as_deref().expect("metrics address"));
+    let value = |name: &str| {
+        let key = format!("{name}{{keyspace_id=\"{LIGHT}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&key)?.trim().parse::<f64>().ok())
+    };
+    let total = value("governor_keyspace_cpu_wait_seconds_total").expect("wait counter on /metrics");
+    assert!((total - light.cpu_wait_seconds).abs() < 1e-6, "/metrics {total} s, status {} s", light.cpu_wait_seconds);
+    let count = value("governor_keyspace_cpu_wait_duration_seconds_count").expect("wait histogram on /metrics");
+    assert_eq!(count, light.cpu_waits as f64);
+    drop(hog);
+}
+
+/// Σ run-queue wait (ns) of every thread of every process in `pids`.
+fn wait_sum(pids: &std::collections::BTreeSet<u32>) -> u64 {
+    pids.iter()
+        .flat_map(|&p| {
+            std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten().filter_map(move |t| {
+                let tid: u32 = t.file_name().to_str()?.parse().ok()?;
+                schedstat_pair(p, tid).ok().map(|s| s.1)
+            })
+        })
+        .sum()
+}
+
+#[test]
+fn a_rule_matched_process_is_charged_its_run_queue_wait() {
+    // stress-ng, unmodified: a parent and three CPU workers on two cores.
+    let stress = Hog(Command::new("stress-ng")
+        .args(["--cpu", "3", "--timeout", "60", "--quiet"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("stress-ng (cargo xtask setup installs it)"));
+    let root = stress.0.id();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let config = format!("[[rules]]\nname = \"stress\"\nkeyspace = 9300\ntgid = {root}\n");
+    let agent = Agent::start("ebpf", &config).expect("agent");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let snapshot = || {
+        let pids = governor_tests::process_tree(root);
+        governor_tests::stop(&pids).expect("stop");
+        let charged =
+            agent.status().unwrap().keyspaces.iter().find(|k| k.keyspace_id == 9300).map(|k| k.cpu_wait_seconds);
+        let kernel = wait_sum(&pids);
+        governor_tests::resume(&pids);
+        (charged.expect("the rule's keyspace in status") * 1e9, kernel as f64, pids.len())
+    };
+    let (c0, k0, procs) = snapshot();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let (c1, k1, _) = snapshot();
+    let (charged, kernel) = (c1 - c0, k1 - k0);
+    eprintln!("stress-ng ({procs} processes): charged {charged:.0} ns of run-queue wait, schedstat {kernel:.0} ns");
+    assert!(procs >= 4, "stress-ng --cpu 3 is a parent and three workers: {procs}");
+    assert!(kernel >= 200_000_000.0, "stress-ng waited only {kernel} ns: no contention");
+    let error = (charged - kernel).abs() / kernel;
+    assert!(error <= 0.01, "charged {charged} ns, schedstat {kernel} ns ({:.2} % off)", error * 100.0);
+    drop(stress);
+}
