@@ -260,9 +260,11 @@ pub struct ThreadSlot {
     pub state: u32,
     /// The tgid that registered the thread (reclaim on client death).
     pub tgid: u32,
-    /// The tag the thread had at its last switch-out: it cannot change
-    /// while the thread is off its CPU, so it is the tag of the run-queue
-    /// wait that follows (kernel only).
+    /// The tag the run-queue wait before the current slice is charged to:
+    /// the kernel sets it at each switch-out to the tag the thread leaves
+    /// with (it cannot change while the thread is off its CPU, so it is the
+    /// tag it waits with); a thread that left untagged sets it to the first
+    /// tag it takes after (the work a pooled worker was woken for).
     pub wait_tag: u32,
     /// Charges the thread made itself (diagnostic: how the work splits).
     pub self_charged_ns: u64,
@@ -312,6 +314,13 @@ pub struct KeyspaceWait {
 #[inline(always)]
 pub const fn wait_bucket(ns: u64) -> usize {
     let mut v = ns >> WAIT_BUCKET_SHIFT;
+    // The open bucket first, against a constant: every path below then
+    // holds `v < 2^(WAIT_BUCKETS - 1)` and ends below WAIT_BUCKETS, which
+    // the eBPF verifier (6.1's too) can follow; a clamp at the end it
+    // cannot.
+    if v >= 1 << (WAIT_BUCKETS - 1) {
+        return WAIT_BUCKETS - 1;
+    }
     let mut k = 0usize;
     // A binary search, not a loop: the eBPF verifier sees a bounded path.
     if v >= 1 << 16 {
@@ -334,14 +343,35 @@ pub const fn wait_bucket(ns: u64) -> usize {
         v >>= 1;
         k += 1;
     }
-    k += v as usize;
-    if k >= WAIT_BUCKETS { WAIT_BUCKETS - 1 } else { k }
+    k + v as usize
 }
 
 /// The exclusive upper bound, in ns, of wait bucket `k` (not the last).
 #[inline]
 pub const fn wait_bucket_le_ns(k: usize) -> u64 {
     1u64 << (WAIT_BUCKET_SHIFT as usize + k)
+}
+
+/// The `q` quantile (0..=1), in ns, of the waits a histogram of
+/// [`WAIT_BUCKETS`] counts holds, interpolated within its log-2 bucket (the
+/// open last bucket read as one more doubling); `None` without waits.
+pub fn wait_quantile_ns(hist: &[u64], q: f64) -> Option<f64> {
+    let total: u64 = hist.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let rank = q.clamp(0.0, 1.0) * total as f64;
+    let mut below = 0u64;
+    for (k, &n) in hist.iter().enumerate() {
+        if n > 0 && (below + n) as f64 >= rank {
+            let lo = if k == 0 { 0.0 } else { wait_bucket_le_ns(k - 1) as f64 };
+            let hi = if k + 1 < WAIT_BUCKETS { wait_bucket_le_ns(k) as f64 } else { lo * 2.0 };
+            let within = ((rank - below as f64) / n as f64).clamp(0.0, 1.0);
+            return Some(lo + (hi - lo) * within);
+        }
+        below += n;
+    }
+    None
 }
 
 /// The clock part of the agent's header ([`admission::HeaderPage`]): the

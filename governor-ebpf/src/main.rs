@@ -17,7 +17,10 @@
 //! task's switch-out its delay has gained exactly the wait before the slice
 //! now ending. A registered thread is charged that gain at its switch-out,
 //! to the tag it had at its switch-out before (its tag cannot change while
-//! it is off its CPU: that is the tag it waited with); a rule-measured
+//! it is off its CPU: that is the tag it waited with), or if it waited
+//! untagged, to the first tag it took after (`ThreadSlot::wait_tag`, which
+//! the thread fills in then: a pooled worker's wakeup waits for the work it
+//! was woken for); a rule-measured
 //! task, to its rule's keyspace, from its delay at its switch-out before
 //! (kept by tid in `GOV_RULE_WAIT`). A wait can gain the delay in parts (a
 //! waiting task moved to another CPU's queue, or stopped, adds what it
@@ -59,6 +62,7 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+use aya_ebpf::helpers::{bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem};
 use aya_ebpf::{
     helpers::{
         bpf_get_current_comm, bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns,
@@ -68,7 +72,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, RingBuf},
     programs::{BtfTracePointContext, PerfEventContext},
 };
-use core::ptr::{addr_of_mut, read_volatile, write_volatile};
+use core::ffi::c_void;
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
     CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
     FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, MAX_CPUS, MAX_PENDING, MAX_RULE_TASKS, RULE_CTL_DROPPED,
@@ -269,7 +274,7 @@ unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32) {
     // this run, and only this CPU switches the task out.
     unsafe {
         let delay = task_field::<u64>(task, &GOV_OFF_RUN_DELAY);
-        if let Some(p) = GOV_RULE_WAIT.get_ptr_mut(&tid) {
+        if let Some(p) = rule_wait_entry(tid) {
             let seen = read_volatile(p);
             if delay > seen {
                 if tag != TAG_PENDING {
@@ -279,12 +284,45 @@ unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32) {
             }
         } else {
             // Full: this task's waits go uncounted until room is made.
-            let _ = GOV_RULE_WAIT.insert(&tid, &delay, 0);
+            rule_wait_set(tid, delay);
         }
         if task_field::<u32>(task, &GOV_OFF_STATE) & TASK_DEAD != 0 {
-            let _ = GOV_RULE_WAIT.remove(&tid);
+            rule_wait_forget(tid);
         }
     }
+}
+
+// `GOV_RULE_WAIT` through the helpers themselves, always inlined: the map's
+// generic methods, called from several places, become BPF subprograms
+// taking the map as an argument, which kernels before 6.2 refuse.
+
+/// `tid`'s entry in `GOV_RULE_WAIT`, if it has one.
+#[inline(always)]
+fn rule_wait_entry(tid: u32) -> Option<*mut u64> {
+    // SAFETY: the map's own address and a key of its key type.
+    let p = unsafe { bpf_map_lookup_elem(addr_of!(GOV_RULE_WAIT) as *mut c_void, &tid as *const u32 as *const c_void) };
+    (!p.is_null()).then_some(p as *mut u64)
+}
+
+/// Sets `tid`'s base in `GOV_RULE_WAIT` (a full map keeps it out).
+#[inline(always)]
+fn rule_wait_set(tid: u32, delay: u64) {
+    // SAFETY: as above, with a value of its value type; flags 0: any.
+    unsafe {
+        bpf_map_update_elem(
+            addr_of!(GOV_RULE_WAIT) as *mut c_void,
+            &tid as *const u32 as *const c_void,
+            &delay as *const u64 as *const c_void,
+            0,
+        )
+    };
+}
+
+/// Drops `tid`'s base from `GOV_RULE_WAIT`.
+#[inline(always)]
+fn rule_wait_forget(tid: u32) {
+    // SAFETY: as above.
+    unsafe { bpf_map_delete_elem(addr_of!(GOV_RULE_WAIT) as *mut c_void, &tid as *const u32 as *const c_void) };
 }
 
 /// Whether run-queue waits are measured on this kernel.
@@ -446,9 +484,9 @@ pub fn gov_fork(ctx: BtfTracePointContext) -> i32 {
         // A new task's run-queue delay starts at zero; a tid reused by a
         // task no rule measures keeps no old base.
         if tag != 0 {
-            let _ = GOV_RULE_WAIT.insert(&tid, &0, 0);
+            rule_wait_set(tid, 0);
         } else if rules_on() {
-            let _ = GOV_RULE_WAIT.remove(&tid);
+            rule_wait_forget(tid);
         }
         let tgid = task_field::<u32>(child, &GOV_OFF_TGID);
         if tag == TAG_PENDING

@@ -356,6 +356,26 @@ pub struct AdmissionStatus {
     /// Keyspaces without a cell, held together by the overflow bucket.
     #[serde(default)]
     pub overflow: OverflowStatus,
+    /// `[latency-guard]` and what it does now.
+    #[serde(default)]
+    pub latency_guard: LatencyGuardStatus,
+}
+
+/// The latency guard: its settings and its last step.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyGuardStatus {
+    pub enabled: bool,
+    /// One run-queue wait's p99 a keyspace under its fair share should see, µs.
+    pub target_wait_p99_us: u64,
+    /// The least share of its refill a keyspace keeps.
+    pub floor_ratio: f64,
+    /// Factor per interval the target is missed, and share given back per
+    /// interval it is met.
+    pub decrease: f64,
+    pub increase: f64,
+    /// Keyspaces under their fair share waiting past the target now: the
+    /// refills of those above their share are being lowered.
+    pub suffering: Vec<u32>,
 }
 
 /// The overflow bucket: keyspaces that got no cell (the table is full, or

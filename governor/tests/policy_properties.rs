@@ -173,7 +173,14 @@ fn run_stream(settings: Settings, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 p.set_keyspace_quota_millicores(ks, millicores, now).unwrap();
             }
             Op::Observe => {
-                p.tick(now, Some(&UsageSample { global_cpu_cumulative_us: cum, keyspace_cpu_us: vec![(1, cum / 7)] }));
+                p.tick(
+                    now,
+                    Some(&UsageSample {
+                        global_cpu_cumulative_us: cum,
+                        keyspace_cpu_us: vec![(1, cum / 7)],
+                        keyspace_wait_p99_us: vec![],
+                    }),
+                );
             }
             _ => {}
         }

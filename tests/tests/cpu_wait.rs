@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 
 const HEAVY: u32 = 9100;
 const LIGHT: u32 = 9200;
+const POOLED: u32 = 9250;
 
 /// Kills the child when the test ends, however it ends.
 struct Hog(std::process::Child);
@@ -36,12 +37,15 @@ fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() 
         &[
             &["--kinds", "busy,busy,busy,busy", "--keyspace-base", &HEAVY.to_string(), "--keyspaces", "1"],
             &["--kinds", "ticker,ticker", "--keyspace-base", &LIGHT.to_string(), "--keyspaces", "1"],
+            &["--kinds", "pooled,pooled", "--keyspace-base", &POOLED.to_string(), "--keyspaces", "1"],
         ],
     )
     .expect("workloads");
     let hog_waited = hog_wait() - hog_before;
     let truth = |ks: u32| run.reports.iter().filter(|r| r.keyspace == ks).map(|r| r.schedstat_wait_ns).sum::<u64>();
-    for (ks, at_least_ns) in [(HEAVY, 200_000_000u64), (LIGHT, 5_000_000)] {
+    // The pooled threads sleep untagged: each wakeup's wait is charged to
+    // the keyspace they tag next (the work they were woken for).
+    for (ks, at_least_ns) in [(HEAVY, 200_000_000u64), (LIGHT, 5_000_000), (POOLED, 5_000_000)] {
         let kernel = truth(ks) as f64;
         let charged = run.wait_ns.get(&ks).copied().unwrap_or(0.0);
         eprintln!("keyspace {ks}: charged {charged:.0} ns of run-queue wait, schedstat {kernel:.0} ns");
@@ -57,7 +61,7 @@ fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() 
     // The hog waited, and nothing was charged for it: the keyspaces' waits
     // are their threads' and no other keyspace waited.
     assert!(hog_waited >= 50_000_000, "the hog waited only {hog_waited} ns: no contention");
-    let others: f64 = run.wait_ns.iter().filter(|(k, _)| ![HEAVY, LIGHT].contains(k)).map(|(_, v)| v).sum();
+    let others: f64 = run.wait_ns.iter().filter(|(k, _)| ![HEAVY, LIGHT, POOLED].contains(k)).map(|(_, v)| v).sum();
     assert_eq!(others, 0.0, "waits charged to other keyspaces: {:?}", run.wait_ns);
     // The light tenant's waits are shown with percentiles over the window.
     let s = agent.status().unwrap();
@@ -104,7 +108,7 @@ fn a_rule_matched_process_is_charged_its_run_queue_wait() {
         .spawn()
         .expect("stress-ng (cargo xtask setup installs it)"));
     let root = stress.0.id();
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    governor_tests::eventually("stress-ng forks its three workers", || governor_tests::process_tree(root).len() >= 4);
     let config = format!("[[rules]]\nname = \"stress\"\nkeyspace = 9300\ntgid = {root}\n");
     let agent = Agent::start("ebpf", &config).expect("agent");
     std::thread::sleep(std::time::Duration::from_millis(300));

@@ -548,6 +548,23 @@ fn every_key_acts_online_or_is_refused() {
     r.set("admission-control.max-concurrent-per-tenant", "0");
     drop(h);
 
+    // [latency-guard]: what the guard runs on, in status (its effect on the
+    // refills is tests/latency_guard.rs).
+    let guard = |r: &Run| r.status()["admission"]["latency_guard"].clone();
+    assert_eq!(guard(&r)["enabled"], false);
+    r.set("latency-guard.enabled", "true");
+    assert_eq!(guard(&r)["enabled"], true);
+    r.set("latency-guard.target-wait-p99", "\"500us\"");
+    assert_eq!(guard(&r)["target_wait_p99_us"], 500);
+    r.set("latency-guard.floor-ratio", "0.5");
+    assert_eq!(guard(&r)["floor_ratio"], 0.5);
+    r.set("latency-guard.decrease", "0.5");
+    assert_eq!(guard(&r)["decrease"], 0.5);
+    r.set("latency-guard.increase", "0.25");
+    assert_eq!(guard(&r)["increase"], 0.25);
+    r.set("latency-guard.enabled", "false");
+    assert_eq!(guard(&r)["enabled"], false);
+
     // [agent]
     let folded = |r: &Run| r.metric("governor_metrics_keyspaces_folded", "");
     assert_eq!(folded(&r), 0.0);

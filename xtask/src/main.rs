@@ -77,7 +77,7 @@ enum Task {
         #[arg(long, default_value = "6.1")]
         kernel: String,
         /// Only these guest steps (comma-separated: doctor, agent-backend,
-        /// measurement, kernel_exact, client_api, cgroup-v2, tickets, server-cpu; and core, CI's subset of
+        /// measurement, kernel_exact, client_api, cgroup-v2, tickets, server-cpu, cpu-wait; and core, CI's subset of
         /// measurement, run only when named).
         #[arg(long)]
         only: Option<String>,
@@ -154,7 +154,7 @@ fn test(host_only: bool, repeat: Option<u32>, busy_cores: u32) -> Result<()> {
         // Debian 12's 6.1 kernel in qemu, both architectures, one eBPF
         // object: the agent comes up on eBPF, exactly once, the long slice,
         // the client API, a rule cap held by cgroup v2's cpu.max, tickets, a
-        // tenant cap of a server's 1-core cgroup.
+        // tenant cap of a server's 1-core cgroup, run-queue wait per keyspace.
         for arch in ["x86_64", "aarch64"] {
             run(Command::new(std::env::current_exe()?).args([
                 "vm-test",
@@ -163,7 +163,7 @@ fn test(host_only: bool, repeat: Option<u32>, busy_cores: u32) -> Result<()> {
                 "--kernel",
                 "6.1",
                 "--only",
-                "doctor,agent-backend,core,client_api,cgroup-v2,tickets,server-cpu",
+                "doctor,agent-backend,core,client_api,cgroup-v2,tickets,server-cpu,cpu-wait",
             ]))?;
         }
     }

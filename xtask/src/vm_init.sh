@@ -224,6 +224,10 @@ step client_api ./client_api --test-threads 1 --nocapture
 step cgroup-v2 cgroup_v2
 step tickets tickets_smoke
 step server-cpu server_cpu_v2
+# Run-queue wait per keyspace against schedstat (sched_info at this
+# kernel's offsets, on this architecture).
+step cpu-wait ./cpu_wait --test-threads 1 --nocapture --exact \
+    each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it
 # What CI runs on every kernel and architecture (only when named in --only):
 # exactly-once attribution on the eBPF backend and the long slice.
 case ",${vm_test_only:-}," in

@@ -11,7 +11,9 @@
 use crate::measure::Measurement;
 use crate::policy::Policy;
 use crate::region::WaitView;
-use keyspace_governor_common::{WAIT_BUCKETS, wait_bucket_le_ns};
+#[cfg(test)]
+use keyspace_governor_common::wait_bucket_le_ns;
+use keyspace_governor_common::{WAIT_BUCKETS, wait_quantile_ns};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 
@@ -41,26 +43,9 @@ impl WaitCounts {
         }
     }
 
-    /// The `q` quantile of the waits in ns, interpolated within its log-2
-    /// bucket; `None` without waits.
+    /// The `q` quantile of the waits in ns (`wait_quantile_ns`).
     pub(crate) fn quantile_ns(&self, q: f64) -> Option<f64> {
-        let total: u64 = self.hist.iter().sum();
-        if total == 0 {
-            return None;
-        }
-        let rank = q.clamp(0.0, 1.0) * total as f64;
-        let mut below = 0u64;
-        for (k, &n) in self.hist.iter().enumerate() {
-            if n > 0 && (below + n) as f64 >= rank {
-                let lo = if k == 0 { 0.0 } else { wait_bucket_le_ns(k - 1) as f64 };
-                // The last bucket is open: read it as one more doubling.
-                let hi = if k + 1 < WAIT_BUCKETS { wait_bucket_le_ns(k) as f64 } else { lo * 2.0 };
-                let within = ((rank - below as f64) / n as f64).clamp(0.0, 1.0);
-                return Some(lo + (hi - lo) * within);
-            }
-            below += n;
-        }
-        None
+        wait_quantile_ns(&self.hist, q)
     }
 }
 
@@ -111,16 +96,22 @@ impl Waits {
     }
 
     /// One sample of every live cell at `now_ns`, keeping `window_ns` of
-    /// history.
-    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, now_ns: u64, window_ns: u64) {
+    /// history. Returns one wait's p99 (µs) since the last sample, for each
+    /// keyspace that waited in between.
+    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, now_ns: u64, window_ns: u64) -> Vec<(u32, u64)> {
         let r = policy.regions();
         let start = now_ns.saturating_sub(window_ns);
         let mut seen = Vec::new();
+        let mut p99s = Vec::new();
         for (id, c) in r.directory().live() {
             let generation = r.keyspace_cell(c).map_or(0, |(_, p)| p.generation.load(Ordering::Acquire));
             let value = Self::cell(m, c);
             let h = self.holder(m, c, id, generation);
             let totals = value.since(&h.base);
+            let since_last = h.history.back().map_or(totals, |(_, last)| totals.since(last));
+            if let Some(ns) = since_last.quantile_ns(0.99) {
+                p99s.push((id, (ns / 1e3).round() as u64));
+            }
             if h.history.back().is_none_or(|(_, last)| *last != totals) {
                 h.history.push_back((now_ns, totals));
             }
@@ -131,6 +122,7 @@ impl Waits {
             seen.push(c);
         }
         self.holders.retain(|c, _| seen.contains(c));
+        p99s
     }
 
     /// Keyspace `id`'s totals since it got `cell`, and its waits over the

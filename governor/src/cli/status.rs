@@ -45,6 +45,20 @@ pub fn render(s: &StatusReport) -> String {
     let _ = writeln!(out, "window       {:.1} s", s.window_seconds);
     let a = &s.admission;
     let _ = writeln!(out, "admission    {}", admission_line(a));
+    let g = &a.latency_guard;
+    if g.enabled {
+        let now = if g.suffering.is_empty() {
+            "every keyspace under its fair share meets it".to_string()
+        } else {
+            format!("keyspaces {:?} wait past it: lowering those above their share", g.suffering)
+        };
+        let _ = writeln!(
+            out,
+            "latency      guard on, run-queue wait p99 target {} µs, floor {:.0}% of a refill; {now}",
+            g.target_wait_p99_us,
+            g.floor_ratio * 100.0
+        );
+    }
     let g = &a.global;
     let _ = writeln!(
         out,

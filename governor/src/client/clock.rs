@@ -109,6 +109,13 @@ impl ThreadRef<'_> {
         }
         let t = self.charge_now();
         self.slot.tag.store(new_tag, Ordering::Release);
+        // A run-queue wait the thread began untagged (a pooled worker woken
+        // for work) is the first work it takes after it: the kernel charges
+        // it there at the switch-out. It writes `wait_tag` only while the
+        // thread is off its CPU.
+        if new_tag != keyspace_governor_common::TAG_NONE && self.slot.wait_tag.load(Ordering::Relaxed) == 0 {
+            self.slot.wait_tag.store(new_tag as u32, Ordering::Relaxed);
+        }
         (old, t)
     }
 }

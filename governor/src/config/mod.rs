@@ -50,7 +50,7 @@ pub use keyspace_list::{KeyspaceId, KeyspaceList, ListError, ListValue};
 pub use pd::{EndpointError, Pd, RawPd};
 pub use raw::{MeasureMode, RawAgent, RawConfig, UnknownBackend};
 pub use rules::{MAX_RULES, ProcessIdentity, RawRule, Rule, cgroup_roots};
-pub use sections::{AdmissionControl, AdmissionMode, ResourceControl, WriteQuota};
+pub use sections::{AdmissionControl, AdmissionMode, LatencyGuard, ResourceControl, WriteQuota};
 pub use source::SourceMap;
 pub use throttle::{CpuThrottle, ESSENTIAL_TENANT_MAX_CPU_RATIO, Profile};
 pub use units::{ByteSize, ConfigDuration, DurationError, SizeError};

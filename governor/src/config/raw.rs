@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::sections::{AdmissionControl, ResourceControl, WriteQuota};
+use super::sections::{AdmissionControl, LatencyGuard, ResourceControl, WriteQuota};
 use super::units::ConfigDuration;
 
 /// The whole file. Every section may be omitted and then takes its defaults.
@@ -25,6 +25,8 @@ pub struct RawConfig {
     pub write_quota: WriteQuota,
     /// `[admission-control]`: per-tenant in-flight request limit.
     pub admission_control: AdmissionControl,
+    /// `[latency-guard]`: light keyspaces' run-queue wait.
+    pub latency_guard: LatencyGuard,
     /// `[agent]`: the daemon itself (socket, metrics, measurement backend).
     pub agent: RawAgent,
     /// `[pd]`: the PD members service limits are fetched from.

@@ -1,5 +1,5 @@
-//! `[resource-control]`, `[write-quota]` and `[admission-control]`: one type
-//! each from the file to the policy (read with defaults and
+//! `[resource-control]`, `[write-quota]`, `[admission-control]` and
+//! `[latency-guard]`: one type each from the file to the policy (read with defaults and
 //! `deny_unknown_fields`, checked in place by [`super::validate`], and held
 //! as they are by a [`super::ValidatedConfig`]).
 
@@ -127,5 +127,61 @@ mod tests {
         assert_eq!(share(7), 2);
         assert_eq!(share(100 << 20), (100u64 << 20) * 3 / 10);
         assert_eq!(share(u64::MAX), (u128::from(u64::MAX) * 3 / 10) as u64);
+    }
+}
+
+/// `[latency-guard]`: protects light keyspaces' latency from the run-queue
+/// wait heavy ones cause. Each stats interval, when a keyspace using less
+/// than its fair share of the node (the keyspaces' CPU in that interval over
+/// how many ran) saw one run-queue wait's p99 above `target-wait-p99`, the
+/// refill of every keyspace above its fair share is multiplied by
+/// `decrease`, never below `floor-ratio` of what it would be; once no one
+/// under its share misses the target, `increase` of it is given back per
+/// interval. Only keyspaces with a bucket can be lowered. Off by default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
+pub struct LatencyGuard {
+    /// Turns the guard on. Default `false`.
+    pub enabled: bool,
+    /// One run-queue wait's p99 a keyspace under its fair share should
+    /// see. Range 10us..=1s. Default `2ms`.
+    pub target_wait_p99: ConfigDuration,
+    /// The least share of its refill the guard leaves a keyspace. Range
+    /// (0, 1]. Default 0.2.
+    pub floor_ratio: f64,
+    /// Factor on a heavy keyspace's refill per interval the target is
+    /// missed. Range (0, 1). Default 0.7.
+    pub decrease: f64,
+    /// Share of its refill given back per interval the target is met.
+    /// Range (0, 1]. Default 0.1.
+    pub increase: f64,
+}
+
+impl Default for LatencyGuard {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            target_wait_p99: ConfigDuration::from_millis(2),
+            floor_ratio: 0.2,
+            decrease: 0.7,
+            increase: 0.1,
+        }
+    }
+}
+
+impl LatencyGuard {
+    /// Every key's range, beside the keys (validation calls it).
+    pub(super) fn check(&self, c: &mut super::checker::Checker<'_>) {
+        const S: &str = "latency-guard";
+        let (min, max) = (std::time::Duration::from_micros(10), std::time::Duration::from_secs(1));
+        c.duration(S, "target-wait-p99", self.target_wait_p99, min, max);
+        c.ratio(S, "floor-ratio", self.floor_ratio, false);
+        c.check(
+            self.decrease > 0.0 && self.decrease < 1.0,
+            S,
+            "decrease",
+            format!("must be in (0, 1), got {}", self.decrease),
+        );
+        c.ratio(S, "increase", self.increase, false);
     }
 }

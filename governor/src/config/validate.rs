@@ -146,6 +146,8 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         format!("must be at least 1KiB, got {}", raw.write_quota.pending_write_threshold),
     );
 
+    raw.latency_guard.check(&mut c);
+
     // [agent]
     let a = &raw.agent;
     c.check(
@@ -180,6 +182,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         resource_control: raw.resource_control.clone(),
         write_quota: raw.write_quota.clone(),
         admission_control: raw.admission_control.clone(),
+        latency_guard: raw.latency_guard.clone(),
         agent: AgentConfig {
             control_socket: a.control_socket.clone(),
             metrics_addr,

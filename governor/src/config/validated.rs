@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use super::raw::{MeasureMode, RawConfig};
-use super::sections::{AdmissionControl, ResourceControl, WriteQuota};
+use super::sections::{AdmissionControl, LatencyGuard, ResourceControl, WriteQuota};
 use super::source::SourceMap;
 use super::throttle::CpuThrottle;
 use super::units::ConfigDuration;
@@ -29,6 +29,7 @@ pub struct ValidatedConfig {
     pub(crate) resource_control: ResourceControl,
     pub(crate) write_quota: WriteQuota,
     pub(crate) admission_control: AdmissionControl,
+    pub(crate) latency_guard: LatencyGuard,
     pub(crate) agent: AgentConfig,
     pub(crate) pd: super::pd::Pd,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -76,6 +77,10 @@ impl ValidatedConfig {
     /// `[write-quota]`.
     pub fn write_quota(&self) -> &WriteQuota {
         &self.write_quota
+    }
+
+    pub fn latency_guard(&self) -> &LatencyGuard {
+        &self.latency_guard
     }
 
     /// `[admission-control]`.

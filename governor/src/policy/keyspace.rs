@@ -58,6 +58,8 @@ pub struct KeyspaceState {
     pub fair_allocations: u64,
     /// Last use the agent saw (an acquire, or CPU charged), µs.
     pub last_used_us: u64,
+    /// The latency guard's factor on its refill (1: untouched).
+    pub guard_factor: f64,
 }
 
 /// A plain copy of one bucket.

@@ -48,6 +48,8 @@ pub(crate) struct Engine {
     pub last_demand: HashMap<u32, u64>,
     pub last_observe_us: u64,
     pub fair_active: bool,
+    /// The latency guard's last step (who suffered; factors live in the cells).
+    pub guard: super::GuardStep,
     pub global_ratio: f64,
     pub cap_buckets_created: u64,
     pub cap_buckets_evicted: u64,
@@ -95,6 +97,7 @@ impl Policy {
             last_demand: HashMap::new(),
             last_observe_us: now_us,
             fair_active: false,
+                guard: Default::default(),
             global_ratio: 0.0,
             cap_buckets_created: 0,
             cap_buckets_evicted: 0,
@@ -321,6 +324,7 @@ impl Policy {
                 ratio: 0.0,
                 fair_allocations: 0,
                 last_used_us: now_us,
+                guard_factor: 1.0,
             });
             // Counters and tokens restart with the new keyspace (nothing was
             // in flight and nobody waited when the last holder went): done

@@ -35,6 +35,8 @@ mod estimate;
 #[cfg(feature = "agent")]
 mod fair;
 #[cfg(feature = "agent")]
+mod guard;
+#[cfg(feature = "agent")]
 mod hot;
 #[cfg(feature = "agent")]
 mod keyspace;
@@ -61,6 +63,7 @@ pub use {
     dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR},
     estimate::{ema, EstimateTracker},
     fair::{fair_allocate, FairInput, FairShare},
+    guard::{guard_step, GuardInput, GuardStep},
     keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource, RequestHistograms, WaitHistograms},
     manager::{Policy, DEFAULT_CELLS},
     pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracked, PdTracker},

@@ -13,7 +13,7 @@
 
 use serde::Serialize;
 
-use crate::config::{self, AdmissionControl, CpuThrottle, ResourceControl, ValidatedConfig, WriteQuota};
+use crate::config::{self, AdmissionControl, CpuThrottle, LatencyGuard, ResourceControl, ValidatedConfig, WriteQuota};
 
 /// The policy's inputs: the configuration's sections and the servers' cores.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -26,6 +26,8 @@ pub struct Settings {
     pub write_quota: WriteQuota,
     /// `[admission-control]`.
     pub admission: AdmissionControl,
+    /// `[latency-guard]`.
+    pub latency_guard: LatencyGuard,
     /// EMA weight of the newest per-interval mean (not a configuration key).
     pub adaptive_estimate_alpha: f64,
     /// Keyspace ratio below which a keyspace may burst (the seed's "keyspace
@@ -55,6 +57,7 @@ impl Settings {
             resource: cfg.resource_control().clone(),
             write_quota: cfg.write_quota().clone(),
             admission: cfg.admission_control().clone(),
+            latency_guard: cfg.latency_guard().clone(),
             adaptive_estimate_alpha: 0.2,
             keyspace_burst_threshold: 0.65,
             low_priority_dag_cpu_ratio: 0.1,

@@ -86,6 +86,10 @@ pub struct PolicySnapshot {
     pub pending_writes: PendingWritesSnapshot,
     pub keyspaces: Vec<KeyspaceSnapshot>,
     pub overflow: OverflowSnapshot,
+    /// Keyspaces under their fair share that waited past the latency
+    /// guard's target in its last step (their neighbours above it are
+    /// being lowered), ascending.
+    pub latency_guard_suffering: Vec<u32>,
 }
 
 /// The overflow bucket: what holds keyspaces without a cell.
@@ -159,6 +163,7 @@ impl Policy {
             },
             keyspaces,
             overflow: self.overflow(),
+            latency_guard_suffering: self.engine().guard.suffering.clone(),
         }
     }
 

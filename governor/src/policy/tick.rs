@@ -219,7 +219,52 @@ impl Policy {
             }
         }
         e.fair_active = fair_active;
+        Self::guard(e, &s, r, sample);
         (global_ratio, fair_active)
+    }
+
+    /// The latency guard's step for this sample: every cell's factor moves
+    /// (down for the keyspaces above their fair share while one under it
+    /// waits past the target, back up otherwise) and scales the refill just
+    /// set for it.
+    fn guard(e: &mut Engine, s: &super::Settings, r: &crate::region::AdmissionRegions, sample: &UsageSample) {
+        let cpu: std::collections::HashMap<u32, u64> = sample.keyspace_cpu_us.iter().copied().collect();
+        let waits: std::collections::HashMap<u32, u64> = sample.keyspace_wait_p99_us.iter().copied().collect();
+        let cells: Vec<u32> = e.live.iter().copied().collect();
+        let inputs: Vec<super::GuardInput> = cells
+            .iter()
+            .filter_map(|&c| e.cells[c as usize].as_ref())
+            .map(|st| super::GuardInput {
+                keyspace: st.id,
+                cpu_us: cpu.get(&st.id).copied().unwrap_or(0),
+                wait_p99_us: waits.get(&st.id).copied(),
+                factor: st.guard_factor,
+            })
+            .collect();
+        let step = super::guard_step(&s.latency_guard, &inputs);
+        let mut factors = step.factors.iter();
+        for &c in &cells {
+            let Some(st) = e.cells[c as usize].as_mut() else { continue };
+            let Some(&f) = factors.next() else { break };
+            st.guard_factor = f;
+            if f < 1.0 && st.source.is_some() {
+                st.book.refill_us = (st.book.refill_us as f64 * f).round() as u64;
+                if let Some((_, p)) = r.keyspace_cell(c) {
+                    Self::publish_book(p, &st.book);
+                }
+            }
+        }
+        if step.missed != e.guard.missed {
+            log::info!(
+                "latency guard: {}",
+                if step.missed {
+                    format!("keyspaces {:?} wait past the target; lowering those above their share", step.suffering)
+                } else {
+                    "targets met; giving the refills back".into()
+                }
+            );
+        }
+        e.guard = step;
     }
 
     /// Gives up keyspace cells idle for the idle TTL: tenant-cap buckets, and

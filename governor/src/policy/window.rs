@@ -19,6 +19,9 @@ pub struct UsageSample {
     pub global_cpu_cumulative_us: u64,
     /// CPU of each keyspace's requests during this stats interval, µs.
     pub keyspace_cpu_us: Vec<(u32, u64)>,
+    /// One run-queue wait's p99 in this stats interval, µs, of each
+    /// keyspace that waited (the latency guard reads it).
+    pub keyspace_wait_p99_us: Vec<(u32, u64)>,
 }
 
 #[derive(Debug)]
@@ -116,7 +119,11 @@ impl MonitorWindow {
     /// `window-size` keeps the history it still covers.
     pub fn take_samples_from(&mut self, old: MonitorWindow) {
         for st in old.samples {
-            let sample = UsageSample { global_cpu_cumulative_us: st.global_cum_us, keyspace_cpu_us: st.keyspace };
+            let sample = UsageSample {
+                global_cpu_cumulative_us: st.global_cum_us,
+                keyspace_cpu_us: st.keyspace,
+                keyspace_wait_p99_us: Vec::new(),
+            };
             self.push(st.at_us, &sample);
         }
     }
@@ -157,6 +164,7 @@ mod tests {
             let s = UsageSample {
                 global_cpu_cumulative_us: i * 500_000,
                 keyspace_cpu_us: vec![(1, 250_000), (2, 100_000 * i)],
+                keyspace_wait_p99_us: vec![],
             };
             w.push(i * 1_000_000, &s);
         }

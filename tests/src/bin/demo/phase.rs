@@ -81,6 +81,38 @@ impl Sample {
     fn waiting_s(&self, ks: u32) -> f64 {
         self.server.keyspaces.get(&ks).map_or(0.0, |k| k.waiting_us as f64 / 1e6)
     }
+
+    /// The keyspace's threads' run-queue wait so far (the kernel's count).
+    fn runq_s(&self, ks: u32) -> f64 {
+        self.agent.get(&ks).map_or(0.0, |k| k.cpu_wait_seconds)
+    }
+
+    /// Its single waits so far, by the agent's log-2 buckets.
+    fn runq_hist(&self, ks: u32) -> Vec<u64> {
+        let mut h = self.agent.get(&ks).map_or_else(Vec::new, |k| k.cpu_wait_buckets.clone());
+        h.resize(keyspace_governor_common::WAIT_BUCKETS, 0);
+        h
+    }
+
+    /// Requests the server served for the keyspace so far.
+    fn served(&self, ks: u32) -> u64 {
+        self.server.keyspaces.get(&ks).map_or(0, |k| k.gets + k.scans)
+    }
+}
+
+/// Run-queue wait of `kss` between two samples: per request served (µs)
+/// and one wait's p99 (µs).
+fn runq(first: &Sample, last: &Sample, kss: &[u32]) -> (f64, Option<f64>) {
+    let wait: f64 = kss.iter().map(|&k| last.runq_s(k) - first.runq_s(k)).sum();
+    let served: u64 = kss.iter().map(|&k| last.served(k).saturating_sub(first.served(k))).sum();
+    let mut hist = vec![0u64; keyspace_governor_common::WAIT_BUCKETS];
+    for &k in kss {
+        for (h, (a, b)) in hist.iter_mut().zip(last.runq_hist(k).into_iter().zip(first.runq_hist(k))) {
+            *h += a.saturating_sub(b);
+        }
+    }
+    let p99 = keyspace_governor_common::wait_quantile_ns(&hist, 0.99).map(|ns| ns / 1e3);
+    (wait * 1e6 / served.max(1) as f64, p99)
 }
 
 /// The Instant of a CLOCK_MONOTONIC reading taken between `before` and
@@ -152,6 +184,12 @@ pub struct TenantResult {
     pub refused: u64,
     pub mean_admission_wait_us: f64,
     pub fail_open: u64,
+    /// How long its threads waited for a CPU in the kernel's run queue,
+    /// per request served (µs), over the phase and in each 1 s window; and
+    /// one wait's p99 over the phase (µs).
+    pub runq_wait_per_request_us: f64,
+    pub windows_runq_wait_per_request_us: Vec<f64>,
+    pub runq_wait_p99_us: Option<f64>,
 }
 
 /// The noisy tenant against its cap.
@@ -177,6 +215,10 @@ pub struct PhaseResult {
     pub light: Latency,
     /// The light tenants' p99 per second together, µs.
     pub light_p99_per_second_us: Vec<u64>,
+    /// The light tenants' run-queue wait per request served (µs) and one
+    /// wait's p99 (µs), together: the kernel's part of their latency.
+    pub light_runq_wait_per_request_us: f64,
+    pub light_runq_wait_p99_us: Option<f64>,
     /// The machine's steal time in each 1 s window, as a share of all its
     /// CPU then, %: the hypervisor ran something else while it wanted to
     /// run (the thread clock counts that time within a slice; the kernel,
@@ -245,6 +287,7 @@ fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap
         );
         let admitted = (s1.gets + s1.scans).saturating_sub(s0.gets + s0.scans);
         let busy_server: u64 = s1.busy.values().sum::<u64>() - s0.busy.values().sum::<u64>();
+        let (runq_per_request, runq_p99) = runq(first, last, &[ks]);
         tenants.insert(
             name.clone(),
             TenantResult {
@@ -272,6 +315,9 @@ fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap
                 refused: r1.saturating_sub(r0),
                 mean_admission_wait_us: (s1.wait_us - s0.wait_us) as f64 / (admitted + busy_server).max(1) as f64,
                 fail_open: s1.fail_open - s0.fail_open,
+                runq_wait_per_request_us: runq_per_request,
+                windows_runq_wait_per_request_us: samples.windows(2).map(|w| runq(&w[0], &w[1], &[ks]).0).collect(),
+                runq_wait_p99_us: runq_p99,
             },
         );
     }
@@ -302,7 +348,11 @@ fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap
         .windows(2)
         .map(|w| (w[1].steal_s - w[0].steal_s) / ((w[1].at - w[0].at).as_secs_f64() * spec.cores) * 100.0)
         .collect();
+    let light_kss: Vec<u32> = spec.lights.iter().map(|l| l.keyspace).collect();
+    let (light_runq_wait_per_request_us, light_runq_wait_p99_us) = runq(first, last, &light_kss);
     PhaseResult {
+        light_runq_wait_per_request_us,
+        light_runq_wait_p99_us,
         windows_steal_pct,
         name: spec.name,
         mode: spec.mode.clone(),

@@ -110,11 +110,21 @@ fn draw(
         })
         .filter(|&v| v > 0)
         .map(ms)
+        .chain(
+            phases
+                .iter()
+                .flat_map(|p| lights.iter().filter_map(|l| p.tenants.get(&l.name)))
+                .flat_map(|t| t.windows_runq_wait_per_request_us.iter().map(|us| us / 1e3))
+                .filter(|&v| v > 0.0),
+        )
         .collect();
     let lo = all.iter().copied().fold(f64::INFINITY, f64::min).min(0.1) / 1.5;
     let hi = all.iter().copied().fold(1.0, f64::max) * 1.5;
     let mut lat = ChartBuilder::on(&bottom)
-        .caption("light tenants' p99 latency per second (ms, log scale; from intended send time)", ("sans-serif", 18))
+        .caption(
+            "light tenants' p99 latency per second, dashed: their run-queue wait per request (ms, log scale)",
+            ("sans-serif", 18),
+        )
         .margin(12)
         .x_label_area_size(32)
         .y_label_area_size(52)
@@ -143,6 +153,18 @@ fn draw(
         lat.draw_series(LineSeries::new(pts, c.stroke_width(2)))?
             .label(l.name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(2)));
+        // Beside it, dashed: how long its threads waited in the kernel's run
+        // queue per request, each second.
+        let runq: Vec<(f64, f64)> = timeline(phases, len, |p| {
+            p.tenants.get(&l.name).map(|t| t.windows_runq_wait_per_request_us.iter().map(|us| us / 1e3).collect())
+        })
+        .into_iter()
+        .filter(|(_, v)| *v > 0.0)
+        .collect();
+        let label = format!("{}: run-queue wait per request", l.name);
+        lat.draw_series(DashedLineSeries::new(runq, 4, 3, c.stroke_width(1)))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(1)));
     }
     if let Some(alone) = phases.first() {
         let bound = ms(alone.light.p99_us) * 1.5;

@@ -9,6 +9,12 @@ pub fn ms(us: u64) -> String {
     if us >= 10_000 { format!("{:.1} ms", us as f64 / 1e3) } else { format!("{:.2} ms", us as f64 / 1e3) }
 }
 
+/// µs as µs below a millisecond, else as [`ms`]: run-queue waits are often
+/// a few µs.
+fn fine(us: f64) -> String {
+    if us < 1000.0 { format!("{us:.1} µs") } else { ms(us.round() as u64) }
+}
+
 pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64) {
     for (i, p) in phases.iter().enumerate() {
         println!("\nphase {}/{} {} ({:.1} s): {}", i + 1, phases.len(), p.name, p.seconds, p.mode);
@@ -66,6 +72,13 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
             ms(p.light.p50_us),
             ms(p.light.p99_us),
             ms(p.light.p999_us)
+        );
+        println!(
+            "  light tenants' latency: p99 {}; per request {} in the kernel's run queue (one wait's p99 {}), the rest \
+             in the server and its admission queue",
+            ms(p.light.p99_us),
+            fine(p.light_runq_wait_per_request_us),
+            p.light_runq_wait_p99_us.map_or("-".into(), fine),
         );
         if let Some(n) = &p.noisy {
             let w: Vec<String> = n.windows_cores.iter().map(|w| format!("{w:.3}")).collect();

@@ -67,6 +67,9 @@ enum Kind {
     /// Wakes every 1 ms (on a fixed schedule) for 100 µs of work: a light
     /// tenant's point reads.
     Ticker,
+    /// A ticker that sleeps untagged and tags its keyspace for each
+    /// request, as a pooled worker woken for work does.
+    Pooled,
 }
 
 impl Kind {
@@ -78,6 +81,7 @@ impl Kind {
             "waker" => Kind::Waker,
             "busy" => Kind::Busy,
             "ticker" => Kind::Ticker,
+            "pooled" => Kind::Pooled,
             other => bail!("unknown thread kind {other:?}"),
         })
     }
@@ -90,13 +94,14 @@ impl Kind {
             Kind::Waker => "waker",
             Kind::Busy => "busy",
             Kind::Ticker => "ticker",
+            Kind::Pooled => "pooled",
         }
     }
 
     /// Works until `until`, and on (30 s at most) until the thread has used
     /// `min_cpu_ns` of CPU: a machine busy elsewhere stretches the wall
     /// time, not the work the test measures.
-    fn run(self, until: Instant, min_cpu_ns: u64, scratch: &std::path::Path) -> Result<()> {
+    fn run(self, until: Instant, min_cpu_ns: u64, scratch: &std::path::Path, keyspace: u32) -> Result<()> {
         let cpu0 = sys::thread_cputime_ns();
         let more = || {
             let now = Instant::now();
@@ -157,12 +162,19 @@ impl Kind {
                     burn(50);
                 }
             }
-            Kind::Ticker => {
+            Kind::Ticker | Kind::Pooled => {
+                let pooled = matches!(self, Kind::Pooled);
                 let mut next = Instant::now();
                 while more() {
                     next += Duration::from_millis(1);
+                    if pooled {
+                        client::clear_tag();
+                    }
                     if let Some(d) = next.checked_duration_since(Instant::now()) {
                         std::thread::sleep(d);
+                    }
+                    if pooled {
+                        client::set_tag(keyspace)?;
                     }
                     work_us(100);
                 }
@@ -211,7 +223,7 @@ pub fn threads(args: &[String]) -> Result<serde_json::Value> {
                     let until = *until.get().context("start time")?;
                     let clock0 = client::thread_cpu_ns().context("registered")?;
                     let cpu0 = sys::thread_cputime_ns();
-                    let r = kind.run(until, min_cpu_ns, &scratch);
+                    let r = kind.run(until, min_cpu_ns, &scratch, keyspace);
                     let cpu1 = sys::thread_cputime_ns();
                     let clock1 = client::thread_cpu_ns().context("registered")?;
                     r?;

@@ -1,0 +1,116 @@
+//! The latency guard, end to end: two threads of a light keyspace that
+//! wake every millisecond for 100 µs of work, and a noisy keyspace that
+//! arrives with four CPU-bound ticket loops on this 2-core machine. While
+//! the light keyspace's run-queue waits are past the target, the guard
+//! lowers the noisy keyspace's refill (never below its floor); once the
+//! noisy keyspace has left, it gives the refill back whole.
+
+use governor_tests::{Agent, workload_bin};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const NOISY: u32 = 9400;
+const LIGHT: u32 = 9401;
+/// 1.8 cores (the noisy keyspace's quota) per 10 ms refill interval, µs.
+const NOISY_BASE_US: u64 = 18_000;
+
+/// Kills the child when the test ends, however it ends.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn noisy_refill(agent: &Agent) -> Option<u64> {
+    let s = agent.status().expect("status");
+    s.keyspaces.iter().find(|k| k.keyspace_id == NOISY)?.bucket.as_ref().map(|b| b.refill_us)
+}
+
+/// Polls `f` every 50 ms until it holds, for at most `within`.
+fn until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}
+
+#[test]
+fn the_guard_lowers_the_noisy_refill_while_light_waits_miss_the_target_and_gives_it_back() {
+    let config = format!(
+        "[resource-control]\nstats-interval = \"250ms\"\n\
+         [resource-control.cpu-throttle]\nenabled = true\nenable-dynamic-adjustment = false\n\
+         enable-burst = false\nenable-fair-allocation = false\n\
+         keyspace-cpu-quotas = \"{NOISY}:1800,{LIGHT}:1000\"\n\
+         [latency-guard]\nenabled = true\ntarget-wait-p99 = \"1ms\"\nfloor-ratio = 0.2\n"
+    );
+    let agent = Agent::start("ebpf", &config).expect("agent");
+    // The light keyspace: tagged the whole time, so every wait of its
+    // threads is its own.
+    let mut light = Reap(
+        Command::new(workload_bin())
+            .args(["threads", "--kinds", "ticker,ticker", "--keyspace-base", &LIGHT.to_string(), "--keyspaces", "1"])
+            .args(["--seconds", "9", "--socket"])
+            .arg(&agent.socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("light workload"),
+    );
+    let mut out = BufReader::new(light.0.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("ready line");
+    assert!(line.contains("ready"), "{line}");
+    let stdin = light.0.stdin.as_mut().expect("stdin");
+    stdin.write_all(b"go\n").expect("go");
+    stdin.flush().expect("go");
+    std::thread::sleep(Duration::from_millis(1500));
+    // Alone, the light keyspace meets the target: nothing to lower.
+    let s = agent.status().unwrap();
+    assert!(s.admission.latency_guard.enabled);
+    assert!(s.admission.latency_guard.suffering.is_empty(), "{:?}", s.admission.latency_guard);
+
+    let noisy = Reap(
+        Command::new(workload_bin())
+            .args(["tickets", "--keyspace", &NOISY.to_string(), "--threads", "4", "--seconds", "4"])
+            .args(["--work-us", "2000", "--socket"])
+            .arg(&agent.socket)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("noisy workload"),
+    );
+    // The noisy keyspace's four loops make the light threads wait for a
+    // core: the guard lowers its refill, at most to the floor.
+    let mut lowest = u64::MAX;
+    let mut seen_suffering = false;
+    let lowered = until(Duration::from_secs(3), || {
+        let s = agent.status().unwrap();
+        seen_suffering |= s.admission.latency_guard.suffering.contains(&LIGHT);
+        if let Some(r) = s.keyspaces.iter().find(|k| k.keyspace_id == NOISY).and_then(|k| k.bucket.as_ref()) {
+            lowest = lowest.min(r.refill_us);
+        }
+        lowest <= NOISY_BASE_US / 2
+    });
+    eprintln!("noisy refill lowered to {lowest} µs of {NOISY_BASE_US} µs per refill interval");
+    assert!(lowered, "the noisy refill went no lower than {lowest} µs (base {NOISY_BASE_US} µs)");
+    assert!(seen_suffering, "status never named the light keyspace as missing its target");
+    assert!(lowest >= NOISY_BASE_US / 5 - 1, "lowered to {lowest} µs, below the floor (0.2 × {NOISY_BASE_US} µs)");
+    // The noisy keyspace leaves: its refill comes back whole.
+    let mut noisy = noisy;
+    assert!(noisy.0.wait().expect("noisy exits").success());
+    let left = Instant::now();
+    let restored = until(Duration::from_secs(5), || noisy_refill(&agent) == Some(NOISY_BASE_US));
+    eprintln!("restored {:.2} s after the noisy keyspace left", left.elapsed().as_secs_f64());
+    assert!(restored, "the noisy refill stayed at {:?} µs after it left (base {NOISY_BASE_US})", noisy_refill(&agent));
+    let s = agent.status().unwrap();
+    assert!(s.admission.latency_guard.suffering.is_empty(), "{:?}", s.admission.latency_guard);
+    let stdin = light.0.stdin.as_mut().expect("stdin");
+    let _ = stdin.write_all(b"go\ngo\n");
+}
