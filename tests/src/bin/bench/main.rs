@@ -1,5 +1,7 @@
 //! `cargo xtask bench`: the measurement and policy benchmarks, as ratios
 //! from one run on this machine. `--json` prints one JSON object.
+// The one JSON object has more keys than `json!`'s default recursion allows.
+#![recursion_limit = "256"]
 mod adoption;
 mod operator;
 mod rules;
@@ -74,6 +76,28 @@ fn sleepy_thread_error_pct(agent: &Agent) -> Result<f64> {
     let r = reports.pop().context("one thread")?;
     let charged = charged.get(&6000).copied().unwrap_or(0.0);
     Ok((charged - r.schedstat_ns as f64) / r.schedstat_ns as f64 * 100.0)
+}
+
+/// The worst keyspace's |charged run-queue wait − its threads' schedstat
+/// run-queue time| / that time, %: four CPU-bound threads of one keyspace,
+/// two tickers of another and two pooled workers of a third, on this
+/// machine's cores at once.
+fn cpu_wait_error_pct(agent: &Agent) -> Result<f64> {
+    let run = governor_tests::run_threads_measured(
+        agent,
+        &[
+            &["--kinds", "busy,busy,busy,busy", "--keyspace-base", "6100", "--keyspaces", "1"],
+            &["--kinds", "ticker,ticker", "--keyspace-base", "6200", "--keyspaces", "1"],
+            &["--kinds", "pooled,pooled", "--keyspace-base", "6300", "--keyspaces", "1"],
+        ],
+    )?;
+    let mut worst: f64 = 0.0;
+    for ks in [6100, 6200, 6300] {
+        let truth = run.reports.iter().filter(|r| r.keyspace == ks).map(|r| r.schedstat_wait_ns).sum::<u64>() as f64;
+        let charged = run.wait_ns.get(&ks).copied().unwrap_or(0.0);
+        worst = worst.max(if truth > 0.0 { (charged - truth).abs() / truth * 100.0 } else { 100.0 });
+    }
+    Ok(worst)
 }
 
 fn policy_allocate_release_ns() -> f64 {
@@ -207,6 +231,7 @@ fn main() -> Result<()> {
     let ebpf = switch::ebpf_cost(&agent)?;
     let (attribution, share_pp, steal) = attribution(&agent)?;
     let sleepy = sleepy_thread_error_pct(&agent)?;
+    let cpu_wait = cpu_wait_error_pct(&agent)?;
     let policy = policy_allocate_release_ns();
     client::unregister_current_thread();
     drop(client);
@@ -264,6 +289,7 @@ fn main() -> Result<()> {
         "attribution_share_error_pp": round3(share_pp),
         "attribution_steal_pct": round3(steal),
         "sleepy_thread_error_pct": round3(sleepy.abs()),
+        "cpu_wait_error_pct": round3(cpu_wait),
         "sleepy_thread_signed_error_pct": round3(sleepy),
         "policy_allocate_release_ns": round(policy),
         "ticket_acquire_release_ns": round(admission.uncontended_ns),
