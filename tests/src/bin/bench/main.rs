@@ -81,7 +81,8 @@ fn sleepy_thread_error_pct(agent: &Agent) -> Result<f64> {
 /// The worst keyspace's |charged run-queue wait − its threads' schedstat
 /// run-queue time| / that time, %: four CPU-bound threads of one keyspace,
 /// two tickers of another and two pooled workers of a third, on this
-/// machine's cores at once.
+/// machine's cores at once (a pooled worker's wait before a slice that takes
+/// no tag is no keyspace's, and counts here as error).
 fn cpu_wait_error_pct(agent: &Agent) -> Result<f64> {
     let run = governor_tests::run_threads_measured(
         agent,
