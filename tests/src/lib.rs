@@ -141,6 +141,17 @@ impl Drop for Scratch {
     }
 }
 
+/// A child process killed (and reaped) when this goes, however the test
+/// ends: a failed assertion leaves no load behind for the next test.
+pub struct Reap(pub Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A running agent process.
 pub struct Agent {
     child: Child,

@@ -3,22 +3,12 @@
 //! matches the kernel's own per-thread count (schedstat's second field);
 //! an unregistered process's waits are charged to no one.
 
-use governor_tests::{Agent, run_threads_measured, schedstat_pair};
+use governor_tests::{Agent, Reap as Hog, run_threads_measured, schedstat_pair};
 use std::process::{Command, Stdio};
 
 const HEAVY: u32 = 9100;
 const LIGHT: u32 = 9200;
 const POOLED: u32 = 9250;
-
-/// Kills the child when the test ends, however it ends.
-struct Hog(std::process::Child);
-
-impl Drop for Hog {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 #[test]
 fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() {

@@ -6,10 +6,10 @@
 //! And the README's Rust is the examples' code, so it runs as written.
 
 use anyhow::{Context, Result, bail};
-use governor_tests::{Agent, essential_config, example_bin};
+use governor_tests::{Agent, Reap as Server, essential_config, example_bin};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -19,15 +19,6 @@ const LIGHT: u32 = 82;
 const HEAVY_US: u64 = 5000;
 const LIGHT_US: u64 = 300;
 const CAP_CORES: f64 = 0.5;
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Starts an example server on `agent`; its child and its address.
 fn start(example: &str, agent: &Agent) -> Result<(Server, String)> {

@@ -5,25 +5,15 @@
 //! lowers the noisy keyspace's refill (never below its floor); once the
 //! noisy keyspace has left, it gives the refill back whole.
 
-use governor_tests::{Agent, workload_bin};
+use governor_tests::{Agent, Reap, workload_bin};
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const NOISY: u32 = 9400;
 const LIGHT: u32 = 9401;
 /// 1.8 cores (the noisy keyspace's quota) per 10 ms refill interval, µs.
 const NOISY_BASE_US: u64 = 18_000;
-
-/// Kills the child when the test ends, however it ends.
-struct Reap(Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn noisy_refill(agent: &Agent) -> Option<u64> {
     let s = agent.status().expect("status");
