@@ -53,10 +53,13 @@ impl Shared {
         let s = self.policy.settings();
         let r = self.policy.regions();
         let mut server_cpu = self.lock_server_cpu().status();
+        // The engine too: the tick holds it while it asks which cells are
+        // pinned (the measurement lock), so taking it under that lock could
+        // deadlock with an eviction.
+        let (span_us, window) = self.policy.window_cpu();
         let m = self.lock_measurement();
         let usage = self.lock_usage();
         server_cpu.untagged_cpu_seconds = usage.untagged_ns as f64 / 1e9;
-        let (span_us, window) = self.policy.window_cpu();
         let rules = self.lock_rules();
         let rule_names = rules.names_by_keyspace();
         let buckets: std::collections::HashMap<u32, &crate::policy::KeyspaceSnapshot> =
