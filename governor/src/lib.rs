@@ -25,19 +25,6 @@
 #![deny(unsafe_code)]
 #![cfg_attr(not(feature = "agent"), deny(missing_docs))]
 
-/// Declares a module the client uses internally: public with the `agent`
-/// feature (the daemon and its tests reach into it), private in the client
-/// build, whose public API is `client` alone.
-macro_rules! internal {
-    ($($name:ident),* $(,)?) => {$(
-        #[cfg(feature = "agent")]
-        pub mod $name;
-        #[cfg(not(feature = "agent"))]
-        #[allow(dead_code, unused_imports)]
-        mod $name;
-    )*};
-}
-
 #[cfg(feature = "agent")]
 pub mod agent;
 #[cfg(feature = "agent")]
@@ -51,7 +38,35 @@ pub mod config;
 pub mod measure;
 #[cfg(feature = "agent")]
 pub mod procs;
-internal!(policy, proto, region, sys, tsc);
+// Modules the client uses internally: public with the `agent` feature (the
+// daemon and its tests reach into them), private in the client build, whose
+// public API is `client` alone. Declared one by one, not through a macro,
+// so that rustfmt formats them.
+#[cfg(feature = "agent")]
+pub mod policy;
+#[cfg(not(feature = "agent"))]
+#[allow(dead_code, unused_imports)]
+mod policy;
+#[cfg(feature = "agent")]
+pub mod proto;
+#[cfg(not(feature = "agent"))]
+#[allow(dead_code, unused_imports)]
+mod proto;
+#[cfg(feature = "agent")]
+pub mod region;
+#[cfg(not(feature = "agent"))]
+#[allow(dead_code, unused_imports)]
+mod region;
+#[cfg(feature = "agent")]
+pub mod sys;
+#[cfg(not(feature = "agent"))]
+#[allow(dead_code, unused_imports)]
+mod sys;
+#[cfg(feature = "agent")]
+pub mod tsc;
+#[cfg(not(feature = "agent"))]
+#[allow(dead_code, unused_imports)]
+mod tsc;
 
 /// The eBPF object built from governor-ebpf by build.rs.
 #[cfg(feature = "agent")]

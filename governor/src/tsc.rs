@@ -18,7 +18,7 @@
 
 use crate::region::ClockView;
 use crate::sys;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{Ordering, fence};
 use std::time::Duration;
 
 /// How often the agent re-anchors the mapping.
@@ -97,17 +97,19 @@ impl Calibrator {
         }
         let Some((tsc, ns)) = Self::anchor() else { return };
         if let Some((tsc0, ns0)) = self.last
-            && tsc > tsc0 && ns > ns0 {
-                let mult = (((ns - ns0) as u128) << 32) / (tsc - tsc0) as u128;
-                let seq = h.clock_seq.load(Ordering::Relaxed);
-                h.clock_seq.store(seq + 1, Ordering::Relaxed);
-                fence(Ordering::Release);
-                h.tsc_base.store(tsc, Ordering::Relaxed);
-                h.ns_base.store(ns, Ordering::Relaxed);
-                h.mult.store(mult as u64, Ordering::Relaxed);
-                h.clock_valid.store(1, Ordering::Relaxed);
-                h.clock_seq.store(seq + 2, Ordering::Release);
-            }
+            && tsc > tsc0
+            && ns > ns0
+        {
+            let mult = (((ns - ns0) as u128) << 32) / (tsc - tsc0) as u128;
+            let seq = h.clock_seq.load(Ordering::Relaxed);
+            h.clock_seq.store(seq + 1, Ordering::Relaxed);
+            fence(Ordering::Release);
+            h.tsc_base.store(tsc, Ordering::Relaxed);
+            h.ns_base.store(ns, Ordering::Relaxed);
+            h.mult.store(mult as u64, Ordering::Relaxed);
+            h.clock_valid.store(1, Ordering::Relaxed);
+            h.clock_seq.store(seq + 2, Ordering::Release);
+        }
         self.last = Some((tsc, ns));
     }
 

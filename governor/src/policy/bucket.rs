@@ -11,7 +11,7 @@
 //! give up (refuse, or keep less), never spin.
 
 use crate::region::{BucketView, ParamsView};
-use keyspace_governor_common::admission::{counter as c, P_SHRINK_DEBT};
+use keyspace_governor_common::admission::{P_SHRINK_DEBT, counter as c};
 use std::sync::atomic::Ordering;
 
 /// CAS attempts before an operation settles for a bounded fallback.
@@ -122,7 +122,8 @@ impl BucketView {
             if kept == 0 {
                 break;
             }
-            match self.head_us.compare_exchange_weak(head, head.wrapping_add(kept), Ordering::SeqCst, Ordering::Acquire) {
+            match self.head_us.compare_exchange_weak(head, head.wrapping_add(kept), Ordering::SeqCst, Ordering::Acquire)
+            {
                 Ok(_) => break,
                 Err(h) => {
                     head = h;
@@ -151,7 +152,8 @@ impl BucketView {
             if add == 0 {
                 return (0, us);
             }
-            match self.tail_us.compare_exchange_weak(tail, tail.wrapping_add(add), Ordering::AcqRel, Ordering::Acquire) {
+            match self.tail_us.compare_exchange_weak(tail, tail.wrapping_add(add), Ordering::AcqRel, Ordering::Acquire)
+            {
                 Ok(_) => return (add, us - add),
                 Err(t) => tail = t,
             }
@@ -175,7 +177,12 @@ impl BucketView {
             if over <= 0 {
                 return 0;
             }
-            match self.head_us.compare_exchange_weak(head, head.wrapping_sub(over as u64), Ordering::AcqRel, Ordering::Acquire) {
+            match self.head_us.compare_exchange_weak(
+                head,
+                head.wrapping_sub(over as u64),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
                 Ok(_) => return over as u64,
                 Err(h) => head = h,
             }
@@ -244,7 +251,6 @@ pub(crate) fn give_back(b: &BucketView, p: &ParamsView, us: u64) {
         b.count(c::DISCARDED_US, us - kept);
     }
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -322,7 +328,10 @@ mod tests {
         }
         giver.join().unwrap();
         let waited = t.elapsed();
-        assert!(waited >= std::time::Duration::from_millis(45) && waited < std::time::Duration::from_secs(2), "{waited:?}");
+        assert!(
+            waited >= std::time::Duration::from_millis(45) && waited < std::time::Duration::from_secs(2),
+            "{waited:?}"
+        );
     }
 
     proptest::proptest! {

@@ -22,11 +22,7 @@ pub fn adjust_global_refill(base_us: u64, current_us: u64, ratio: f64, high: f64
 /// New keyspace refill per interval, µs. `quota_ratio` = keyspace quota / global quota.
 pub fn adjust_keyspace_refill(base_us: u64, ratio: f64, quota_ratio: f64) -> u64 {
     let threshold = KEYSPACE_REDUCE_FACTOR * quota_ratio;
-    if ratio > threshold && ratio > 0.0 {
-        (base_us as f64 * threshold / ratio) as u64
-    } else {
-        base_us
-    }
+    if ratio > threshold && ratio > 0.0 { (base_us as f64 * threshold / ratio) as u64 } else { base_us }
 }
 
 #[cfg(test)]

@@ -58,9 +58,7 @@ pub enum Refusal {
         keyspace: u32,
     },
     /// Admission control (enforced mode): the tenant has too many requests in flight.
-    #[error(
-        "tenant_admission_control: tenant {tenant} has {inflight} requests in flight, limit {limit}"
-    )]
+    #[error("tenant_admission_control: tenant {tenant} has {inflight} requests in flight, limit {limit}")]
     ConcurrencyLimited {
         /// The tenant (keyspace) refused.
         tenant: u32,
@@ -76,9 +74,7 @@ pub enum Refusal {
         limit: u32,
     },
     /// Pending write bytes reached a threshold.
-    #[error(
-        "write bytes limited ({kind}): keyspace {keyspace} pending {pending_bytes} >= {threshold_bytes}"
-    )]
+    #[error("write bytes limited ({kind}): keyspace {keyspace} pending {pending_bytes} >= {threshold_bytes}")]
     WriteBytesLimited {
         /// The keyspace refused.
         keyspace: u32,
@@ -102,14 +98,8 @@ impl Refusal {
             Refusal::LowPriorityCpuExhausted { .. } => "low_priority_exhausted",
             Refusal::ConcurrencyLimited { .. } => TENANT_ADMISSION_CONTROL_MARKER,
             Refusal::TooManyTickets { .. } => "too_many_tickets",
-            Refusal::WriteBytesLimited {
-                kind: WriteLimitKind::GlobalLimit,
-                ..
-            } => "write_global_limit",
-            Refusal::WriteBytesLimited {
-                kind: WriteLimitKind::KeyspaceLimit,
-                ..
-            } => "write_keyspace_limit",
+            Refusal::WriteBytesLimited { kind: WriteLimitKind::GlobalLimit, .. } => "write_global_limit",
+            Refusal::WriteBytesLimited { kind: WriteLimitKind::KeyspaceLimit, .. } => "write_keyspace_limit",
         }
     }
 

@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 
-
 /// `alpha × sample + (1 − alpha) × prev`, rounded, at least 1 µs.
 pub fn ema(prev_us: u64, sample_us: u64, alpha: f64) -> u64 {
     let v = alpha * sample_us as f64 + (1.0 - alpha) * prev_us as f64;
@@ -20,16 +19,8 @@ pub struct EstimateTracker {
 impl EstimateTracker {
     /// Records the cumulative counters and returns this interval's mean µs per request, if any
     /// request was released in the interval.
-    pub fn interval_mean(
-        &mut self,
-        keyspace: u32,
-        consumed_total_us: u64,
-        requests_total: u64,
-    ) -> Option<u64> {
-        let (c0, n0) = self
-            .last
-            .insert(keyspace, (consumed_total_us, requests_total))
-            .unwrap_or((0, 0));
+    pub fn interval_mean(&mut self, keyspace: u32, consumed_total_us: u64, requests_total: u64) -> Option<u64> {
+        let (c0, n0) = self.last.insert(keyspace, (consumed_total_us, requests_total)).unwrap_or((0, 0));
         let n = requests_total.saturating_sub(n0);
         (n > 0).then(|| consumed_total_us.saturating_sub(c0) / n)
     }

@@ -26,11 +26,7 @@ pub struct FairShare {
 /// `available = total − current_usage`; shares it by quota among keyspaces with `usage < quota`.
 pub fn fair_allocate(total: f64, current_usage: f64, inputs: &[FairInput]) -> Vec<FairShare> {
     let available = (total - current_usage).max(0.0);
-    let eligible_quota: f64 = inputs
-        .iter()
-        .filter(|k| k.usage < k.quota)
-        .map(|k| k.quota)
-        .sum();
+    let eligible_quota: f64 = inputs.iter().filter(|k| k.usage < k.quota).map(|k| k.quota).sum();
     inputs
         .iter()
         .map(|k| {
@@ -44,11 +40,7 @@ pub fn fair_allocate(total: f64, current_usage: f64, inputs: &[FairInput]) -> Ve
             } else {
                 0.0
             };
-            FairShare {
-                keyspace: k.keyspace,
-                can_use,
-                allocation: k.usage + can_use,
-            }
+            FairShare { keyspace: k.keyspace, can_use, allocation: k.usage + can_use }
         })
         .collect()
 }
@@ -59,27 +51,9 @@ mod tests {
 
     #[test]
     fn over_quota_keyspace_gets_nothing_and_nothing_when_node_full() {
-        let out = fair_allocate(
-            4.0,
-            4.0,
-            &[FairInput {
-                keyspace: 1,
-                quota: 2.0,
-                usage: 1.0,
-                demand: None,
-            }],
-        );
+        let out = fair_allocate(4.0, 4.0, &[FairInput { keyspace: 1, quota: 2.0, usage: 1.0, demand: None }]);
         assert_eq!(out[0].can_use, 0.0);
-        let out = fair_allocate(
-            8.0,
-            3.0,
-            &[FairInput {
-                keyspace: 1,
-                quota: 2.0,
-                usage: 3.0,
-                demand: Some(5.0),
-            }],
-        );
+        let out = fair_allocate(8.0, 3.0, &[FairInput { keyspace: 1, quota: 2.0, usage: 3.0, demand: Some(5.0) }]);
         assert_eq!(out[0].can_use, 0.0);
         assert_eq!(out[0].allocation, 3.0);
     }
@@ -90,42 +64,20 @@ mod tests {
             10.0,
             4.0,
             &[
-                FairInput {
-                    keyspace: 1,
-                    quota: 3.0,
-                    usage: 2.0,
-                    demand: None,
-                },
-                FairInput {
-                    keyspace: 2,
-                    quota: 3.0,
-                    usage: 0.0,
-                    demand: None,
-                },
+                FairInput { keyspace: 1, quota: 3.0, usage: 2.0, demand: None },
+                FairInput { keyspace: 2, quota: 3.0, usage: 0.0, demand: None },
             ],
         );
         // available 6 split 3/3; keyspace 1 capped at its remaining 1.0, keyspace 2 at 3.0.
         assert_eq!(out[0].can_use, 1.0);
         assert_eq!(out[1].can_use, 3.0);
         let total: f64 = out.iter().map(|s| s.can_use).sum();
-        assert!(
-            total < 6.0,
-            "single pass: keyspace 1's unused 2.0 stays unallocated"
-        );
+        assert!(total < 6.0, "single pass: keyspace 1's unused 2.0 stays unallocated");
     }
 
     #[test]
     fn no_eligible_keyspace_means_no_allocation() {
-        let out = fair_allocate(
-            8.0,
-            1.0,
-            &[FairInput {
-                keyspace: 1,
-                quota: 0.0,
-                usage: 0.0,
-                demand: Some(1.0),
-            }],
-        );
+        let out = fair_allocate(8.0, 1.0, &[FairInput { keyspace: 1, quota: 0.0, usage: 0.0, demand: Some(1.0) }]);
         assert_eq!(out[0].can_use, 0.0);
         assert!(fair_allocate(8.0, 1.0, &[]).is_empty());
     }

@@ -36,11 +36,8 @@ pub fn guard_step(cfg: &LatencyGuard, inputs: &[GuardInput]) -> GuardStep {
         return GuardStep { missed: false, suffering: Vec::new(), factors: vec![1.0; inputs.len()] };
     }
     let active: Vec<&GuardInput> = inputs.iter().filter(|k| k.cpu_us > 0 || k.wait_p99_us.is_some()).collect();
-    let fair = if active.is_empty() {
-        0.0
-    } else {
-        active.iter().map(|k| k.cpu_us as f64).sum::<f64>() / active.len() as f64
-    };
+    let fair =
+        if active.is_empty() { 0.0 } else { active.iter().map(|k| k.cpu_us as f64).sum::<f64>() / active.len() as f64 };
     let target_us = cfg.target_wait_p99.get().as_micros() as u64;
     let mut suffering: Vec<u32> = active
         .iter()
@@ -105,7 +102,10 @@ mod tests {
         }
         assert_eq!(f, 1.0);
         let off = LatencyGuard::default();
-        assert_eq!(guard_step(&off, &[input(1, 900_000, Some(1), 0.2), input(2, 1, Some(9_000), 1.0)]).factors, vec![1.0, 1.0]);
+        assert_eq!(
+            guard_step(&off, &[input(1, 900_000, Some(1), 0.2), input(2, 1, Some(9_000), 1.0)]).factors,
+            vec![1.0, 1.0]
+        );
     }
 
     #[test]

@@ -33,7 +33,8 @@ impl Policy {
         let r = self.regions();
         let mut e = self.engine();
         if prev.window_size_us() != next.window_size_us() || prev.max_window_cpu_us() != next.max_window_cpu_us() {
-            let old = std::mem::replace(&mut e.window, MonitorWindow::new(next.window_size_us(), next.max_window_cpu_us()));
+            let old =
+                std::mem::replace(&mut e.window, MonitorWindow::new(next.window_size_us(), next.max_window_cpu_us()));
             e.window.take_samples_from(old);
         }
         if !next.throttle().enable_pd_service_limit || next.cap_mode() {
@@ -45,7 +46,11 @@ impl Policy {
         ids.sort_unstable();
         ids.dedup();
         for ks in ids {
-            let current = r.directory().find(ks).and_then(|c| e.cells[c.index as usize].as_ref()).map(|st| (st.source, st.book.base_refill_us));
+            let current = r
+                .directory()
+                .find(ks)
+                .and_then(|c| e.cells[c.index as usize].as_ref())
+                .map(|st| (st.source, st.book.base_refill_us));
             let wanted = self.source_for(&e, &next, ks);
             let changed = match (current, wanted) {
                 (None, None) => false,
@@ -61,7 +66,8 @@ impl Policy {
             // A new static estimate, or adaptive estimates turned off: the
             // learned value goes, the configured one is in force.
             if prev.static_estimate_us(st.id) != next.static_estimate_us(st.id)
-                || (prev.throttle().enable_adaptive_estimated_cpu_per_request_us && !next.throttle().enable_adaptive_estimated_cpu_per_request_us)
+                || (prev.throttle().enable_adaptive_estimated_cpu_per_request_us
+                    && !next.throttle().enable_adaptive_estimated_cpu_per_request_us)
             {
                 st.estimate_us = next.static_estimate_us(st.id);
             }
@@ -100,12 +106,18 @@ impl Policy {
     /// Hot update of `tenant-cap-idle-ttl`, µs; the next eviction scan uses it.
     pub fn set_tenant_cap_idle_ttl_us(&self, ttl_us: u64) -> Result<(), RegionError> {
         let mut next = self.settings().clone();
-        next.throttle_mut().tenant_cap_idle_ttl = crate::config::ConfigDuration(std::time::Duration::from_micros(ttl_us));
+        next.throttle_mut().tenant_cap_idle_ttl =
+            crate::config::ConfigDuration(std::time::Duration::from_micros(ttl_us));
         self.update_settings(next)
     }
 
     /// Sets (or with `None` removes) a configured keyspace quota in millicores.
-    pub fn set_keyspace_quota_millicores(&self, keyspace: u32, millicores: Option<u64>, now_us: u64) -> Result<(), RegionError> {
+    pub fn set_keyspace_quota_millicores(
+        &self,
+        keyspace: u32,
+        millicores: Option<u64>,
+        now_us: u64,
+    ) -> Result<(), RegionError> {
         let mut next = self.settings().clone();
         next.throttle_mut().keyspace_cpu_quotas.set(keyspace, millicores);
         self.update_settings_at(next, now_us)

@@ -241,7 +241,12 @@ pub struct KeyspaceEntry {
 
 impl KeyspaceEntry {
     pub(crate) fn read(state: &KeyspaceState, cell: u32, b: &BucketView) -> KeyspaceEntry {
-        KeyspaceEntry { state: state.clone(), cell, bucket: BucketSnapshot::of(b, &state.book), counters: KeyspaceCounters::of(b) }
+        KeyspaceEntry {
+            state: state.clone(),
+            cell,
+            bucket: BucketSnapshot::of(b, &state.book),
+            counters: KeyspaceCounters::of(b),
+        }
     }
 
     pub fn id(&self) -> u32 {

@@ -10,20 +10,21 @@ use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard};
 
 use keyspace_governor_common::admission::{
-    counter, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_CAP_MODE, KNOB_ENABLED,
-    KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ENABLED, P_CAP, P_SHRINK_DEBT,
-    P_THROTTLED,
+    KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_CAP_MODE, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL,
+    KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ENABLED, P_CAP, P_SHRINK_DEBT, P_THROTTLED, counter,
 };
 
+use super::AdmissionMode;
 use super::admit::{self, Demand, Grant};
 use super::error::Refusal;
 use super::estimate::EstimateTracker;
 use super::keyspace::{BucketBook, KeyspaceState, QuotaSource};
 use super::pd::{PdAction, PdFetch, PdParams, PdTracked, PdTracker};
-use super::settings::{millicores_to_us_per_interval, Settings};
+use super::settings::{Settings, millicores_to_us_per_interval};
 use super::window::MonitorWindow;
-use super::AdmissionMode;
-use crate::region::{AdmissionMemory, AdmissionRegions, CellRef, ParamsView, RegionError, GLOBAL, LOW_PRIORITY, OVERFLOW};
+use crate::region::{
+    AdmissionMemory, AdmissionRegions, CellRef, GLOBAL, LOW_PRIORITY, OVERFLOW, ParamsView, RegionError,
+};
 
 /// Keyspace cells of a policy built by [`Policy::new`].
 pub const DEFAULT_CELLS: u32 = keyspace_governor_common::DEFAULT_MAX_KEYSPACES;
@@ -97,7 +98,7 @@ impl Policy {
             last_demand: HashMap::new(),
             last_observe_us: now_us,
             fair_active: false,
-                guard: Default::default(),
+            guard: Default::default(),
             global_ratio: 0.0,
             cap_buckets_created: 0,
             cap_buckets_evicted: 0,
@@ -164,7 +165,8 @@ impl Policy {
         }
         k.refill_interval_us.store(s.refill_interval_us(), Ordering::Relaxed);
         k.default_estimate_us.store(s.throttle().estimated_cpu_per_request_us.max(1), Ordering::Relaxed);
-        k.topup_threshold_milli.store((s.throttle().additional_allocation_threshold * 1000.0) as u64, Ordering::Relaxed);
+        k.topup_threshold_milli
+            .store((s.throttle().additional_allocation_threshold * 1000.0) as u64, Ordering::Relaxed);
         k.per_allocation_us.store(s.throttle().per_allocation_us, Ordering::Relaxed);
         k.runtime_check_interval_us.store(s.throttle().runtime_check_interval_us, Ordering::Relaxed);
         k.pending_write_threshold.store(s.pending_write_threshold_bytes(), Ordering::Relaxed);
@@ -246,7 +248,9 @@ impl Policy {
             return Some((QuotaSource::TenantCap, cap));
         }
         let configured = s
-            .throttle().keyspace_cpu_quotas.map()
+            .throttle()
+            .keyspace_cpu_quotas
+            .map()
             .values()
             .map(|&mc| (QuotaSource::Config, millicores_to_us_per_interval(mc, s.refill_interval_us())));
         let pd = e.pd.applied().map(|us| (QuotaSource::Pd, us));
@@ -268,11 +272,17 @@ impl Policy {
     /// What bucket `keyspace` gets by the settings: its configured (or PD)
     /// quota, the uniform cap, or none.
     pub(crate) fn source_for(&self, e: &Engine, s: &Settings, keyspace: u32) -> Option<(QuotaSource, u64)> {
-        let cfg = s.throttle().keyspace_cpu_quotas.map().get(&keyspace).map(|&mc| millicores_to_us_per_interval(mc, s.refill_interval_us()));
+        let cfg = s
+            .throttle()
+            .keyspace_cpu_quotas
+            .map()
+            .get(&keyspace)
+            .map(|&mc| millicores_to_us_per_interval(mc, s.refill_interval_us()));
         let pd = if s.throttle().enable_pd_service_limit { e.pd.applied_us(keyspace) } else { None };
         // PD's "unlimited" (service_limit 0) removes a static quota too,
         // unless the static one wins (pd-override-config = false).
-        let unlimited = s.throttle().enable_pd_service_limit && s.throttle().pd_override_config && e.pd.unlimited(keyspace);
+        let unlimited =
+            s.throttle().enable_pd_service_limit && s.throttle().pd_override_config && e.pd.unlimited(keyspace);
         match (s.tenant_cap_refill_us(s.throttle().tenant_max_cpu_ratio), pd, cfg) {
             (Some(cap), _, _) => Some((QuotaSource::TenantCap, cap)),
             (None, None, Some(_)) if unlimited => None,
@@ -411,7 +421,12 @@ impl Policy {
 
     /// A low-priority DAG request: the low-priority bucket first (when
     /// enabled), then the same cap-aware path.
-    pub fn allocate_low_priority(&self, keyspace: u32, estimate_us: Option<u64>, now_us: u64) -> Result<Grant, Refusal> {
+    pub fn allocate_low_priority(
+        &self,
+        keyspace: u32,
+        estimate_us: Option<u64>,
+        now_us: u64,
+    ) -> Result<Grant, Refusal> {
         self.admit(keyspace, &Demand { estimate_us, low_priority: true, ..Demand::default() }, now_us)
     }
 

@@ -24,12 +24,9 @@
 
 mod admit;
 mod bucket;
-mod error;
-mod spare;
-#[cfg(feature = "agent")]
-mod tick;
 #[cfg(feature = "agent")]
 mod dynamic;
+mod error;
 #[cfg(feature = "agent")]
 mod estimate;
 #[cfg(feature = "agent")]
@@ -48,27 +45,33 @@ mod pd;
 mod settings;
 #[cfg(feature = "agent")]
 mod snapshot;
+mod spare;
+#[cfg(feature = "agent")]
+mod tick;
 #[cfg(feature = "agent")]
 mod window;
 
 pub use admit::{
-    acquire, acquire_queued, acquire_with, release, release_with, top_up, top_up_queued, Demand,
-    Grant, Knobs, Progress, Queued, KEYSPACE_PENDING_WRITE_RATIO,
+    Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Knobs, Progress, Queued, acquire, acquire_queued, acquire_with,
+    release, release_with, top_up, top_up_queued,
 };
-pub use spare::{return_tokens as return_spare, Spare, SPARE_MAX_US};
-pub use error::{Refusal, WriteLimitKind, TENANT_ADMISSION_CONTROL_MARKER};
+pub use error::{Refusal, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};
+pub use spare::{SPARE_MAX_US, Spare, return_tokens as return_spare};
 #[cfg(feature = "agent")]
 pub use {
-    tick::TickReport,
-    dynamic::{adjust_global_refill, adjust_keyspace_refill, KEYSPACE_REDUCE_FACTOR},
-    estimate::{ema, EstimateTracker},
-    fair::{fair_allocate, FairInput, FairShare},
-    guard::{guard_step, GuardInput, GuardStep},
-    keyspace::{BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource, RequestHistograms, WaitHistograms},
-    manager::{Policy, DEFAULT_CELLS},
+    dynamic::{KEYSPACE_REDUCE_FACTOR, adjust_global_refill, adjust_keyspace_refill},
+    estimate::{EstimateTracker, ema},
+    fair::{FairInput, FairShare, fair_allocate},
+    guard::{GuardInput, GuardStep, guard_step},
+    keyspace::{
+        BucketBook, BucketSnapshot, KeyspaceCounters, KeyspaceEntry, KeyspaceState, QuotaSource, RequestHistograms,
+        WaitHistograms,
+    },
+    manager::{DEFAULT_CELLS, Policy},
     pd::{PdAction, PdFetch, PdLimit, PdParams, PdTracked, PdTracker},
-    settings::{millicores_to_us_per_interval, Settings},
+    settings::{Settings, millicores_to_us_per_interval},
     snapshot::{KeyspaceSnapshot, OverflowSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot},
+    tick::TickReport,
     window::{MonitorWindow, UsageSample},
 };
 

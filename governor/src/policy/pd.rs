@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-
 /// One keyspace's answer from PD.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PdLimit {
@@ -137,8 +136,7 @@ impl PdTracker {
             .tracked
             .iter()
             .filter(|(_, t)| {
-                t.consecutive_404 >= p.consecutive_404.max(1)
-                    || now_us.saturating_sub(t.last_ok_us) >= p.ttl_us
+                t.consecutive_404 >= p.consecutive_404.max(1) || now_us.saturating_sub(t.last_ok_us) >= p.ttl_us
             })
             .map(|(&ks, _)| ks)
             .collect();
@@ -149,12 +147,7 @@ impl PdTracker {
                 actions.push(PdAction::Remove { keyspace: ks });
             }
         }
-        let sum: f64 = self
-            .tracked
-            .values()
-            .filter(|t| t.limit > 0.0)
-            .map(|t| t.limit)
-            .sum();
+        let sum: f64 = self.tracked.values().filter(|t| t.limit > 0.0).map(|t| t.limit).sum();
         for (&ks, t) in self.tracked.iter_mut() {
             if t.limit <= 0.0 {
                 if t.applied_us.take().is_some() || (t.unlimited && !t.announced_unlimited) {
@@ -166,16 +159,11 @@ impl PdTracker {
             let quota = (p.global_refill_us as f64 * t.limit / sum) as u64;
             let apply = match t.applied_us {
                 None => true,
-                Some(old) => {
-                    old == 0 || (quota as f64 - old as f64).abs() / old as f64 > p.update_threshold
-                }
+                Some(old) => old == 0 || (quota as f64 - old as f64).abs() / old as f64 > p.update_threshold,
             };
             if apply {
                 t.applied_us = Some(quota);
-                actions.push(PdAction::Set {
-                    keyspace: ks,
-                    quota_us: quota,
-                });
+                actions.push(PdAction::Set { keyspace: ks, quota_us: quota });
             }
         }
         actions
@@ -216,40 +204,20 @@ mod tests {
     use super::*;
 
     fn params() -> PdParams {
-        PdParams {
-            global_refill_us: 10_000,
-            update_threshold: 0.01,
-            consecutive_404: 3,
-            ttl_us: 1_000_000,
-        }
+        PdParams { global_refill_us: 10_000, update_threshold: 0.01, consecutive_404: 3, ttl_us: 1_000_000 }
     }
 
     #[test]
     fn proportional_quotas_and_threshold() {
         let mut t = PdTracker::default();
-        let f = PdFetch::Fetched(BTreeMap::from([
-            (1, PdLimit::Limit(300.0)),
-            (2, PdLimit::Limit(100.0)),
-        ]));
+        let f = PdFetch::Fetched(BTreeMap::from([(1, PdLimit::Limit(300.0)), (2, PdLimit::Limit(100.0))]));
         let a = t.update(0, &f, params());
         assert_eq!(
             a,
-            vec![
-                PdAction::Set {
-                    keyspace: 1,
-                    quota_us: 7500
-                },
-                PdAction::Set {
-                    keyspace: 2,
-                    quota_us: 2500
-                }
-            ]
+            vec![PdAction::Set { keyspace: 1, quota_us: 7500 }, PdAction::Set { keyspace: 2, quota_us: 2500 }]
         );
         // 0.5 % change: below the 1 % threshold, nothing applied.
-        let f = PdFetch::Fetched(BTreeMap::from([
-            (1, PdLimit::Limit(301.5)),
-            (2, PdLimit::Limit(100.0)),
-        ]));
+        let f = PdFetch::Fetched(BTreeMap::from([(1, PdLimit::Limit(301.5)), (2, PdLimit::Limit(100.0))]));
         assert!(t.update(10, &f, params()).is_empty());
         // Archived: gone at once, and the other keyspace takes the whole budget.
         let f = PdFetch::Fetched(BTreeMap::from([(1, PdLimit::Gone), (2, PdLimit::Limit(100.0))]));

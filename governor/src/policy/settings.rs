@@ -168,7 +168,9 @@ impl Settings {
 
     /// The static estimate of a keyspace: its override, else the default; at least 1 µs.
     pub fn static_estimate_us(&self, keyspace: u32) -> u64 {
-        self.throttle().keyspace_estimated_cpu_per_request_us.map()
+        self.throttle()
+            .keyspace_estimated_cpu_per_request_us
+            .map()
             .get(&keyspace)
             .copied()
             .unwrap_or(self.throttle().estimated_cpu_per_request_us)

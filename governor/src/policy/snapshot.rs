@@ -6,9 +6,9 @@ use std::sync::atomic::Ordering;
 use keyspace_governor_common::admission::counter;
 use serde::Serialize;
 
+use super::AdmissionMode;
 use super::keyspace::{BucketSnapshot, KeyspaceCounters, KeyspaceEntry, QuotaSource};
 use super::manager::Policy;
-use super::AdmissionMode;
 use crate::region::{GLOBAL, LOW_PRIORITY, OVERFLOW};
 
 /// One keyspace with a bucket, as exported.

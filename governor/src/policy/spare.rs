@@ -20,7 +20,7 @@
 //! them in its ledger, so the agent gets them back when the client dies.
 
 use super::bucket::give_back;
-use crate::region::{CellRef, AdmissionRegions, BucketView, ParamsView, GLOBAL};
+use crate::region::{AdmissionRegions, BucketView, CellRef, GLOBAL, ParamsView};
 use keyspace_governor_common::admission::P_SHRINK_DEBT;
 use std::sync::atomic::Ordering;
 

@@ -6,16 +6,16 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
-use keyspace_governor_common::admission::{counter, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP};
+use keyspace_governor_common::admission::{P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, counter};
 use serde::Serialize;
 
 use super::dynamic::{adjust_global_refill, adjust_keyspace_refill};
 use super::estimate::ema;
-use super::fair::{fair_allocate, FairInput};
+use super::fair::{FairInput, fair_allocate};
 use super::keyspace::{BucketBook, QuotaSource};
 use super::manager::{Engine, Policy};
 use super::window::UsageSample;
-use crate::region::{BucketView, ParamsView, GLOBAL, LOW_PRIORITY, OVERFLOW};
+use crate::region::{BucketView, GLOBAL, LOW_PRIORITY, OVERFLOW, ParamsView};
 
 /// What one [`Policy::tick`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -52,7 +52,12 @@ impl Policy {
     /// intervals; with a `usage` sample (exactly once per stats interval),
     /// update the monitor window and everything derived from it; give up idle
     /// keyspace cells not in `pinned` (cells a thread is still tagged with).
-    pub fn tick_with(&self, now_us: u64, usage: Option<&UsageSample>, pinned: impl FnOnce() -> HashSet<u32>) -> TickReport {
+    pub fn tick_with(
+        &self,
+        now_us: u64,
+        usage: Option<&UsageSample>,
+        pinned: impl FnOnce() -> HashSet<u32>,
+    ) -> TickReport {
         self.regions().header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
         let mut report = TickReport { refill_intervals: self.refill(now_us), ..TickReport::default() };
         if let Some(sample) = usage {
@@ -89,13 +94,16 @@ impl Policy {
         let e = &mut *e;
         for (i, book) in [(GLOBAL, &mut e.global), (LOW_PRIORITY, &mut e.low_priority), (OVERFLOW, &mut e.overflow)] {
             let amount = book.refill_us.saturating_mul(intervals);
-            let limit = if i == OVERFLOW { Self::idle_cap_limit(r.bucket(i), r.params.get(i), book) } else { book.capacity_us };
+            let limit =
+                if i == OVERFLOW { Self::idle_cap_limit(r.bucket(i), r.params.get(i), book) } else { book.capacity_us };
             let kept = r.bucket(i).give(amount, limit);
             book.refilled_us += amount;
             book.discarded_us += amount - kept;
         }
         // Burst allocations are capped by one interval's global refill.
-        r.bucket(GLOBAL).burst_budget_us.store(i64::try_from(e.global.refill_us).unwrap_or(i64::MAX), Ordering::Release);
+        r.bucket(GLOBAL)
+            .burst_budget_us
+            .store(i64::try_from(e.global.refill_us).unwrap_or(i64::MAX), Ordering::Release);
         for &c in &e.live {
             let Some(st) = e.cells[c as usize].as_mut() else { continue };
             if st.source.is_none() {
@@ -135,7 +143,13 @@ impl Policy {
         // Global refill: dynamic adjustment or base.
         let global_base = e.global.base_refill_us;
         e.global.refill_us = if s.throttle().enable_dynamic_adjustment {
-            adjust_global_refill(global_base, e.global.refill_us, global_ratio, s.throttle().high_watermark, s.throttle().low_watermark)
+            adjust_global_refill(
+                global_base,
+                e.global.refill_us,
+                global_ratio,
+                s.throttle().high_watermark,
+                s.throttle().low_watermark,
+            )
         } else {
             global_base
         };
@@ -181,8 +195,9 @@ impl Policy {
                     st.book.refill_us = st.book.base_refill_us;
                 }
                 Some(_) => {
-                    st.burst_allowed =
-                        s.throttle().enable_burst && global_ratio < s.throttle().burst_threshold && ratio < s.keyspace_burst_threshold;
+                    st.burst_allowed = s.throttle().enable_burst
+                        && global_ratio < s.throttle().burst_threshold
+                        && ratio < s.keyspace_burst_threshold;
                     if st.burst_allowed {
                         flags |= P_BURST_ALLOWED;
                     }
@@ -196,7 +211,12 @@ impl Policy {
                         // Demand over the stats interval, scaled to one refill interval.
                         let demand = demand_total.saturating_sub(prev_demand) as f64 * s.refill_interval_us() as f64
                             / elapsed as f64;
-                        fair_inputs.push(FairInput { keyspace: c, quota: base as f64, usage: ratio * total, demand: Some(demand) });
+                        fair_inputs.push(FairInput {
+                            keyspace: c,
+                            quota: base as f64,
+                            usage: ratio * total,
+                            demand: Some(demand),
+                        });
                     }
                 }
             }

@@ -110,9 +110,7 @@ impl MonitorWindow {
 
     /// Every keyspace with CPU in the window and its ratio.
     pub fn keyspace_ratios(&self) -> impl Iterator<Item = (u32, f64)> + '_ {
-        self.keyspace_sums
-            .iter()
-            .map(|(&ks, &us)| (ks, us as f64 / self.max_cpu_time_us))
+        self.keyspace_sums.iter().map(|(&ks, &us)| (ks, us as f64 / self.max_cpu_time_us))
     }
 
     /// Replays `old`'s samples into this (resized) window, so a change of

@@ -1,11 +1,12 @@
 //! Atomic mirrors of the admission layouts, and the keyspace directory.
 
 use super::measure::same_layout;
-use super::{RegionError, Table, FIRST_KEYSPACE};
+use super::{FIRST_KEYSPACE, RegionError, Table};
 use keyspace_governor_common::admission::{
-    counter, dir_key, hist, request, AgentCell, BucketCell, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord, DIR_EMPTY, DIR_LIVE,
+    AgentCell, BucketCell, DIR_EMPTY, DIR_LIVE, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord,
+    counter, dir_key, hist, request,
 };
-use keyspace_governor_common::{probe_start, HeaderCell};
+use keyspace_governor_common::{HeaderCell, probe_start};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
@@ -158,7 +159,13 @@ impl BucketView {
 
     /// Zeroes every counter (a cell given to a new keyspace).
     pub fn reset_counters(&self) {
-        for v in self.counters.iter().chain(self.hot.iter().flatten()).chain(self.hist.iter()).chain(self.request.iter().flatten()) {
+        for v in self
+            .counters
+            .iter()
+            .chain(self.hot.iter().flatten())
+            .chain(self.hist.iter())
+            .chain(self.request.iter().flatten())
+        {
             v.store(0, Ordering::Relaxed);
         }
     }
@@ -277,7 +284,19 @@ same_layout!(
     request
 );
 same_layout!(ParamsView, ParamsCell, key, generation, capacity_us, refill_us, estimate_us, max_debt_us, flags);
-same_layout!(TicketView, TicketRecord, state, cell, generation, tenant_us, global_us, burst_us, write_bytes, flags, consumed_ns);
+same_layout!(
+    TicketView,
+    TicketRecord,
+    state,
+    cell,
+    generation,
+    tenant_us,
+    global_us,
+    burst_us,
+    write_bytes,
+    flags,
+    consumed_ns
+);
 
 /// The keyspace directory: open addressing on the keyspace id over the
 /// parameter region's keys (entry `c + FIRST_KEYSPACE` names keyspace cell
@@ -336,7 +355,11 @@ impl<'a> Directory<'a> {
     /// (given the cell and its parameters) prepares it before the entry
     /// becomes visible: a client can find it and count into it from then on.
     /// Returns (cell, generation, inserted).
-    pub fn insert(&self, keyspace_id: u32, init: impl FnOnce(u32, &ParamsView)) -> Result<(u32, u64, bool), RegionError> {
+    pub fn insert(
+        &self,
+        keyspace_id: u32,
+        init: impl FnOnce(u32, &ParamsView),
+    ) -> Result<(u32, u64, bool), RegionError> {
         if let Some(super::CellRef { index: c, generation: g }) = self.find(keyspace_id) {
             return Ok((c, g, false));
         }

@@ -1,7 +1,7 @@
 //! Atomic mirrors of the measurement layouts, and the charge step.
 
 use super::MeasureRegions;
-use keyspace_governor_common::{cell_of_tag, CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS};
+use keyspace_governor_common::{CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 

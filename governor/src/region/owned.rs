@@ -1,7 +1,7 @@
 //! Regions the agent creates itself (memfds), mapped writable for it and
 //! sealed before any client sees them.
 
-use super::{fd, Access, AdmissionRegions, RegionError, Table, TicketView, FIRST_KEYSPACE};
+use super::{Access, AdmissionRegions, FIRST_KEYSPACE, RegionError, Table, TicketView, fd};
 use crate::sys;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 

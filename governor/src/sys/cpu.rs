@@ -82,7 +82,6 @@ mod rseq {
     }
 }
 
-
 /// Asks the kernel's fair scheduler for a custom slice for the calling
 /// thread (`sched_setattr` with `sched_runtime` under `SCHED_OTHER`, which
 /// EEVDF honours from Linux 6.12; older kernels accept and ignore it).
@@ -127,11 +126,7 @@ pub fn set_thread_slice(slice: std::time::Duration) -> io::Result<()> {
     // SAFETY: the kernel reads `attr.size` bytes from a live, initialised
     // struct; pid 0 is the calling thread.
     let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0u32) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// Number of possible CPUs (the size of per-CPU tables).
@@ -158,9 +153,7 @@ pub fn online_cpus() -> io::Result<Vec<u32>> {
 }
 
 fn parse_cpu_list(s: &str) -> Option<u32> {
-    s.split(',')
-        .filter_map(|p| p.rsplit('-').next()?.parse::<u32>().ok())
-        .max()
+    s.split(',').filter_map(|p| p.rsplit('-').next()?.parse::<u32>().ok()).max()
 }
 
 /// Logical cores the node has (what "cores" means in every ratio).

@@ -6,7 +6,8 @@ use std::io;
 /// `timeout`. Returns early when woken, when the value differs already, or
 /// on a signal; the caller re-checks its condition either way.
 pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: std::time::Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: word is a valid, aligned u32 (it may be in a shared mapping:
     // the shared, not private, futex op is used); ts is a valid timeout.
     unsafe {
@@ -88,7 +89,14 @@ pub fn futex_waitv(words: &[(&std::sync::atomic::AtomicU32, u32)], deadline_ns: 
     // SAFETY: v holds valid futex_waitv entries for aligned u32 words that
     // outlive the call; ts is an absolute CLOCK_MONOTONIC deadline.
     let rc = unsafe {
-        libc::syscall(SYS_FUTEX_WAITV, v.as_ptr(), v.len() as libc::c_uint, 0, &ts as *const libc::timespec, libc::CLOCK_MONOTONIC)
+        libc::syscall(
+            SYS_FUTEX_WAITV,
+            v.as_ptr(),
+            v.len() as libc::c_uint,
+            0,
+            &ts as *const libc::timespec,
+            libc::CLOCK_MONOTONIC,
+        )
     };
     if rc < 0 {
         let e = io::Error::last_os_error();

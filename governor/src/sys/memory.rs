@@ -139,7 +139,12 @@ fn bpf_map_info(fd: RawFd) -> io::Result<BpfMapInfo> {
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     // SAFETY: attr points at a buffer of info_len bytes the kernel fills.
     let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, &mut attr as *mut InfoAttr, std::mem::size_of::<InfoAttr>())
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &mut attr as *mut InfoAttr,
+            std::mem::size_of::<InfoAttr>(),
+        )
     };
     if rc != 0 {
         return Err(io::Error::last_os_error());
@@ -160,7 +165,9 @@ pub fn bpf_map_freeze(fd: RawFd) -> io::Result<()> {
     const BPF_MAP_FREEZE: libc::c_long = 22;
     let attr = FreezeAttr { map_fd: fd as u32 };
     // SAFETY: attr is a valid bpf_attr prefix for this command.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_FREEZE, &attr as *const FreezeAttr, std::mem::size_of::<FreezeAttr>()) };
+    let rc = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_MAP_FREEZE, &attr as *const FreezeAttr, std::mem::size_of::<FreezeAttr>())
+    };
     if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 

@@ -30,9 +30,9 @@ pub(crate) mod fake;
 pub use clock::{monotonic_ns, thread_cputime_ns};
 pub use cpu::{current_cpu, current_cpu_ordered, logical_cores, online_cpus, possible_cpus, rdtsc, set_thread_slice};
 pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};
-pub use memory::{bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, seal, Mapping};
+pub use memory::{Mapping, bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, seal};
 pub use process::{
-    effective_gid, effective_uid, gettid, on_fork_child, pidfd_open, raise_fd_limit, random_u64, CAP_BPF, CAP_PERFMON,
-    CAP_SYS_ADMIN,
+    CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, effective_gid, effective_uid, gettid, on_fork_child, pidfd_open,
+    raise_fd_limit, random_u64,
 };
 pub use socket::{peer_cred, peer_pid, recv_with_fds, send_with_fds};

@@ -16,7 +16,6 @@ pub fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-
 /// The effective gid of this process.
 pub fn effective_gid() -> u32 {
     // SAFETY: getegid cannot fail and touches no memory.

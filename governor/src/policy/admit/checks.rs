@@ -1,16 +1,15 @@
 //! The checks that never wait, in the fast path's order, and what undoes them.
 
-use super::{sub_saturating, RequestBuckets, Demand, Grant, Knobs, KEYSPACE_PENDING_WRITE_RATIO};
+use super::{Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Knobs, RequestBuckets, sub_saturating};
 use crate::policy::bucket::give_back;
 use crate::policy::error::{Refusal, WriteLimitKind};
 use crate::policy::spare::Spare;
-use crate::region::{CellRef, AdmissionRegions, BucketView, LOW_PRIORITY};
+use crate::region::{AdmissionRegions, BucketView, CellRef, LOW_PRIORITY};
 use keyspace_governor_common::admission::{
-    counter as c, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL,
-    KNOB_RUNTIME_TOPUP, KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED,
+    KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP,
+    KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED, counter as c,
 };
 use std::sync::atomic::Ordering;
-
 
 /// Burst: takes `us` from this interval's burst budget and the global bucket.
 pub(super) fn take_burst(global: &BucketView, us: u64) -> bool {
@@ -105,7 +104,13 @@ pub(super) fn enter_concurrency(k: &Knobs, bucket: &BucketView, keyspace: u32) -
 }
 
 /// The seed's `too_busy` then the increment of both counters.
-pub(super) fn enter_writes(k: &Knobs, global: &BucketView, tenant: &BucketView, keyspace: u32, bytes: u64) -> Result<(), Refusal> {
+pub(super) fn enter_writes(
+    k: &Knobs,
+    global: &BucketView,
+    tenant: &BucketView,
+    keyspace: u32,
+    bytes: u64,
+) -> Result<(), Refusal> {
     let threshold = k.pending_write_threshold;
     let g = global.pending_write_bytes.load(Ordering::Acquire);
     if g >= threshold {
@@ -143,12 +148,13 @@ pub(super) fn estimate(k: &Knobs, buckets: &RequestBuckets<'_>, demand: &Demand)
     let estimated = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
     let mut est = estimated;
     if k.has(KNOB_RUNTIME_TOPUP)
-        && let Some((tenant, _)) = buckets.tenant {
-            let room = buckets.global.available_us().min(tenant.available_us()) / 10;
-            if room > 0 {
-                est = est.min(room as u64);
-            }
+        && let Some((tenant, _)) = buckets.tenant
+    {
+        let room = buckets.global.available_us().min(tenant.available_us()) / 10;
+        if room > 0 {
+            est = est.min(room as u64);
         }
+    }
     (est, estimated)
 }
 
@@ -190,15 +196,17 @@ pub(super) fn prepare(
         }
     }
     if demand.write_bytes > 0
-        && let Some(b) = tenant {
-            if let Err(e) = enter_writes(k, buckets.global, b, keyspace, demand.write_bytes) {
-                undo(r, buckets, &g);
-                return Err(e);
-            }
-            g.write_bytes = demand.write_bytes;
+        && let Some(b) = tenant
+    {
+        if let Err(e) = enter_writes(k, buckets.global, b, keyspace, demand.write_bytes) {
+            undo(r, buckets, &g);
+            return Err(e);
         }
+        g.write_bytes = demand.write_bytes;
+    }
     let throttled = k.has(KNOB_THROTTLE) && buckets.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
-    let low = k.has(KNOB_THROTTLE) && demand.low_priority && r.params.get(LOW_PRIORITY).is_some_and(|p| p.has(P_THROTTLED));
+    let low =
+        k.has(KNOB_THROTTLE) && demand.low_priority && r.params.get(LOW_PRIORITY).is_some_and(|p| p.has(P_THROTTLED));
     if !throttled && !low {
         let b = tenant.unwrap_or(buckets.global);
         b.count(c::SKIPPED, 1);
@@ -209,9 +217,10 @@ pub(super) fn prepare(
     let (est, estimated) = estimate(k, buckets, demand);
     g.estimate_us = estimated;
     if k.has(KNOB_TRACK_DEMAND)
-        && let Some(b) = tenant {
-            b.count(c::DEMAND_US, est);
-        }
+        && let Some(b) = tenant
+    {
+        b.count(c::DEMAND_US, est);
+    }
     // The low-priority DAG bucket first.
     if low {
         let lb = r.bucket(LOW_PRIORITY);
@@ -233,13 +242,15 @@ pub(super) fn prepare(
 pub(super) fn undo(r: &AdmissionRegions, buckets: &RequestBuckets<'_>, g: &Grant) {
     let tenant = buckets.tenant.map(|t| t.0);
     if g.low_priority_us > 0
-        && let Some(p) = r.params.get(LOW_PRIORITY) {
-            give_back(r.bucket(LOW_PRIORITY), p, g.low_priority_us);
-        }
+        && let Some(p) = r.params.get(LOW_PRIORITY)
+    {
+        give_back(r.bucket(LOW_PRIORITY), p, g.low_priority_us);
+    }
     if g.counted
-        && let Some(b) = tenant {
-            sub_saturating(&b.inflight_requests, 1);
-        }
+        && let Some(b) = tenant
+    {
+        sub_saturating(&b.inflight_requests, 1);
+    }
     if g.write_bytes > 0 {
         sub_saturating(&buckets.global.pending_write_bytes, g.write_bytes);
         if let Some(b) = tenant {
@@ -251,7 +262,14 @@ pub(super) fn undo(r: &AdmissionRegions, buckets: &RequestBuckets<'_>, g: &Grant
 /// Records a grant that got its CPU tokens (`from_spare`: the thread's
 /// spare tokens, already counted in flight).
 #[inline]
-pub(super) fn finish(buckets: &RequestBuckets<'_>, mut g: Grant, est: u64, tenant_us: u64, burst_us: u64, from_spare: bool) -> Grant {
+pub(super) fn finish(
+    buckets: &RequestBuckets<'_>,
+    mut g: Grant,
+    est: u64,
+    tenant_us: u64,
+    burst_us: u64,
+    from_spare: bool,
+) -> Grant {
     g.tenant_us = tenant_us;
     g.burst_us = burst_us;
     g.global_us = est;
@@ -269,7 +287,12 @@ pub(super) fn finish(buckets: &RequestBuckets<'_>, mut g: Grant, est: u64, tenan
 
 /// CPU from the global bucket alone (a keyspace without a bucket, on the
 /// low-priority path).
-pub(super) fn take_global_only(k: &Knobs, buckets: &RequestBuckets<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+pub(super) fn take_global_only(
+    k: &Knobs,
+    buckets: &RequestBuckets<'_>,
+    keyspace: u32,
+    us: u64,
+) -> Result<(u64, u64), Refusal> {
     if buckets.global.try_take(us) {
         return Ok((0, 0));
     }

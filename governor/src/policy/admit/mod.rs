@@ -19,15 +19,15 @@ mod checks;
 mod queue;
 mod release;
 
-pub use queue::{acquire_queued, top_up_queued, Progress, Queued};
+use checks::{Prep, finish, prepare, take_cpu, take_global_only, undo};
+pub use queue::{Progress, Queued, acquire_queued, top_up_queued};
 pub use release::{release, release_with};
-use checks::{finish, prepare, take_cpu, take_global_only, undo, Prep};
 
 use super::error::Refusal;
 use super::spare::Spare;
-use crate::region::{CellRef, AdmissionRegions, BucketView, ParamsView, GLOBAL};
+use crate::region::{AdmissionRegions, BucketView, CellRef, GLOBAL, ParamsView};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
-use keyspace_governor_common::admission::{counter as c, P_THROTTLED};
+use keyspace_governor_common::admission::{P_THROTTLED, counter as c};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -256,7 +256,8 @@ pub fn acquire_with(
         Prep::Spared { g, est } => return Ok(finish(&buckets, g, est, est, 0, true)),
         Prep::Cpu { g, est, throttled } => (g, est, throttled),
     };
-    let result = if throttled { take_cpu(k, &buckets, keyspace, est) } else { take_global_only(k, &buckets, keyspace, est) };
+    let result =
+        if throttled { take_cpu(k, &buckets, keyspace, est) } else { take_global_only(k, &buckets, keyspace, est) };
     match result {
         Ok((tenant_us, burst_us)) => Ok(finish(&buckets, g, est, tenant_us, burst_us, false)),
         Err(e) => {
@@ -283,9 +284,10 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
     match result {
         Ok((tenant_us, burst_us)) => {
             if tenant_us > 0
-                && let Some((b, _)) = buckets.tenant {
-                    b.add_inflight_us(tenant_us);
-                }
+                && let Some((b, _)) = buckets.tenant
+            {
+                b.add_inflight_us(tenant_us);
+            }
             g.tenant_us += tenant_us;
             g.burst_us += burst_us;
             g.global_us += us;

@@ -1,16 +1,15 @@
 //! A request that waits in line for CPU tokens (a new admission or a running
 //! request's top-up).
 
-use super::checks::{finish, prepare, take_burst, undo, Prep};
-use super::{RequestBuckets, Demand, Grant, Knobs};
+use super::checks::{Prep, finish, prepare, take_burst, undo};
+use super::{Demand, Grant, Knobs, RequestBuckets};
 use crate::policy::bucket::give_back;
 use crate::policy::error::Refusal;
 use crate::policy::spare::Spare;
-use crate::region::{CellRef, AdmissionRegions, GLOBAL};
+use crate::region::{AdmissionRegions, CellRef, GLOBAL};
 use keyspace_governor_common::admission::{
-    counter as c, hist, KNOB_BURST, KNOB_ENFORCE_GLOBAL, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED,
+    KNOB_BURST, KNOB_ENFORCE_GLOBAL, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED, counter as c, hist,
 };
-
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Stage {
@@ -44,7 +43,10 @@ pub struct Queued {
 pub enum Progress {
     Ready(Grant),
     /// Waiting for bucket `bucket` (an index of the bucket region) to reach `pos`.
-    Waiting { bucket: u32, pos: u64 },
+    Waiting {
+        bucket: u32,
+        pos: u64,
+    },
 }
 
 /// Like [`acquire`], but instead of refusing for want of CPU tokens, takes a
@@ -60,7 +62,8 @@ pub fn acquire_queued(
     spare: Option<&mut Spare>,
 ) -> Result<Queued, Refusal> {
     let buckets = RequestBuckets::of(r, cell);
-    let done = |g, est, tenant_us, spared| Queued { g, est, tenant_us, burst_us: 0, stage: Stage::Done, topup: false, spared };
+    let done =
+        |g, est, tenant_us, spared| Queued { g, est, tenant_us, burst_us: 0, stage: Stage::Done, topup: false, spared };
     let (g, est, throttled) = match prepare(r, k, &buckets, keyspace, cell, demand, spare)? {
         Prep::Done(g) => return Ok(done(g, 0, 0, false)),
         Prep::Spared { g, est } => return Ok(done(g, est, est, true)),
@@ -74,7 +77,15 @@ pub fn acquire_queued(
 /// [`Grant::absorb`].
 pub fn top_up_queued(r: &AdmissionRegions, k: &Knobs, g: &Grant, us: u64) -> Queued {
     let buckets = RequestBuckets::of(r, g.cell_at());
-    let part = Grant { tenant_us: 0, global_us: 0, burst_us: 0, low_priority_us: 0, write_bytes: 0, counted: false, ..g.clone() };
+    let part = Grant {
+        tenant_us: 0,
+        global_us: 0,
+        burst_us: 0,
+        low_priority_us: 0,
+        write_bytes: 0,
+        counted: false,
+        ..g.clone()
+    };
     let throttled = buckets.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
     if g.skipped {
         return Queued { g: part, est: 0, tenant_us: 0, burst_us: 0, stage: Stage::Done, topup: true, spared: false };
@@ -199,9 +210,10 @@ impl Queued {
                     buckets.global.cancel(self.est);
                 }
                 if let Some((tenant, params)) = buckets.tenant
-                    && self.tenant_us > 0 {
-                        give_back(tenant, params, self.tenant_us);
-                    }
+                    && self.tenant_us > 0
+                {
+                    give_back(tenant, params, self.tenant_us);
+                }
                 if !self.topup {
                     on.count(c::REFUSED_GLOBAL, 1);
                 }

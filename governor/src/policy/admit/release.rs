@@ -1,13 +1,12 @@
 //! Closing a grant with the CPU its request consumed: refunds, bounded debt,
 //! the thread's spare tokens, the request histograms.
 
-use super::{sub_saturating, RequestBuckets, Grant};
+use super::{Grant, RequestBuckets, sub_saturating};
 use crate::policy::bucket::give_back;
-use crate::policy::spare::{self, Spare, SPARE_MAX_US};
-use crate::region::{AdmissionRegions, BucketView, ParamsView, LOW_PRIORITY};
+use crate::policy::spare::{self, SPARE_MAX_US, Spare};
+use crate::region::{AdmissionRegions, BucketView, LOW_PRIORITY, ParamsView};
 use keyspace_governor_common::admission::counter as c;
 use std::sync::atomic::Ordering;
-
 
 /// Gives back `granted` µs of a bucket whose holder consumed `consumed`:
 /// refunds the unused part or charges the overrun as debt. Returns the debt
@@ -65,9 +64,10 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
         }
     }
     if g.low_priority_us > 0
-        && let Some(p) = r.params.get(LOW_PRIORITY) {
-            settle(r.bucket(LOW_PRIORITY), p, g.low_priority_us, consumed_us);
-        }
+        && let Some(p) = r.params.get(LOW_PRIORITY)
+    {
+        settle(r.bucket(LOW_PRIORITY), p, g.low_priority_us, consumed_us);
+    }
     if let Some((b, p)) = tenant {
         if g.tenant_us > 0 {
             settle(b, p, g.tenant_us, consumed_us.saturating_sub(g.burst_us));
@@ -100,11 +100,23 @@ pub fn release_with(r: &AdmissionRegions, g: &Grant, consumed_us: u64, spare: Op
 /// The release of [`release_with`] when the refund stays spare; `false`
 /// (nothing done) when it may not.
 #[inline]
-pub(super) fn keep_refund(r: &AdmissionRegions, buckets: &RequestBuckets<'_>, g: &Grant, consumed_us: u64, s: &mut Spare) -> bool {
+pub(super) fn keep_refund(
+    r: &AdmissionRegions,
+    buckets: &RequestBuckets<'_>,
+    g: &Grant,
+    consumed_us: u64,
+    s: &mut Spare,
+) -> bool {
     let granted = g.tenant_us;
     // The overflow bucket's tokens are shared by keyspaces without buckets: a
     // thread keeps no spare of them.
-    if g.cell_generation == 0 || granted == 0 || g.global_us != granted || g.burst_us != 0 || g.low_priority_us != 0 || (s.us > 0 && s.cell != g.cell_at()) {
+    if g.cell_generation == 0
+        || granted == 0
+        || g.global_us != granted
+        || g.burst_us != 0
+        || g.low_priority_us != 0
+        || (s.us > 0 && s.cell != g.cell_at())
+    {
         return false;
     }
     let Some((b, p)) = buckets.tenant else { return false };
