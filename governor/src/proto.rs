@@ -92,22 +92,42 @@ pub enum Reply {
         #[serde(default)]
         layout: u32,
     },
-    Registered { slot: u32, generation: u64 },
-    Keyspace { cell: u32, generation: u64 },
+    Registered {
+        slot: u32,
+        generation: u64,
+    },
+    Keyspace {
+        cell: u32,
+        generation: u64,
+    },
     Unregistered,
     Status(Box<StatusReport>),
-    Granted { ticket: u64, granted_us: u64 },
+    Granted {
+        ticket: u64,
+        granted_us: u64,
+    },
     /// `reason` is the refusal's code (`tenant_cap_exhausted`, …).
-    Refused { reason: String, message: String },
+    Refused {
+        reason: String,
+        message: String,
+    },
     Released,
-    Threads { threads: Vec<ThreadInfo> },
+    Threads {
+        threads: Vec<ThreadInfo>,
+    },
     /// An accepted configuration change: every key it changed (none when
     /// the new configuration equals the running one).
-    ConfigUpdated { changes: Vec<ConfigChange> },
+    ConfigUpdated {
+        changes: Vec<ConfigChange>,
+    },
     /// A refused configuration change, with every reason; the running
     /// configuration stays.
-    ConfigRejected { errors: Vec<String> },
-    Error { message: String },
+    ConfigRejected {
+        errors: Vec<String>,
+    },
+    Error {
+        message: String,
+    },
 }
 
 /// A registered thread, as `governor threads` shows it.
@@ -126,6 +146,13 @@ pub struct ThreadInfo {
     /// Its CPU time as the kernel counted it at its last switch-out
     /// (eBPF backend) or last sample (fallback), seconds.
     pub cpu_seconds: f64,
+    /// How far its charges run ahead of that count, ns: 0 after a
+    /// switch-out, except where the thread split a slice between tags while
+    /// the hypervisor stole from its CPU (the thread clock counts steal
+    /// inside a slice, the kernel does not). The kernel's count pays it
+    /// back: it charges nothing more until it passes the charges.
+    #[serde(default)]
+    pub charged_ahead_ns: u64,
 }
 
 /// How an error reply that refuses the peer itself (its uid) begins.

@@ -290,6 +290,11 @@ impl Agent {
         Ok(keyspace_governor::cli::status::run(&self.socket)?)
     }
 
+    /// The registered threads, as `governor threads --json` lists them.
+    pub fn threads(&self) -> Result<Vec<keyspace_governor::proto::ThreadInfo>> {
+        Ok(keyspace_governor::cli::threads::run(&self.socket)?)
+    }
+
     /// Charged CPU seconds of `keyspace_id` (0 when never charged).
     pub fn keyspace_seconds(&self, keyspace_id: u32) -> Result<f64> {
         Ok(self.status()?.keyspaces.iter().find(|k| k.keyspace_id == keyspace_id).map_or(0.0, |k| k.cpu_seconds))
@@ -835,6 +840,22 @@ pub struct ThreadReport {
     /// The kernel's run-queue wait (schedstat's second field) over the
     /// same span.
     pub schedstat_wait_ns: u64,
+    /// How far the thread's charges ran ahead of the kernel's count at the
+    /// first and at the second stop (`governor threads`' `charged_ahead_ns`):
+    /// a slice split between tags while the hypervisor stole from its CPU
+    /// is charged ahead, and the kernel's count pays that back later.
+    pub charged_ahead_before_ns: u64,
+    pub charged_ahead_after_ns: u64,
+}
+
+impl ThreadReport {
+    /// What the thread's tag was charged in the span if the charges are the
+    /// kernel's count: its schedstat, less what was charged ahead before the
+    /// span (paid back by the span's count), plus what the span charged
+    /// ahead.
+    pub fn kernel_charge_ns(&self) -> f64 {
+        self.schedstat_ns as f64 - self.charged_ahead_before_ns as f64 + self.charged_ahead_after_ns as f64
+    }
 }
 
 /// What [`run_threads_measured`] saw: every thread's report, and each
@@ -844,6 +865,9 @@ pub struct ThreadsRun {
     pub reports: Vec<ThreadReport>,
     pub cpu_ns: std::collections::BTreeMap<u32, f64>,
     pub wait_ns: std::collections::BTreeMap<u32, f64>,
+    /// The machine's steal from the start of the run to its second stop
+    /// ([`steal_ns`], at its resolution of a tick per CPU).
+    pub steal_ns: u64,
 }
 
 /// A `workload threads` process (see its protocol in `workload/kinds.rs`).
@@ -942,9 +966,11 @@ pub fn run_threads(
 pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<ThreadsRun> {
     let mut procs: Vec<ThreadsWorkload> =
         workloads.iter().map(|args| ThreadsWorkload::spawn(&agent.socket, args)).collect::<Result<_>>()?;
+    let steal0 = steal_ns();
     let pids: std::collections::BTreeSet<u32> = procs.iter().map(|p| p.child.id()).collect();
     stop(&pids)?;
     let charged_before = settled_charges(agent)?;
+    let ahead_before = charged_ahead(agent)?;
     let before: Vec<Vec<(u64, u64)>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
     resume(&pids);
     for p in &mut procs {
@@ -963,7 +989,9 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
         .collect::<Result<_>>()?;
     stop(&pids)?;
     let charged_after = settled_charges(agent)?;
+    let ahead_after = charged_ahead(agent)?;
     let after: Vec<Vec<(u64, u64)>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
+    let steal = steal_ns() - steal0;
     resume(&pids);
     let mut reports = Vec::new();
     for (p, ((w, b), a)) in procs.iter().zip(worked.iter().zip(&before).zip(&after)) {
@@ -982,6 +1010,8 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
                 thread_clock_ns: w["thread_clock_ns"].as_u64().context("thread_clock_ns")?,
                 schedstat_ns: a[i].0 - b[i].0,
                 schedstat_wait_ns: a[i].1 - b[i].1,
+                charged_ahead_before_ns: ahead_before.get(tid).copied().context("registered at the first stop")?,
+                charged_ahead_after_ns: ahead_after.get(tid).copied().context("registered at the second stop")?,
             });
         }
     }
@@ -998,7 +1028,12 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
             .map(|(k, v)| (*k, pick(v) - charged_before.get(k).map_or(0.0, pick)))
             .collect::<std::collections::BTreeMap<_, _>>()
     };
-    Ok(ThreadsRun { reports, cpu_ns: since(|v| v.0), wait_ns: since(|v| v.1) })
+    Ok(ThreadsRun { reports, cpu_ns: since(|v| v.0), wait_ns: since(|v| v.1), steal_ns: steal })
+}
+
+/// Every registered thread's `charged_ahead_ns`, by tid.
+fn charged_ahead(agent: &Agent) -> Result<std::collections::BTreeMap<u32, u64>> {
+    Ok(agent.threads()?.into_iter().map(|t| (t.tid, t.charged_ahead_ns)).collect())
 }
 
 fn read_json(out: &mut BufReader<std::process::ChildStdout>) -> Result<serde_json::Value> {

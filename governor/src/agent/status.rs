@@ -203,6 +203,8 @@ impl Shared {
             .map(|(slot, tid, pid, uid)| {
                 let view = m.regions.slots.get(slot);
                 let tag = view.map_or(0, |v| v.tag.load(Ordering::Relaxed));
+                let (counted, charged) =
+                    view.map_or((0, 0), |v| (v.oncpu_ns.load(Ordering::Relaxed), v.charged_ns.load(Ordering::Relaxed)));
                 crate::proto::ThreadInfo {
                     pid,
                     process: String::new(),
@@ -211,7 +213,8 @@ impl Shared {
                     uid,
                     slot,
                     keyspace: keyspace_governor_common::cell_of_tag(tag).and_then(|c| ids.get(&c).copied()),
-                    cpu_seconds: view.map_or(0, |v| v.oncpu_ns.load(Ordering::Relaxed)) as f64 / 1e9,
+                    cpu_seconds: counted as f64 / 1e9,
+                    charged_ahead_ns: charged.saturating_sub(counted),
                 }
             })
             .collect()

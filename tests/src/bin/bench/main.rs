@@ -69,13 +69,15 @@ fn attribution(agent: &Agent) -> Result<(f64, f64, f64)> {
 
 /// A registered thread that works 150 µs and sleeps 200 µs: its charge
 /// against the kernel's count of it (schedstat, read with its process
-/// stopped at both ends of its tagged span), signed, in %.
+/// stopped at both ends of its tagged span, less what its tag switch before
+/// the span charged ahead of the count), signed, in %.
 fn sleepy_thread_error_pct(agent: &Agent) -> Result<f64> {
     let (mut reports, charged) =
         governor_tests::run_threads(agent, &[&["--kinds", "sleepy", "--keyspace-base", "6000", "--seconds", "1.4"]])?;
     let r = reports.pop().context("one thread")?;
     let charged = charged.get(&6000).copied().unwrap_or(0.0);
-    Ok((charged - r.schedstat_ns as f64) / r.schedstat_ns as f64 * 100.0)
+    let truth = r.kernel_charge_ns();
+    Ok((charged - truth) / truth * 100.0)
 }
 
 /// The worst keyspace's |charged run-queue wait − its threads' schedstat
