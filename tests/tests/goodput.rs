@@ -128,11 +128,14 @@ fn admitted_work_finishes_under_the_cap() {
     eprintln!("goodput {:.1} %", goodput * 100.0);
     assert!((0.90..=1.01).contains(&goodput), "CPU of completed requests / charged: {:.1} %", goodput * 100.0);
     // The cap over the run within 3 %; in every window after the first
-    // within 10 % (less what the host stole, from below, and only where most
-    // admissions waited: the cap, not the machine, held it back). One
-    // window moves by the tokens its in-flight tickets hold ahead of their
-    // CPU: up to 8 tickets × (estimate + a top-up), about 7 % of a window
-    // here, so a window is not within 5 % yet.
+    // within 7 % (less what the host stole, from below, and only where most
+    // admissions waited: the cap, not the machine, held it back). A window
+    // would move by the tokens its in-flight tickets hold ahead of their
+    // CPU (up to 8 tickets × (estimate + a top-up), 6–8 % of a window
+    // here); the refill follows the kernel's charge and cancels that, all
+    // but what the inventory moved in the last few refill intervals
+    // (docs/design.md, "Admitted work finishes"): within 3 % as a rule,
+    // 4.8 % at worst in 48 windows here.
     let later = &r.windows[1..];
     let mean = later.iter().map(|w| w.cores).sum::<f64>() / later.len() as f64;
     // Tickets pay by the thread clock, which counts what the host stole
@@ -145,7 +148,7 @@ fn admitted_work_finishes_under_the_cap() {
         "mean of the windows: {mean:.3} cores (floor {low:.3}, steal {steal:.3})"
     );
     for (i, w) in later.iter().enumerate() {
-        assert!(w.cores <= CAP_CORES * 1.10, "window {}: charged {:.3} cores over the cap", i + 1, w.cores);
+        assert!(w.cores <= CAP_CORES * 1.07, "window {}: charged {:.3} cores over the cap", i + 1, w.cores);
         // The process's schedstat adds the runtime's own CPU between polls
         // (below, the books) and its helper threads'.
         assert!(
@@ -155,7 +158,7 @@ fn admitted_work_finishes_under_the_cap() {
             w.process_cores
         );
         if w.waited * 2 >= w.granted && w.granted > 0 {
-            let floor = CAP_CORES * (0.90 - w.steal_pct / 100.0);
+            let floor = CAP_CORES * (0.93 - w.steal_pct / 100.0);
             assert!(w.cores >= floor, "window {}: {:.3} cores, held below the cap ({floor:.3})", i + 1, w.cores);
         }
     }

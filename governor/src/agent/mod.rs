@@ -418,7 +418,14 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
         } else {
             None
         };
-        shared.policy.tick_with(now_us(), sample.as_ref(), || shared.pinned_cells());
+        // Every keyspace cell's charge, for the tenant caps' refills.
+        let cpu_ns: Vec<u64> = {
+            let m = shared.lock_measurement();
+            (0..m.regions.keyspaces.len())
+                .map(|c| m.regions.keyspaces.get(c).map_or(0, |k| k.cpu_ns.load(Ordering::Relaxed)))
+                .collect()
+        };
+        shared.policy.tick_with(now_us(), sample.as_ref(), &cpu_ns, || shared.pinned_cells());
         if sample.is_some() {
             let (refused, held_back) = shared.held_back();
             shared.autoscale.lock().unwrap_or_else(|p| p.into_inner()).record(refused, held_back);

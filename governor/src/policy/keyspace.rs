@@ -60,6 +60,8 @@ pub struct KeyspaceState {
     pub last_used_us: u64,
     /// The latency guard's factor on its refill (1: untouched).
     pub guard_factor: f64,
+    /// A tenant-capped keyspace's refill correction toward its CPU.
+    pub follow: super::follow::CpuFollow,
 }
 
 /// A plain copy of one bucket.

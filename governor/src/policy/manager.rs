@@ -335,6 +335,7 @@ impl Policy {
                 fair_allocations: 0,
                 last_used_us: now_us,
                 guard_factor: 1.0,
+                follow: Default::default(),
             });
             // Counters and tokens restart with the new keyspace (nothing was
             // in flight and nobody waited when the last holder went): done

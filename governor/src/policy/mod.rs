@@ -32,6 +32,8 @@ mod estimate;
 #[cfg(feature = "agent")]
 mod fair;
 #[cfg(feature = "agent")]
+mod follow;
+#[cfg(feature = "agent")]
 mod guard;
 #[cfg(feature = "agent")]
 mod hot;

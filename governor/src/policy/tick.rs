@@ -49,17 +49,21 @@ impl Policy {
     }
 
     /// One agent step at `now_us`: refill every bucket for the elapsed refill
-    /// intervals; with a `usage` sample (exactly once per stats interval),
-    /// update the monitor window and everything derived from it; give up idle
-    /// keyspace cells not in `pinned` (cells a thread is still tagged with).
+    /// intervals (a tenant-capped keyspace's toward its charged CPU, from
+    /// `cpu_ns`: every measurement cell's charge now, by cell; empty where
+    /// it is not read); with a `usage` sample (exactly once per stats
+    /// interval), update the monitor window and everything derived from it;
+    /// give up idle keyspace cells not in `pinned` (cells a thread is still
+    /// tagged with).
     pub fn tick_with(
         &self,
         now_us: u64,
         usage: Option<&UsageSample>,
+        cpu_ns: &[u64],
         pinned: impl FnOnce() -> HashSet<u32>,
     ) -> TickReport {
         self.regions().header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
-        let mut report = TickReport { refill_intervals: self.refill(now_us), ..TickReport::default() };
+        let mut report = TickReport { refill_intervals: self.refill(now_us, cpu_ns), ..TickReport::default() };
         if let Some(sample) = usage {
             let (ratio, fair) = self.observe(now_us, sample);
             report.observed = true;
@@ -71,14 +75,17 @@ impl Policy {
         report
     }
 
-    /// [`Policy::tick_with`] with nothing pinned.
+    /// [`Policy::tick_with`] with nothing pinned and no CPU read (refills
+    /// as configured).
     pub fn tick(&self, now_us: u64, usage: Option<&UsageSample>) -> TickReport {
-        self.tick_with(now_us, usage, HashSet::new)
+        self.tick_with(now_us, usage, &[], HashSet::new)
     }
 
     /// Applies whole refill intervals elapsed since the last refill, waking
-    /// waiters of every bucket that gained tokens. Returns how many.
-    pub fn refill(&self, now_us: u64) -> u64 {
+    /// waiters of every bucket that gained tokens; a tenant-capped
+    /// keyspace's refill follows its charge in `cpu_ns` (by cell;
+    /// [`super::follow`]). Returns how many.
+    pub fn refill(&self, now_us: u64, cpu_ns: &[u64]) -> u64 {
         let interval = self.settings().refill_interval_us().max(1);
         let mut e = self.engine();
         if now_us <= e.last_refill_us {
@@ -117,7 +124,11 @@ impl Policy {
                 st.book.debt_mode = false;
                 Self::publish_book(p, &st.book);
             }
-            let amount = st.book.refill_us.saturating_mul(intervals);
+            let mut amount = st.book.refill_us.saturating_mul(intervals);
+            if st.source == Some(QuotaSource::TenantCap) {
+                let cpu = cpu_ns.get(c as usize).copied();
+                amount = st.follow.amount(amount, cpu, b.available_us(), st.book.capacity_us);
+            }
             let limit = Self::idle_cap_limit(b, Some(p), &mut st.book);
             let kept = b.give(amount, limit);
             st.book.refilled_us += amount;

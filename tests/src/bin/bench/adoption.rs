@@ -196,8 +196,9 @@ pub fn first_use_poll_max_us() -> Result<f64> {
 
 /// `workload async-server` (8 closed-loop requests of 1–20 ms CPU, 50 ms
 /// deadline, `ticket.run`) under a 0.5-core cap for 8 s: CPU of completed
-/// requests / CPU charged, %.
-pub fn goodput_pct() -> Result<f64> {
+/// requests / CPU charged, %, and the worst 1 s window's charge after the
+/// first against the cap, signed %.
+pub fn goodput_pct() -> Result<(f64, f64)> {
     const KS: u32 = 70;
     let agent = Agent::start("ebpf", &essential_config(0.5 / cores()))?;
     let mut child = Command::new(workload_bin())
@@ -213,6 +214,11 @@ pub fn goodput_pct() -> Result<f64> {
     out.read_line(&mut line)?;
     let before = agent.keyspace_seconds(KS)?;
     writeln!(stdin)?;
+    let windows = agent.sample_windows(KS, 7, None)?;
+    let worst = windows[1..]
+        .iter()
+        .map(|w| (w.cores - 0.5) / 0.5 * 100.0)
+        .fold(0.0_f64, |a, e| if e.abs() > a.abs() { e } else { a });
     line.clear();
     out.read_line(&mut line)?;
     let report: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("workload said {line:?}"))?;
@@ -220,5 +226,5 @@ pub fn goodput_pct() -> Result<f64> {
     writeln!(stdin)?;
     child.wait()?;
     let completed = report["completed_cpu_ns"].as_f64().context("completed_cpu_ns")? / 1e9;
-    Ok(completed / charged * 100.0)
+    Ok((completed / charged * 100.0, worst))
 }

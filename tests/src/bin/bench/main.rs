@@ -127,6 +127,7 @@ fn main() -> Result<()> {
     // before/after of a change on that path).
     // `--client`: the figures of the client as a server meets it alone.
     if std::env::args().any(|a| a == "--client") {
+        let goodput = adoption::goodput_pct()?;
         let (cold, mutex_cold) = adoption::cold_ns()?;
         let w = adoption::wait_cpu_us()?;
         println!(
@@ -140,7 +141,8 @@ fn main() -> Result<()> {
                 "baseline_park_cpu_us_p50": round2(w.park_p50),
                 "baseline_park_cpu_us_p99": round2(w.park_p99),
                 "first_use_poll_max_us": round2(adoption::first_use_poll_max_us()?),
-                "goodput_pct": round2(adoption::goodput_pct()?),
+                "goodput_pct": round2(goodput.0),
+                "goodput_window_error_pct": round2(goodput.1),
             })
         );
         return Ok(());
@@ -329,7 +331,8 @@ fn main() -> Result<()> {
         o.insert("baseline_park_cpu_us_p50".into(), json!(round2(w.park_p50)));
         o.insert("baseline_park_cpu_us_p99".into(), json!(round2(w.park_p99)));
         o.insert("first_use_poll_max_us".into(), json!(round2(first_use_poll)));
-        o.insert("goodput_pct".into(), json!(round2(goodput)));
+        o.insert("goodput_pct".into(), json!(round2(goodput.0)));
+        o.insert("goodput_window_error_pct".into(), json!(round2(goodput.1)));
         o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));
         o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
         o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));
