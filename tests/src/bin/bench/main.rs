@@ -126,6 +126,11 @@ fn main() -> Result<()> {
     // `--tickets`: the ticket fast path and its baselines alone (a quick
     // before/after of a change on that path).
     // `--client`: the figures of the client as a server meets it alone.
+    if std::env::args().any(|a| a == "--cold") {
+        let (cold, mutex_cold) = adoption::cold_ns()?;
+        println!("{}", json!({"ticket_acquire_cold_ns": round(cold), "baseline_mutex_bucket_cold_ns": round(mutex_cold)}));
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--client") {
         let goodput = adoption::goodput_pct()?;
         let (cold, mutex_cold) = adoption::cold_ns()?;
