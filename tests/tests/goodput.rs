@@ -195,3 +195,45 @@ fn the_books_agree_with_the_kernel() {
         );
     }
 }
+
+/// Aborting stays the server's explicit choice: with `run_until_deadline`
+/// the work of a request whose top-up is still refused at its deadline is
+/// dropped; status counts those refused top-ups apart from the admissions
+/// the server saw refused, and every admitted request either completed or
+/// was dropped.
+#[test]
+fn aborting_at_the_deadline_is_an_explicit_choice_counted_apart() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let agent = Agent::start("ebpf", &essential_config(CAP_CORES / cores)).unwrap();
+    let mut s = Server::start(&agent, "until-deadline", 5).unwrap();
+    let before = agent.status().unwrap();
+    let at = |st: &keyspace_governor::proto::StatusReport| {
+        st.keyspaces.iter().find(|k| k.keyspace_id == KEYSPACE).map_or((0, 0), |k| (k.refused, k.topups_refused))
+    };
+    s.line().unwrap();
+    let rep = read_json(&mut s.out).unwrap();
+    let (refused, topups_refused) = {
+        let (r0, t0) = at(&before);
+        let (r1, t1) = at(&agent.status().unwrap());
+        (r1 - r0, t1 - t0)
+    };
+    s.line().unwrap();
+    let _ = read_json(&mut s.out);
+    s.child.wait().unwrap();
+    eprintln!("report {rep}\nstatus: refused {refused}, top-ups refused {topups_refused}");
+    let n = |k: &str| rep[k].as_u64().unwrap_or_else(|| panic!("{k} in {rep}"));
+    assert_eq!(n("fail_open"), 0, "the agent answered throughout");
+    assert_eq!(n("admitted"), n("completed") + n("dropped"), "every admitted request completed or was dropped");
+    // A 50 ms deadline at a 0.5-core cap drops work (the default paces it:
+    // `admitted_work_finishes_under_the_cap`), each at a top-up refused at
+    // its deadline; a top-up refused at once and then waited for in line
+    // counts too.
+    assert!(n("dropped") >= 10, "work dropped at refused top-ups: {}", n("dropped"));
+    assert!(
+        (n("dropped")..=n("dropped") * 3).contains(&topups_refused),
+        "refused top-ups {topups_refused} for {} dropped requests",
+        n("dropped")
+    );
+    // Admissions the server saw refused, and only those.
+    assert_eq!(refused, n("refused"), "status counts the refusals the server saw");
+}

@@ -195,6 +195,7 @@ server_cpu_v2() {
     sc_ks=$(governor keyspace 5 --socket "$sock" --json | tr -d '\n ')
     wait "$srv"
     sc_out=$(tail -n 1 /tmp/servercpu.out)
+    sc_charged=$(governor keyspace 5 --socket "$sock" --json | tr -d '\n ' | sed -n 's/.*"cpu_seconds":\([0-9.e-]*\).*/\1/p')
     kill "$agent"
     wait "$agent"
     rmdir /sys/fs/cgroup/server-1core
@@ -203,12 +204,14 @@ server_cpu_v2() {
     sc_refill=$(echo "$sc_ks" | sed -n 's/.*"refill_us":\([0-9]*\).*/\1/p')
     echo "server CPU: $sc_cpu; tenant refill $sc_refill us; workload: $sc_out"
     echo "$sc_cpu" | grep -q '^1.0 cpu-quota /sys/fs/cgroup/server-1core/cpu.max' || { echo FAILED; cat /tmp/servercpu-agent.log; return 1; }
-    awk -v refill="$sc_refill" -v all_ns="$(sc_field "$sc_out" thread_cpu_ns)" -v loop="$(sc_field "$sc_out" loop_seconds)" \
+    awk -v refill="$sc_refill" -v charged="$sc_charged" -v all_ns="$(sc_field "$sc_out" thread_cpu_ns)" -v loop="$(sc_field "$sc_out" loop_seconds)" \
         -v consumed_ns="$(sc_field "$sc_out" ticket_consumed_ns)" 'BEGIN {
-        cores = consumed_ns / 1e9 / loop; all = all_ns / 1e9 / loop
-        printf "server in a 1-core cgroup, tenant cap 0.4: tickets consumed %.3f cores, workers ran %.3f cores in all, by their thread clocks\n", cores, all
-        # Under emulation a waiting acquire costs more outside the tickets.
-        ok = refill == 4000 && cores >= 0.34 && cores <= 0.42 && all <= 0.6
+        cores = consumed_ns / 1e9 / loop; all = all_ns / 1e9 / loop; kernel = charged / loop
+        printf "server in a 1-core cgroup, tenant cap 0.4: the kernel counted %.3f cores of the keyspace (charged), tickets consumed %.3f, workers ran %.3f in all (their CLOCK_THREAD_CPUTIME_ID, as schedstat)\n", kernel, cores, all
+        # The cap of the server'"'"'s 1 core, not of the VM'"'"'s 2: the kernel'"'"'s count
+        # of the keyspace and its tickets within 5 %; the workers'"'"' own count adds
+        # the runtime between tickets, untagged (6 % under emulation).
+        ok = refill == 4000 && kernel >= 0.38 && kernel <= 0.42 && cores >= 0.38 && cores <= 0.42 && all <= 0.46
         if (!ok) { print "FAILED"; exit 1 }
     }' || { cat /tmp/servercpu-agent.log; return 1; }
 }

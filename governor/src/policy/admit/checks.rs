@@ -34,12 +34,34 @@ pub(super) fn take_burst(global: &BucketView, us: u64) -> bool {
     false
 }
 
+/// CPU tokens refused: the refusal, and the counter of the bucket that
+/// counts it as a refused admission. A refused top-up is not one (the server
+/// never saw it; it counts `TOPUP_REFUSED`), so the caller decides.
+pub(super) struct CpuRefused<'a> {
+    pub refusal: Refusal,
+    on: Option<(&'a BucketView, usize)>,
+}
+
+impl CpuRefused<'_> {
+    /// Counts it as a refused admission.
+    pub fn count(&self) {
+        if let Some((b, counter)) = self.on {
+            b.count(counter, 1);
+        }
+    }
+}
+
 /// CPU tokens from the tenant bucket then the global bucket (rollback when
 /// the global refuses); burst outside cap mode. Returns (tenant µs, burst µs).
 #[inline]
-pub(super) fn take_cpu(k: &Knobs, buckets: &RequestBuckets<'_>, keyspace: u32, us: u64) -> Result<(u64, u64), Refusal> {
+pub(super) fn take_cpu<'a>(
+    k: &Knobs,
+    buckets: &RequestBuckets<'a>,
+    keyspace: u32,
+    us: u64,
+) -> Result<(u64, u64), CpuRefused<'a>> {
     let Some((tenant, params)) = buckets.tenant else {
-        return Err(Refusal::GlobalCpuExhausted { keyspace });
+        return Err(CpuRefused { refusal: Refusal::GlobalCpuExhausted { keyspace }, on: None });
     };
     let cap = params.has(P_CAP);
     if tenant.try_take(us) {
@@ -53,8 +75,10 @@ pub(super) fn take_cpu(k: &Knobs, buckets: &RequestBuckets<'_>, keyspace: u32, u
             return Ok((us, 0));
         }
         give_back(tenant, params, us);
-        tenant.count(c::REFUSED_GLOBAL, 1);
-        return Err(Refusal::GlobalCpuExhausted { keyspace });
+        return Err(CpuRefused {
+            refusal: Refusal::GlobalCpuExhausted { keyspace },
+            on: Some((tenant, c::REFUSED_GLOBAL)),
+        });
     }
     if !cap
         && k.has(KNOB_BURST)
@@ -66,13 +90,11 @@ pub(super) fn take_cpu(k: &Knobs, buckets: &RequestBuckets<'_>, keyspace: u32, u
         tenant.count(c::BURST_US, us);
         return Ok((0, us));
     }
-    if cap {
-        tenant.count(c::REFUSED_CAP, 1);
-        Err(Refusal::TenantCpuExhausted { keyspace })
+    Err(if cap {
+        CpuRefused { refusal: Refusal::TenantCpuExhausted { keyspace }, on: Some((tenant, c::REFUSED_CAP)) }
     } else {
-        tenant.count(c::REFUSED_QUOTA, 1);
-        Err(Refusal::KeyspaceCpuExhaustedNoBurst { keyspace })
-    }
+        CpuRefused { refusal: Refusal::KeyspaceCpuExhaustedNoBurst { keyspace }, on: Some((tenant, c::REFUSED_QUOTA)) }
+    })
 }
 
 /// The tenant's in-flight requests: `Ok(counted)`, or the refusal.
@@ -287,12 +309,12 @@ pub(super) fn finish(
 
 /// CPU from the global bucket alone (a keyspace without a bucket, on the
 /// low-priority path).
-pub(super) fn take_global_only(
+pub(super) fn take_global_only<'a>(
     k: &Knobs,
-    buckets: &RequestBuckets<'_>,
+    buckets: &RequestBuckets<'a>,
     keyspace: u32,
     us: u64,
-) -> Result<(u64, u64), Refusal> {
+) -> Result<(u64, u64), CpuRefused<'a>> {
     if buckets.global.try_take(us) {
         return Ok((0, 0));
     }
@@ -301,6 +323,5 @@ pub(super) fn take_global_only(
         buckets.global.count(c::OVERDRAFT, 1);
         return Ok((0, 0));
     }
-    buckets.global.count(c::REFUSED_GLOBAL, 1);
-    Err(Refusal::GlobalCpuExhausted { keyspace })
+    Err(CpuRefused { refusal: Refusal::GlobalCpuExhausted { keyspace }, on: Some((buckets.global, c::REFUSED_GLOBAL)) })
 }

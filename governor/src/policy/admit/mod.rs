@@ -261,8 +261,9 @@ pub fn acquire_with(
     match result {
         Ok((tenant_us, burst_us)) => Ok(finish(&buckets, g, est, tenant_us, burst_us, false)),
         Err(e) => {
+            e.count();
             undo(r, &buckets, &g);
-            Err(e)
+            Err(e.refusal)
         }
     }
 }
@@ -295,8 +296,9 @@ pub fn top_up(r: &AdmissionRegions, k: &Knobs, g: &mut Grant, us: u64) -> Result
             Ok(())
         }
         Err(e) => {
+            // A refused top-up, never a refused admission.
             counted_on.count(c::TOPUP_REFUSED, 1);
-            Err(e)
+            Err(e.refusal)
         }
     }
 }

@@ -128,7 +128,10 @@ fn main() -> Result<()> {
     // `--client`: the figures of the client as a server meets it alone.
     if std::env::args().any(|a| a == "--cold") {
         let (cold, mutex_cold) = adoption::cold_ns()?;
-        println!("{}", json!({"ticket_acquire_cold_ns": round(cold), "baseline_mutex_bucket_cold_ns": round(mutex_cold)}));
+        println!(
+            "{}",
+            json!({"ticket_acquire_cold_ns": round(cold), "baseline_mutex_bucket_cold_ns": round(mutex_cold)})
+        );
         return Ok(());
     }
     if std::env::args().any(|a| a == "--client") {

@@ -27,6 +27,9 @@ struct Books {
     ticket_consumed_ns: AtomicU64,
     /// Time admitted work waited for top-ups.
     paced_us: AtomicU64,
+    /// Admitted requests whose work was dropped at a refused top-up
+    /// (`until-deadline` mode).
+    dropped: AtomicU64,
 }
 
 /// CPU work of `ns` in stretches of `chunk_ns`, yielding between them (the
@@ -46,10 +49,12 @@ async fn work(ns: u64, chunk_ns: u64) -> u64 {
 }
 
 /// `workload async-server --keyspace K --tasks N --workers W --seconds S
-/// --deadline-ms D --min-ms A --max-ms B [--mode run|enter]`: N closed-loop
-/// clients, each request CPU work drawn log-uniform in [A, B] ms. `run`
-/// runs the work with `ticket.run` in a spawned task; `enter` runs each
-/// stretch in `ticket.enter()` with `checkpoint_async` between. Prints
+/// --deadline-ms D --min-ms A --max-ms B [--mode run|enter|until-deadline]`:
+/// N closed-loop clients, each request CPU work drawn log-uniform in [A, B]
+/// ms. `run` runs the work with `ticket.run` in a spawned task; `enter` runs
+/// each stretch in `ticket.enter()` with `checkpoint_async` between;
+/// `until-deadline` with `ticket.run_until_deadline`, which drops the work
+/// when a top-up is still refused at the deadline (counted `dropped`). Prints
 /// `{"started":true,"workers":[tids]}` once the workers are registered,
 /// then waits for a line on stdin before it starts; at the end, after every
 /// admitted request finished, prints its books as one JSON line and waits
@@ -62,7 +67,9 @@ pub fn async_server(args: &[String]) -> Result<serde_json::Value> {
     let seconds: f64 = arg(args, "--seconds", 8.0);
     let deadline = Duration::from_millis(arg(args, "--deadline-ms", 50));
     let (min_ms, max_ms): (f64, f64) = (arg(args, "--min-ms", 1.0), arg(args, "--max-ms", 20.0));
-    let enter_mode = arg(args, "--mode", "run".to_string()) == "enter";
+    let mode = arg(args, "--mode", "run".to_string());
+    anyhow::ensure!(["run", "enter", "until-deadline"].contains(&mode.as_str()), "unknown --mode {mode:?}");
+    let (enter_mode, abort_mode) = (mode == "enter", mode == "until-deadline");
     let client = Client::connect(socket(args))?;
     let registered = Arc::new(AtomicU64::new(0));
     let tids = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -142,12 +149,17 @@ pub fn async_server(args: &[String]) -> Result<serde_json::Value> {
                                 }
                                 books2.ticket_consumed_ns.fetch_add(ticket.consumed_ns(), Ordering::Relaxed);
                                 books2.paced_us.fetch_add(ticket.paced().as_micros() as u64, Ordering::Relaxed);
-                                done
+                                Some(done)
+                            } else if abort_mode {
+                                ticket.run_until_deadline(work(ns, 1_000_000)).await.ok()
                             } else {
-                                ticket.run(work(ns, 1_000_000)).await
+                                Some(ticket.run(work(ns, 1_000_000)).await)
                             }
                         });
-                        let cpu = handler.await.expect("handler panicked");
+                        let Some(cpu) = handler.await.expect("handler panicked") else {
+                            books.dropped.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        };
                         books.completed.fetch_add(1, Ordering::Relaxed);
                         books.completed_cpu_ns.fetch_add(cpu, Ordering::Relaxed);
                     }
@@ -170,6 +182,7 @@ pub fn async_server(args: &[String]) -> Result<serde_json::Value> {
         "completed_cpu_ns": l(&books.completed_cpu_ns),
         "ticket_consumed_ns": l(&books.ticket_consumed_ns),
         "paced_us": l(&books.paced_us),
+        "dropped": l(&books.dropped),
         "fail_open_count": client.fail_open_count(),
     });
     // The workers stay (parked, registered) until the test has read the
