@@ -301,3 +301,57 @@ fn fifty_invalid_changes_are_each_refused_naming_the_key_and_change_nothing() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     assert_eq!(v["changes"].as_array().map(Vec::len), Some(0), "{v}");
 }
+
+/// Configuration changes that put rules in force, status reads, `/metrics`
+/// scrapes and new keyspaces' cell requests, all at once for a few seconds,
+/// with a rule whose idle keyspace the tick looks at every interval: the
+/// agent answers every one of them. (Status once took the engine, the cell
+/// grants and the configuration under the measurement lock, against the
+/// order the tick and a configuration change take them: the agent stopped
+/// answering.)
+#[test]
+fn status_scrapes_cell_requests_and_changes_at_once_never_stall_the_agent() {
+    let config = format!("{}\n[[rules]]\nname = \"idle\"\nkeyspace = 61\ncomm-prefix = \"zz-no-such\"\n", capped(0.25));
+    let agent = Agent::start("ebpf", &config).expect("agent");
+    let addr = agent.status().unwrap().metrics_addr.expect("metrics address");
+    let until = Instant::now() + Duration::from_secs(6);
+    let slowest = std::sync::Mutex::new(Vec::<(String, Duration)>::new());
+    let timed = |what: &str, f: &dyn Fn()| {
+        let mut n = 0u32;
+        let mut worst = Duration::ZERO;
+        while Instant::now() < until {
+            let t = Instant::now();
+            f();
+            worst = worst.max(t.elapsed());
+            n += 1;
+        }
+        slowest.lock().unwrap().push((format!("{what} ×{n}"), worst));
+    };
+    std::thread::scope(|s| {
+        s.spawn(|| timed("status", &|| drop(agent.status().expect("status answered"))));
+        s.spawn(|| timed("scrape", &|| assert!(governor_tests::scrape_metrics(&addr).contains("governor_"))));
+        s.spawn(|| {
+            let ratio = std::cell::Cell::new(0.25);
+            timed("config set", &|| {
+                ratio.set(if ratio.get() == 0.25 { 0.3 } else { 0.25 });
+                let kv = format!("resource-control.cpu-throttle.tenant-max-cpu-ratio={}", ratio.get());
+                let o = governor(&agent, &["config", "set", &kv]);
+                assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+            })
+        });
+        s.spawn(|| {
+            let ks = std::cell::Cell::new(1000u32);
+            timed("new keyspace", &|| {
+                ks.set(ks.get() + 1);
+                let ks = ks.get().to_string();
+                governor_tests::run_workload(&agent.socket, &["tickets", "--keyspace", &ks, "--seconds", "0.01"])
+                    .expect("tickets on a new keyspace");
+            })
+        });
+    });
+    let slowest = slowest.into_inner().unwrap();
+    eprintln!("{slowest:?}");
+    for (what, worst) in &slowest {
+        assert!(*worst < Duration::from_secs(3), "{what}: one took {worst:?}");
+    }
+}

@@ -648,6 +648,30 @@ fn every_key_acts_online_or_is_refused() {
     r.covered.insert("rules".into());
     let rule_cap = |s: &Value| num(&s["rules"][0]["cap_cores"]);
     r.until("the rule capped at the tenant cap", Duration::from_secs(2), |s| (rule_cap(s) - 0.25 * cores).abs() < 1e-6);
+    // The bandwidth period the rule's cap is written over: status says it,
+    // and the keyspace's cgroup holds it.
+    let period_file = |s: &Value| {
+        let how = s["rule_enforcement"].as_str().unwrap_or_default().to_string();
+        let under = how.rsplit_once(" under ").map(|(_, p)| p.to_string());
+        (how, under.map(|p| std::path::Path::new(&p).join("ks-60")))
+    };
+    let (how, dir) = period_file(&r.status());
+    assert!(how.contains("over 100 ms"), "the default period: {how}");
+    let read_period = |dir: &std::path::Path| {
+        ["cpu.cfs_period_us", "cpu.max"]
+            .iter()
+            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+            .unwrap_or_default()
+    };
+    let dir = dir.expect("rule caps enforced by a cgroup on this host");
+    assert!(read_period(&dir).trim().ends_with("100000"), "{}: {}", dir.display(), read_period(&dir));
+    r.set("resource-control.rule-cpu-period", "\"250ms\"");
+    r.until("the period at 250 ms", Duration::from_secs(2), |s| {
+        s["rule_enforcement"].as_str().unwrap_or_default().contains("over 250 ms")
+    });
+    assert!(read_period(&dir).trim().ends_with("250000"), "{}: {}", dir.display(), read_period(&dir));
+    r.refused("resource-control.rule-cpu-period", "\"2s\"", "rule-cpu-period");
+    r.set("resource-control.rule-cpu-period", "\"100ms\"");
     r.set("resource-control.server-cpu-cores", "1");
     let s = r.until("one core", Duration::from_secs(2), |s| s["server_cpu"]["cores"] == 1.0);
     assert_eq!(s["server_cpu"]["source"], "config", "{:#}", s["server_cpu"]);

@@ -360,7 +360,11 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     assert!(ks_dir.is_dir());
     let quota = std::fs::read_to_string(ks_dir.join("cpu.cfs_quota_us"))
         .or_else(|_| std::fs::read_to_string(ks_dir.join("cpu.max")));
+    // Half a core over the default 100 ms period.
     assert!(quota.as_deref().unwrap_or("").starts_with("50000"), "{quota:?}");
+    let period = std::fs::read_to_string(ks_dir.join("cpu.cfs_period_us"))
+        .or_else(|_| std::fs::read_to_string(ks_dir.join("cpu.max")));
+    assert!(period.as_deref().unwrap_or("").trim().ends_with("100000"), "{period:?}");
     agent.restart_with_config("").unwrap();
     for p in tree(root) {
         assert_eq!(cpu_cgroup(p).as_deref(), Some(original.as_str()), "process {p} after the agent stopped");

@@ -71,7 +71,7 @@ agent_backend() {
 # The readers' enforcement on cgroup v2: an unmodified burner (two threads)
 # matched by rule and capped at 0.5 core is moved into the agent's
 # ks-<id> cgroup with cpu.max "50000 100000", held to its cap (by the
-# agent's charge and by schedstat, over 3 s, within 5 %), and the cgroup is
+# agent's charge and by schedstat, over 6 s, within 5 %), and the cgroup is
 # gone after the agent stops.
 # start_agent NAME: the agent on the eBPF backend with /tmp/NAME.toml, on
 # /run/governor/NAME.sock ($sock), its pid in $agent, its log in

@@ -25,8 +25,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// CFS bandwidth period: 100 ms, the kernel's default.
-const PERIOD_US: u64 = 100_000;
+/// CFS bandwidth period until the configuration says
+/// (`resource-control.rule-cpu-period`).
+const DEFAULT_PERIOD_US: u64 = 100_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Version {
@@ -65,13 +66,14 @@ fn cap_files(version: Version) -> &'static [&'static str] {
     }
 }
 
-/// Writes `cores` (and its weight, or the default one) into `dir`.
-fn write_cap(dir: &Path, version: Version, cores: f64, weighted: bool) -> std::io::Result<()> {
-    let quota = ((cores * PERIOD_US as f64).round() as u64).max(1000);
+/// Writes `cores` over `period_us` (and its weight, or the default one)
+/// into `dir`.
+fn write_cap(dir: &Path, version: Version, cores: f64, weighted: bool, period_us: u64) -> std::io::Result<()> {
+    let quota = ((cores * period_us as f64).round() as u64).max(1000);
     match version {
-        Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {PERIOD_US}"))?,
+        Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {period_us}"))?,
         Version::V1 => {
-            std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())?;
+            std::fs::write(dir.join("cpu.cfs_period_us"), period_us.to_string())?;
             std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
         }
     }
@@ -90,6 +92,8 @@ pub(crate) struct Enforcer {
     caps: HashMap<u32, f64>,
     /// Keyspace cgroups weigh their caps (`enable-fair-allocation`).
     weighted: bool,
+    /// The bandwidth period the caps are written over, µs.
+    period_us: u64,
 }
 
 /// The CPU weight of a cgroup capped at `cores`, as its version writes it:
@@ -138,6 +142,7 @@ impl Enforcer {
             state: State::default(),
             caps: HashMap::new(),
             weighted: false,
+            period_us: DEFAULT_PERIOD_US,
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -180,15 +185,17 @@ impl Enforcer {
             (_, Some(why)) => format!("unavailable: {why}"),
             (Some((root, Version::V2)), None) => {
                 format!(
-                    "cgroup v2 cpu.max{} under {}/{}",
+                    "cgroup v2 cpu.max{} over {} ms under {}/{}",
                     if self.weighted { " and cpu.weight" } else { "" },
+                    self.period_us / 1000,
                     root.display(),
                     self.slice
                 )
             }
             (Some((root, Version::V1)), None) => format!(
-                "cgroup v1 cpu.cfs_quota_us{} under {}/{}",
+                "cgroup v1 cpu.cfs_quota_us{} over {} ms under {}/{}",
                 if self.weighted { " and cpu.shares" } else { "" },
+                self.period_us / 1000,
                 root.display(),
                 self.slice
             ),
@@ -212,8 +219,15 @@ impl Enforcer {
     /// `weighted` its weight too; keyspaces no longer capped give their
     /// processes back. Keyspaces in `in_place` are capped on that cgroup
     /// (relative to the hierarchy's root) instead of one of governor's.
-    pub(crate) fn set_caps(&mut self, caps: HashMap<u32, f64>, weighted: bool, in_place: &HashMap<u32, String>) {
+    pub(crate) fn set_caps(
+        &mut self,
+        caps: HashMap<u32, f64>,
+        weighted: bool,
+        period: std::time::Duration,
+        in_place: &HashMap<u32, String>,
+    ) {
         self.weighted = weighted;
+        self.period_us = u64::try_from(period.as_micros()).unwrap_or(DEFAULT_PERIOD_US).clamp(1_000, 1_000_000);
         let all_caps = caps.clone();
         let Some((root, version)) = self.hierarchy.clone() else {
             self.caps = caps;
@@ -255,7 +269,7 @@ impl Enforcer {
                 e.insert(InPlace { rel: rel.clone(), saved });
                 self.save();
             }
-            if let Err(e) = write_cap(&dir, version, cores, weighted) {
+            if let Err(e) = write_cap(&dir, version, cores, weighted, self.period_us) {
                 log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
             }
         }
@@ -292,7 +306,7 @@ impl Enforcer {
             }
             self.state.created.insert(ks, rel);
             self.save();
-            if let Err(e) = write_cap(&dir, version, cores, weighted) {
+            if let Err(e) = write_cap(&dir, version, cores, weighted, self.period_us) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
             }
         }

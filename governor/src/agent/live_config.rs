@@ -172,11 +172,12 @@ impl Running {
         let next = next.map_err(|e| (what.clone(), e))?;
         let diff = self.config.diff(&next);
         // Rule caps are fractions of the server's cores: they follow
-        // `server-cpu-cores` too.
+        // `server-cpu-cores` too, and are written over `rule-cpu-period`.
         let rules = self.config.rules() != next.rules()
             || (!next.rules().is_empty()
                 && (diff.changed("resource-control.cpu-throttle")
-                    || diff.changed("resource-control.server-cpu-cores")));
+                    || diff.changed("resource-control.server-cpu-cores")
+                    || diff.changed("resource-control.rule-cpu-period")));
         let access = next.agent().access != self.config.agent().access;
         Ok(Proposal { next, diff, effects: Effects { rules, access }, what })
     }

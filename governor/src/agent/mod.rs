@@ -104,6 +104,15 @@ impl AgentOptions {
     }
 }
 
+/// The agent's state, shared by the control socket, the housekeeping tick
+/// and `/metrics`.
+///
+/// Lock order (a lock is only ever taken while holding locks before it):
+/// `config` → `cell_grants` → the policy's engine → `measurement` → `slots`
+/// → `usage` → `rules`. `server_cpu`, `autoscale` and the policy's settings
+/// are leaves. Status and `/metrics` read what needs the engine, the grants
+/// or the configuration before they take `measurement`; the tick's idle-cell
+/// eviction asks for the pinned cells (`measurement`) under the engine.
 pub(crate) struct Shared {
     measurement: Mutex<Measurement>,
     slots: Mutex<slots::Slots>,
@@ -117,7 +126,7 @@ pub(crate) struct Shared {
     metrics_max_keyspaces: std::sync::atomic::AtomicUsize,
     /// The running configuration and where it came from.
     config: Mutex<live_config::Running>,
-    /// Rule measurement (after `measurement` in lock order).
+    /// Rule measurement (last in lock order).
     rules: Mutex<rules::Rules>,
     /// Counter samples behind the autoscaling signals.
     autoscale: Mutex<autoscale::History>,
@@ -205,7 +214,8 @@ impl Shared {
         let caps = rule_caps(config, cores);
         let mut m = self.lock_measurement();
         let weighted = config.cpu_throttle().enabled && config.cpu_throttle().enable_fair_allocation;
-        self.lock_rules().apply(&mut m, list, &cells, caps, weighted);
+        let period = config.resource_control().rule_cpu_period.get();
+        self.lock_rules().apply(&mut m, list, &cells, caps, weighted, period);
         Ok(())
     }
 

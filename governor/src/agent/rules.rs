@@ -215,7 +215,8 @@ impl Rules {
 
     /// Takes a new rule list: `cells[i]` is the keyspace cell of `rules[i]`,
     /// `caps` the cores each capped rule keyspace may use (`weighted`: and
-    /// its CPU weight in proportion). Every process is
+    /// its CPU weight in proportion), over bandwidth periods of `period`.
+    /// Every process is
     /// matched again; entries the agent set that no rule gives any more are
     /// cleared.
     pub(crate) fn apply(
@@ -225,13 +226,14 @@ impl Rules {
         cells: &[u32],
         caps: HashMap<u32, f64>,
         weighted: bool,
+        period: std::time::Duration,
     ) {
         // Keyspaces whose rule caps its own cgroup (never shared, validation says).
         let in_place: HashMap<u32, String> =
             rules.iter().filter(|r| r.cap_in_place).filter_map(|r| Some((r.keyspace, r.cgroup.clone()?))).collect();
         self.active = rules.iter().zip(cells).map(|(r, c)| Active { rule: r.clone(), tag: c + 1 }).collect();
         if let Some(e) = self.enforcer.as_mut() {
-            e.set_caps(if m.rules().is_some() { caps } else { HashMap::new() }, weighted, &in_place);
+            e.set_caps(if m.rules().is_some() { caps } else { HashMap::new() }, weighted, period, &in_place);
         }
         let Some(maps) = m.rules() else {
             self.unsupported = true;

@@ -57,7 +57,17 @@ impl Shared {
         // pinned (the measurement lock), so taking it under that lock could
         // deadlock with an eviction.
         let (span_us, window) = self.policy.window_cpu();
+        // The same for everything else that takes the engine, the cell
+        // grants or the configuration: a configuration change holds the
+        // configuration while it takes the measurement and rules locks, and
+        // a keyspace's cell request holds the grants while it takes the
+        // engine, so none of them may be taken under the measurement lock.
+        let cells_in_use = self.policy.cells_in_use() as u32;
+        let overflow = self.overflow_status(snap);
+        let config_updates = self.lock_config().counts();
         let m = self.lock_measurement();
+        // Slots before rules, as the tick's pinned cells take them.
+        let threads = self.lock_slots().stats();
         let usage = self.lock_usage();
         server_cpu.untagged_cpu_seconds = usage.untagged_ns as f64 / 1e9;
         let rules = self.lock_rules();
@@ -135,7 +145,7 @@ impl Shared {
             server_cpu,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             window_seconds: span_us as f64 / 1e6,
-            threads: self.lock_slots().stats(),
+            threads,
             admission: AdmissionStatus {
                 enabled: s.resource.enabled,
                 throttle: s.throttle().enabled,
@@ -151,7 +161,7 @@ impl Shared {
                 },
                 global_ratio: snap.global_ratio,
                 global_pending_write_bytes: snap.pending_writes.global_bytes,
-                cells_in_use: self.policy.cells_in_use() as u32,
+                cells_in_use,
                 cells: r.directory().len(),
                 granted: c.granted,
                 refused: c.tenant_cap_exhausted
@@ -166,7 +176,7 @@ impl Shared {
                 reclaimed: c.reclaimed,
                 monitor_breaches: c.concurrency_monitor_breaches,
                 global_overdrafts: c.global_best_effort_overdraft,
-                overflow: self.overflow_status(snap),
+                overflow,
                 latency_guard: crate::proto::LatencyGuardStatus {
                     enabled: s.latency_guard.enabled,
                     target_wait_p99_us: s.latency_guard.target_wait_p99.get().as_micros() as u64,
@@ -180,7 +190,7 @@ impl Shared {
             counters_read_at_ns,
             programs: m.program_stats(),
             metrics_addr: self.metrics_addr.map(|a| a.to_string()),
-            config_updates: self.lock_config().counts(),
+            config_updates,
             rules: rules.status(),
             rule_events: rules.events,
             rule_events_dropped: rules.dropped,

@@ -46,6 +46,7 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
             rc.server_cpu_cores
         ),
     );
+    c.duration(RC, "rule-cpu-period", rc.rule_cpu_period, MS, SEC);
     // Keys of the original system governor does not implement: refused, not
     // ignored, so nobody believes they act.
     c.check(

@@ -93,6 +93,13 @@ mod rseq {
 /// tenant gets; the slice bounds how *long* one request can hold a core.
 /// The kernel clamps the value to 0.1–100 ms.
 pub fn set_thread_slice(slice: std::time::Duration) -> io::Result<()> {
+    set_task_slice(0, slice)
+}
+
+/// [`set_thread_slice`] for thread `tid` of any process (0: the calling
+/// thread); another process's threads need `CAP_SYS_NICE` or the same
+/// owner. Its nice value stays.
+pub fn set_task_slice(tid: u32, slice: std::time::Duration) -> io::Result<()> {
     // struct sched_attr as of SCHED_ATTR_SIZE_VER0 (48 bytes).
     #[repr(C)]
     struct SchedAttr {
@@ -108,7 +115,7 @@ pub fn set_thread_slice(slice: std::time::Duration) -> io::Result<()> {
     // SAFETY: getpriority on the calling thread has no memory effects.
     let nice = unsafe {
         *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, 0)
+        libc::getpriority(libc::PRIO_PROCESS, tid)
     };
     if nice == -1 && io::Error::last_os_error().raw_os_error() != Some(0) {
         return Err(io::Error::last_os_error());
@@ -125,7 +132,7 @@ pub fn set_thread_slice(slice: std::time::Duration) -> io::Result<()> {
     };
     // SAFETY: the kernel reads `attr.size` bytes from a live, initialised
     // struct; pid 0 is the calling thread.
-    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0u32) };
+    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, tid, &attr as *const SchedAttr, 0u32) };
     if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 

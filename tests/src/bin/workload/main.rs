@@ -3,6 +3,7 @@
 //! numbers can be set against what the agent charged. Prints one JSON line.
 mod attack;
 mod kinds;
+mod probe;
 mod server;
 mod tickets;
 
@@ -235,7 +236,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(verb) = args.first() else {
         bail!(
-            "usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|tickets|async-server|late|hold|corrupt [--socket PATH] ..."
+            "usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|redis-probe|tickets|async-server|late|hold|corrupt [--socket PATH] ..."
         )
     };
     let out = match verb.as_str() {
@@ -252,6 +253,8 @@ fn main() -> Result<()> {
         "corrupt" => tickets::corrupt(&args),
         "attack" => attack::attack(&args),
         "pingpong" => kinds::pingpong(&args),
+        "redis-probe" => probe::redis_probe(&args),
+        "slice" => probe::slice(&args),
         "pingpong-peer" => {
             kinds::pingpong_peer(&args)?;
             return Ok(());
