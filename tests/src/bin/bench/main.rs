@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// Short demos behind each demo figure (their median).
-const DEMO_RUNS: usize = 3;
+const DEMO_RUNS: usize = 5;
 
 fn per_op(n: u64, f: impl FnMut(u64)) -> f64 {
     let mut f = f;
@@ -121,11 +121,47 @@ fn policy_allocate_release_ns() -> f64 {
     })
 }
 
+/// `n` short demos without the latency guard and `n` with it, alternating:
+/// each run's JSON.
+fn short_demos(n: usize) -> Result<(Vec<serde_json::Value>, Vec<serde_json::Value>)> {
+    let dir = governor_tests::Scratch::new("bench-demo");
+    let svg = dir.0.join("demo.svg");
+    let (mut plain, mut guarded) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        plain.push(governor_tests::run_demo(&["--short"], &svg)?);
+        guarded.push(governor_tests::run_demo(&["--short", "--guard"], &svg)?);
+    }
+    Ok((plain, guarded))
+}
+
 fn main() -> Result<()> {
     let json_out = std::env::args().any(|a| a == "--json");
     // `--tickets`: the ticket fast path and its baselines alone (a quick
     // before/after of a change on that path).
     // `--client`: the figures of the client as a server meets it alone.
+    // `--demo`: the demo ratios alone (five short demos without the latency
+    // guard and five with it, alternating).
+    if std::env::args().any(|a| a == "--demo") {
+        let (plain, guarded) = short_demos(DEMO_RUNS)?;
+        let ratios = |d: &[serde_json::Value]| {
+            d.iter().map(|d| d["light_p99_ratio"]["enforcing"].as_f64().map(round3)).collect::<Vec<_>>()
+        };
+        let sorted = |d: &[serde_json::Value]| {
+            let mut r: Vec<f64> = d.iter().filter_map(|d| d["light_p99_ratio"]["enforcing"].as_f64()).collect();
+            r.sort_by(f64::total_cmp);
+            r.get(r.len() / 2).copied().map(round3)
+        };
+        println!(
+            "{}",
+            json!({
+                "demo_victim_p99_ratio": sorted(&plain),
+                "demo_victim_p99_ratio_runs": ratios(&plain),
+                "demo_victim_p99_ratio_guarded": sorted(&guarded),
+                "demo_victim_p99_ratio_guarded_runs": ratios(&guarded),
+            })
+        );
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--cold") {
         let (cold, mutex_cold) = adoption::cold_ns()?;
         println!(
@@ -260,20 +296,19 @@ fn main() -> Result<()> {
     let goodput = adoption::goodput_pct()?;
     let load = operator::agent_at_1000_keyspaces()?;
     // The light tenants' p99 governed against alone is a timing ratio that
-    // moves from run to run: the median of three short demos.
-    let demo_dir = governor_tests::Scratch::new("bench-demo");
-    let demos = (0..DEMO_RUNS)
-        .map(|_| governor_tests::run_demo(&["--short"], &demo_dir.0.join("demo.svg")))
-        .collect::<Result<Vec<_>>>()?;
-    let demo_figure = |f: &dyn Fn(&serde_json::Value) -> Option<f64>| -> Result<(f64, Vec<f64>)> {
+    // moves from run to run: the median of five short demos, and of five
+    // with the latency guard on, alternating.
+    let (demos, guarded) = short_demos(DEMO_RUNS)?;
+    let median_of = |demos: &[serde_json::Value], f: &dyn Fn(&serde_json::Value) -> Option<f64>| {
         let mut runs = demos.iter().map(|d| f(d).context("a demo figure")).collect::<Result<Vec<f64>>>()?;
         let runs_in_order = runs.clone();
         runs.sort_by(f64::total_cmp);
-        Ok((runs[runs.len() / 2], runs_in_order))
+        Ok::<_, anyhow::Error>((runs[runs.len() / 2], runs_in_order))
     };
-    let (victim_ratio, victim_ratios) = demo_figure(&|d| d["light_p99_ratio"]["enforcing"].as_f64())?;
-    let (unthrottled_ratio, _) = demo_figure(&|d| d["light_p99_ratio"]["monitor"].as_f64())?;
-    let (demo_cap_error, _) = demo_figure(&|d| d["noisy_cap_error_pct"].as_f64())?;
+    let (victim_ratio, victim_ratios) = median_of(&demos, &|d| d["light_p99_ratio"]["enforcing"].as_f64())?;
+    let (guarded_ratio, guarded_ratios) = median_of(&guarded, &|d| d["light_p99_ratio"]["enforcing"].as_f64())?;
+    let (unthrottled_ratio, _) = median_of(&demos, &|d| d["light_p99_ratio"]["monitor"].as_f64())?;
+    let (demo_cap_error, _) = median_of(&demos, &|d| d["noisy_cap_error_pct"].as_f64())?;
     let (unmatched_none, unmatched_1000) = rules::unmatched_switch_ns(5)?;
     let rule_attribution = rules::attribution_error_pct()?;
     let rule_cap = rules::cap_error_pct()?;
@@ -320,6 +355,8 @@ fn main() -> Result<()> {
         "fail_open_ms": round2(fail_open),
         "demo_victim_p99_ratio": round3(victim_ratio),
         "demo_victim_p99_ratio_runs": victim_ratios.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
+        "demo_victim_p99_ratio_guarded": round3(guarded_ratio),
+        "demo_victim_p99_ratio_guarded_runs": guarded_ratios.iter().map(|r| round3(*r)).collect::<Vec<_>>(),
         "demo_unthrottled_p99_ratio": round3(unthrottled_ratio),
         "demo_noisy_cap_error_pct": round2(demo_cap_error),
         "logical_cores": sys::logical_cores(),

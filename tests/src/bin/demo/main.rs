@@ -2,7 +2,7 @@
 //! governed.
 //!
 //! ```text
-//! demo [--json] [--short] [--phase-seconds N] [--svg PATH]
+//! demo [--json] [--short] [--phase-seconds N] [--svg PATH] [--guard] [--guard-target-us N]
 //! ```
 //!
 //! Starts the governor agent on its embedded default configuration (it
@@ -19,6 +19,11 @@
 //! 3. `enforcing`: the same after the agent is restarted with the default
 //!    configuration plus a tenant cap (the Essential profile). The server
 //!    keeps running: its client re-attaches to the new agent by itself.
+//!    With `--guard` the configuration also turns the latency guard on
+//!    (`[latency-guard]`, target `--guard-target-us`, 500 µs by default):
+//!    while a light tenant's run-queue waits miss the target, the agent
+//!    lowers the noisy tenant's refill below its cap, and the phase shows
+//!    that refill per second.
 //!
 //! Prints progress every second and, per phase, each tenant's CPU (charged
 //! by the agent, and the server's own thread-clock count beside it), the
@@ -67,6 +72,8 @@ struct Opts {
     chunk_blocks: usize,
     worker_slice_us: u64,
     levels: String,
+    /// The latency guard's target in the enforcing phase, µs (`None`: off).
+    guard_target_us: Option<u64>,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -81,6 +88,7 @@ fn parse_opts() -> Result<Opts> {
         chunk_blocks: 1,
         worker_slice_us: 100,
         levels: "on".into(),
+        guard_target_us: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -97,6 +105,8 @@ fn parse_opts() -> Result<Opts> {
             "--chunk-blocks" => o.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
             "--worker-slice-us" => o.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
             "--levels" => o.levels = value()?,
+            "--guard" => o.guard_target_us = Some(o.guard_target_us.unwrap_or(500)),
+            "--guard-target-us" => o.guard_target_us = Some(value()?.parse().context("--guard-target-us")?),
             other => bail!("unknown argument {other:?} (see the doc comment of the demo)"),
         }
     }
@@ -168,11 +178,14 @@ fn tenants(o: &Opts) -> (Vec<Light>, Noisy) {
 }
 
 /// The embedded default configuration plus the tenant cap: the Essential
-/// profile in one key, with the demo's `tenant-max-cpu-ratio`.
-fn cap_config(ratio: f64) -> String {
+/// profile in one key, with the demo's `tenant-max-cpu-ratio`; and the
+/// latency guard with `guard_target_us`.
+fn cap_config(ratio: f64, guard_target_us: Option<u64>) -> String {
+    let guard = guard_target_us
+        .map_or(String::new(), |t| format!("[latency-guard]\nenabled = true\ntarget-wait-p99 = \"{t}us\"\n"));
     format!(
         "# The embedded default, plus the demo's tenant cap (Essential profile).\n\
-         [resource-control.cpu-throttle]\nprofile = \"essential\"\ntenant-max-cpu-ratio = {ratio}\n"
+         [resource-control.cpu-throttle]\nprofile = \"essential\"\ntenant-max-cpu-ratio = {ratio}\n{guard}"
     )
 }
 
@@ -238,11 +251,12 @@ fn main() -> Result<()> {
                 .with_context(|| context(&agent, &server))?,
         );
     }
-    let config = cap_config(ratio);
+    let config = cap_config(ratio, o.guard_target_us);
     let t_restart = Instant::now();
     agent.restart_with_config(&config)?;
     let reattached = server.wait_attached(2, std::time::Duration::from_secs(15))?;
-    let enforcing = format!("agent enforcing: tenant-max-cpu-ratio {ratio} = {CAP_CORES} core per tenant");
+    let guard = o.guard_target_us.map_or(String::new(), |t| format!(", latency guard on (target p99 {t} µs)"));
+    let enforcing = format!("agent enforcing: tenant-max-cpu-ratio {ratio} = {CAP_CORES} core per tenant{guard}");
     progress.say(&format!(
         "\nagent restarted with the tenant cap in {:.1?}; the server re-attached by itself {:.0?} after the new agent answered",
         t_restart.elapsed() - reattached,
@@ -270,6 +284,7 @@ fn main() -> Result<()> {
         "backend": status.backend.as_str(),
         "phase_seconds": o.phase_seconds,
         "cap": { "cores": CAP_CORES, "tenant_max_cpu_ratio": ratio, "config": config },
+        "guard_target_us": o.guard_target_us,
         "tenants": {
             "light": lights.iter().map(|l| json!({"name": l.name, "keyspace": l.keyspace, "rate_per_s": l.rate,
                 "connections": l.connections, "scan_every": l.scan_every, "scan_rows": l.scan_rows, "deadline_ms": l.deadline_ms})).collect::<Vec<_>>(),

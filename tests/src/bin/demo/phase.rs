@@ -200,6 +200,9 @@ pub struct CapCheck {
     pub windows_cores: Vec<f64>,
     /// Worst |window − cap| / cap over the windows after the first, %.
     pub worst_window_error_pct: f64,
+    /// Its bucket's refill per refill interval at the end of each window,
+    /// µs (below the cap's while the latency guard lowers it).
+    pub windows_refill_us: Vec<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -342,6 +345,11 @@ fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap
             cpu_cores: t.cpu_cores,
             windows_cores: t.windows_cores.clone(),
             worst_window_error_pct: worst,
+            windows_refill_us: samples
+                .iter()
+                .skip(1)
+                .map(|s| s.agent.get(&n.keyspace).and_then(|k| k.bucket.as_ref()).map_or(0, |b| b.refill_us))
+                .collect(),
         }
     });
     let windows_steal_pct = samples

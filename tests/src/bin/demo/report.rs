@@ -89,6 +89,13 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
                 w.join(" ")
             );
             println!("  worst window after the first: {:.1} % off the cap", n.worst_window_error_pct);
+            if p.mode.contains("latency guard") {
+                let r: Vec<String> = n.windows_refill_us.iter().map(|r| r.to_string()).collect();
+                println!(
+                    "  noisy refill per 10 ms interval at each second (µs; the latency guard lowers it): {}",
+                    r.join(" ")
+                );
+            }
         }
     }
     println!(
