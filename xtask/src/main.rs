@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | test [--repeat N [--busy-cores K]] | demo [--json] [--short] | bench [--json] | dist [--arch A]
+//! Project tasks: `cargo xtask setup | test [--repeat N [--busy-cores K]] | demo [--json] [--short] [--guard] | bench [--json] | dist [--arch A]
 //! | vm-test [--arch A] [--kernel V]`.
 //!
 //! # Layout
@@ -60,6 +60,9 @@ enum Task {
         /// Shorter phases (10 s instead of 15 s).
         #[arg(long)]
         short: bool,
+        /// The enforcing phase with the latency guard on too.
+        #[arg(long)]
+        guard: bool,
     },
     /// Build and package: a tarball and a .deb per architecture in target/dist/.
     Dist {
@@ -412,7 +415,7 @@ fn main() -> Result<()> {
         Task::Test { host_only, repeat, busy_cores } => test(host_only, repeat, busy_cores),
         Task::Dist { arch } => dist(arch),
         Task::VmTest { arch, kernel, only } => vm::vm_test(arch, &kernel, only.as_deref()),
-        Task::Demo { json, short } => {
+        Task::Demo { json, short, guard } => {
             setup::setup(false)?;
             build_release()?;
             let mut cmd = Command::new(tests_bin("demo"));
@@ -421,6 +424,9 @@ fn main() -> Result<()> {
             }
             if short {
                 cmd.arg("--short");
+            }
+            if guard {
+                cmd.arg("--guard");
             }
             run(&mut cmd)
         }
