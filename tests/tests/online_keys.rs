@@ -652,11 +652,12 @@ fn every_key_acts_online_or_is_refused() {
     // and the keyspace's cgroup holds it.
     let period_file = |s: &Value| {
         let how = s["rule_enforcement"].as_str().unwrap_or_default().to_string();
-        let under = how.rsplit_once(" under ").map(|(_, p)| p.to_string());
-        (how, under.map(|p| std::path::Path::new(&p).join("ks-60")))
+        // "… in <root>/<prefix>-ks-<id>"
+        let dir = how.rsplit_once(" in ").map(|(_, p)| p.replace("<id>", "60"));
+        (how, dir.map(std::path::PathBuf::from))
     };
     let (how, dir) = period_file(&r.status());
-    assert!(how.contains("over 100 ms"), "the default period: {how}");
+    assert!(how.contains("over 250 ms"), "the default period: {how}");
     let read_period = |dir: &std::path::Path| {
         ["cpu.cfs_period_us", "cpu.max"]
             .iter()
@@ -664,14 +665,14 @@ fn every_key_acts_online_or_is_refused() {
             .unwrap_or_default()
     };
     let dir = dir.expect("rule caps enforced by a cgroup on this host");
-    assert!(read_period(&dir).trim().ends_with("100000"), "{}: {}", dir.display(), read_period(&dir));
-    r.set("resource-control.rule-cpu-period", "\"250ms\"");
-    r.until("the period at 250 ms", Duration::from_secs(2), |s| {
-        s["rule_enforcement"].as_str().unwrap_or_default().contains("over 250 ms")
-    });
     assert!(read_period(&dir).trim().ends_with("250000"), "{}: {}", dir.display(), read_period(&dir));
-    r.refused("resource-control.rule-cpu-period", "\"2s\"", "rule-cpu-period");
     r.set("resource-control.rule-cpu-period", "\"100ms\"");
+    r.until("the period at 100 ms", Duration::from_secs(2), |s| {
+        s["rule_enforcement"].as_str().unwrap_or_default().contains("over 100 ms")
+    });
+    assert!(read_period(&dir).trim().ends_with("100000"), "{}: {}", dir.display(), read_period(&dir));
+    r.refused("resource-control.rule-cpu-period", "\"2s\"", "rule-cpu-period");
+    r.set("resource-control.rule-cpu-period", "\"250ms\"");
     r.set("resource-control.server-cpu-cores", "1");
     let s = r.until("one core", Duration::from_secs(2), |s| s["server_cpu"]["cores"] == 1.0);
     assert_eq!(s["server_cpu"]["source"], "config", "{:#}", s["server_cpu"]);

@@ -3,7 +3,9 @@
 //!
 //! A keyspace measured by rule that has a CPU cap (its configured quota
 //! while cpu-throttle is on, else the tenant cap) gets a cgroup
-//! `<slice>/ks-<id>` under the hierarchy that has the `cpu` controller: the
+//! `<prefix>-ks-<id>` at the top of the hierarchy that has the `cpu`
+//! controller (one level: a group nested under another made the wakeups of
+//! its neighbours wait 2–4× longer, docs/design.md §3): the
 //! cgroup v2 one (`cpu.max`) where it offers it, else cgroup v1's `cpu`
 //! hierarchy (`cpu.cfs_quota_us` / `cpu.cfs_period_us`), as on hybrid hosts.
 //! Its processes are moved in (children follow at fork, as cgroups do).
@@ -25,10 +27,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-/// CFS bandwidth period until the configuration says
-/// (`resource-control.rule-cpu-period`).
-const DEFAULT_PERIOD_US: u64 = 100_000;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 enum Version {
     V1,
@@ -40,7 +38,8 @@ enum Version {
 struct State {
     /// Hierarchy mount point and version.
     root: Option<(PathBuf, Version)>,
-    /// The slice directory (relative to the root).
+    /// The slice directory of an agent before keyspace cgroups were put at
+    /// the top (relative to the root): removed when found.
     slice: Option<String>,
     /// Keyspace cgroups created (relative to the root).
     created: BTreeMap<u32, String>,
@@ -66,6 +65,12 @@ fn cap_files(version: Version) -> &'static [&'static str] {
     }
 }
 
+/// A bandwidth period in µs, within what the kernel accepts (1 ms..1 s, the
+/// range the configuration validates).
+fn period_us(period: std::time::Duration) -> u64 {
+    period.as_micros().clamp(1_000, 1_000_000) as u64
+}
+
 /// Writes `cores` over `period_us` (and its weight, or the default one)
 /// into `dir`.
 fn write_cap(dir: &Path, version: Version, cores: f64, weighted: bool, period_us: u64) -> std::io::Result<()> {
@@ -85,7 +90,8 @@ pub(crate) struct Enforcer {
     hierarchy: Option<(PathBuf, Version)>,
     /// Why enforcement is unavailable, when it is.
     pub(crate) unavailable: Option<String>,
-    slice: String,
+    /// Keyspace cgroups are `<root>/<prefix>-ks-<id>`.
+    prefix: String,
     state_path: PathBuf,
     state: State,
     /// keyspace → cores.
@@ -129,7 +135,7 @@ fn cgroup_of(tgid: u32, version: Version) -> Option<String> {
 impl Enforcer {
     /// The enforcer for an agent whose state lives at `state_path`; first
     /// puts back whatever an agent that died left there.
-    pub(crate) fn new(state_path: PathBuf, slice: String) -> Enforcer {
+    pub(crate) fn new(state_path: PathBuf, prefix: String) -> Enforcer {
         let (hierarchy, unavailable) = match detect() {
             Ok(h) => (Some(h), None),
             Err(why) => (None, Some(why.to_string())),
@@ -137,12 +143,13 @@ impl Enforcer {
         let mut e = Enforcer {
             hierarchy,
             unavailable,
-            slice,
+            prefix,
             state_path,
             state: State::default(),
             caps: HashMap::new(),
             weighted: false,
-            period_us: DEFAULT_PERIOD_US,
+            // Until the configuration says (`set_caps`): its default.
+            period_us: period_us(crate::config::ResourceControl::default().rule_cpu_period.get()),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -168,13 +175,13 @@ impl Enforcer {
         self.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())
     }
 
-    /// The cgroup directories whose limits the agent writes (its slice, and
-    /// the operators' cgroups it caps in place): a server's limit is never
-    /// read from them, or a rule cap would shrink the number it is a
-    /// fraction of.
+    /// The cgroup directories whose limits the agent writes (its keyspace
+    /// cgroups, and the operators' cgroups it caps in place): a server's
+    /// limit is never read from them, or a rule cap would shrink the number
+    /// it is a fraction of.
     pub(crate) fn written_dirs(&self) -> Vec<PathBuf> {
         let Some((root, _)) = &self.hierarchy else { return Vec::new() };
-        let mut dirs = vec![root.join(&self.slice)];
+        let mut dirs: Vec<PathBuf> = self.state.created.values().map(|rel| root.join(rel)).collect();
         dirs.extend(self.state.in_place.values().map(|p| root.join(p.rel.trim_start_matches('/'))));
         dirs
     }
@@ -185,19 +192,19 @@ impl Enforcer {
             (_, Some(why)) => format!("unavailable: {why}"),
             (Some((root, Version::V2)), None) => {
                 format!(
-                    "cgroup v2 cpu.max{} over {} ms under {}/{}",
+                    "cgroup v2 cpu.max{} over {} ms in {}/{}-ks-<id>",
                     if self.weighted { " and cpu.weight" } else { "" },
                     self.period_us / 1000,
                     root.display(),
-                    self.slice
+                    self.prefix
                 )
             }
             (Some((root, Version::V1)), None) => format!(
-                "cgroup v1 cpu.cfs_quota_us{} over {} ms under {}/{}",
+                "cgroup v1 cpu.cfs_quota_us{} over {} ms in {}/{}-ks-<id>",
                 if self.weighted { " and cpu.shares" } else { "" },
                 self.period_us / 1000,
                 root.display(),
-                self.slice
+                self.prefix
             ),
             (None, None) => "unavailable".into(),
         }
@@ -227,7 +234,7 @@ impl Enforcer {
         in_place: &HashMap<u32, String>,
     ) {
         self.weighted = weighted;
-        self.period_us = u64::try_from(period.as_micros()).unwrap_or(DEFAULT_PERIOD_US).clamp(1_000, 1_000_000);
+        self.period_us = period_us(period);
         let all_caps = caps.clone();
         let Some((root, version)) = self.hierarchy.clone() else {
             self.caps = caps;
@@ -274,22 +281,8 @@ impl Enforcer {
             }
         }
         let caps: HashMap<u32, f64> = caps.into_iter().filter(|(k, _)| !in_place.contains_key(k)).collect();
-        let slice_dir = root.join(&self.slice);
-        if !caps.is_empty() && !slice_dir.is_dir() {
-            if version == Version::V2 {
-                let _ = std::fs::write(root.join("cgroup.subtree_control"), "+cpu");
-            }
-            if let Err(e) = std::fs::create_dir_all(&slice_dir) {
-                return self.fail(format!("cannot create {}: {e}", slice_dir.display()));
-            }
-            if version == Version::V2
-                && let Err(e) = std::fs::write(slice_dir.join("cgroup.subtree_control"), "+cpu")
-            {
-                return self.fail(format!("cannot enable the cpu controller in {}: {e}", slice_dir.display()));
-            }
-        }
-        if !caps.is_empty() {
-            self.state.slice = Some(self.slice.clone());
+        if !caps.is_empty() && version == Version::V2 {
+            let _ = std::fs::write(root.join("cgroup.subtree_control"), "+cpu");
         }
         // Gone or uncapped first.
         let old: Vec<u32> = self.state.created.keys().copied().filter(|k| !caps.contains_key(k)).collect();
@@ -297,7 +290,7 @@ impl Enforcer {
             self.release_keyspace(ks);
         }
         for (&ks, &cores) in &caps {
-            let rel = format!("{}/ks-{ks}", self.slice);
+            let rel = format!("{}-ks-{ks}", self.prefix);
             let dir = root.join(&rel);
             if !dir.is_dir()
                 && let Err(e) = std::fs::create_dir(&dir)

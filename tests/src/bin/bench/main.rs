@@ -19,6 +19,20 @@ use std::time::Instant;
 
 /// Short demos behind each demo figure (their median).
 const DEMO_RUNS: usize = 5;
+/// Rounds of the real server beside a rule-capped hog (their median).
+const NEIGHBOUR_ROUNDS: usize = 5;
+
+/// `reader_neighbour_p99_ratio` (the median round's p99 beside the capped
+/// hog over alone) and the rounds behind it.
+fn neighbour_keys(o: &mut serde_json::Map<String, serde_json::Value>, n: &rules::Neighbour) {
+    let r3 = |v: &[f64]| v.iter().map(|x| round3(*x)).collect::<Vec<_>>();
+    let r1 = |v: &[f64]| v.iter().map(|x| round(*x)).collect::<Vec<_>>();
+    o.insert("reader_neighbour_p99_ratio".into(), json!(round3(switch::median(n.ratios.clone()))));
+    o.insert("reader_neighbour_p99_ratio_runs".into(), json!(r3(&n.ratios)));
+    o.insert("reader_neighbour_alone_p99_us_runs".into(), json!(r1(&n.alone_p99_us)));
+    o.insert("reader_neighbour_capped_p99_us_runs".into(), json!(r1(&n.capped_p99_us)));
+    o.insert("reader_neighbour_hog_cores_runs".into(), json!(r3(&n.hog_cores)));
+}
 
 fn per_op(n: u64, f: impl FnMut(u64)) -> f64 {
     let mut f = f;
@@ -205,6 +219,17 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    // `--neighbour`: a real server beside a rule-capped hog, and the rule
+    // cap's worst 1 s window, alone.
+    if std::env::args().any(|a| a == "--neighbour") {
+        let n = rules::reader_neighbour(NEIGHBOUR_ROUNDS)?;
+        let rule_cap = rules::cap_error_pct()?;
+        let mut o = serde_json::Map::new();
+        neighbour_keys(&mut o, &n);
+        o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));
+        println!("{}", serde_json::Value::Object(o));
+        return Ok(());
+    }
     // `--switch`: the tag switch and the eBPF programs' cost per switch
     // alone (the other half of a before/after on the hot paths).
     if std::env::args().any(|a| a == "--switch") {
@@ -312,6 +337,7 @@ fn main() -> Result<()> {
     let (unmatched_none, unmatched_1000) = rules::unmatched_switch_ns(5)?;
     let rule_attribution = rules::attribution_error_pct()?;
     let rule_cap = rules::cap_error_pct()?;
+    let neighbour = rules::reader_neighbour(NEIGHBOUR_ROUNDS)?;
     // Agent up and down alternate: measured last, on its own.
     let overhead = switch::overhead(9)?;
 
@@ -381,6 +407,7 @@ fn main() -> Result<()> {
         o.insert("rule_attribution_error_pct".into(), json!(round3(rule_attribution.abs())));
         o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
         o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));
+        neighbour_keys(o, &neighbour);
         o.insert("overflow_cap_error_pct".into(), json!(round2(overflow_cap)));
         o.insert("cgroup_cap_error_pct".into(), json!(round2(cgroup_cap)));
         o.insert("cgroup_cap_schedstat_error_pct".into(), json!(round2(cgroup_cap_schedstat)));
