@@ -120,6 +120,8 @@ pub mod counter {
     pub const REFUSED_QUOTA: usize = 23;
     /// Given back above capacity and dropped, µs.
     pub const DISCARDED_US: usize = 24;
+    /// Taken ahead of the line by running requests' top-ups, µs.
+    pub const AHEAD_US: usize = 25;
     pub const COUNT: usize = 32;
 }
 
@@ -278,7 +280,9 @@ pub struct BucketCell {
     pub last_used_ms: u64,
     /// Global cell only: burst tokens left this refill interval.
     pub burst_budget_us: i64,
-    pub _pad: u64,
+    /// Tokens running requests' top-ups took ahead of the line and not yet
+    /// paid back, µs: the next tokens made available pay them first.
+    pub ahead_owed_us: u64,
     /// Per-thread-group shards: `[counter::GRANTED, RELEASED, CONSUMED_US,
     /// HOT_INFLIGHT_US, unused…]`.
     pub hot: [[u64; 8]; HOT_SHARDS],
@@ -306,7 +310,7 @@ impl Default for BucketCell {
             pending_write_bytes: 0,
             last_used_ms: 0,
             burst_budget_us: 0,
-            _pad: 0,
+            ahead_owed_us: 0,
             hot: [[0; 8]; HOT_SHARDS],
             counters: [0; counter::COUNT],
             hist: [0; hist::LEN],

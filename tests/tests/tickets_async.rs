@@ -79,11 +79,13 @@ fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_pol
     client::clear_tag();
     // Arrival order: spawned (and first polled) in order 0..8.
     assert_eq!(*order.borrow(), (0..8).collect::<Vec<_>>());
-    // 8 × 4 ms asked of a 1 ms / 10 ms bucket: most of them waited, and the
-    // executor kept ticking meanwhile (its thread burned ~24 ms in all).
+    // 8 × 4 ms asked of a 1 ms / 10 ms bucket: the later ones waited, and
+    // the executor kept ticking meanwhile (its thread burned ~24 ms in all).
+    // Running tasks' top-ups are served ahead of the line (what they owe
+    // stays within the bucket), so the waits fall on the admissions behind.
     let status = agent.status().unwrap();
     let k = status.keyspaces.iter().find(|k| k.keyspace_id == 5).expect("keyspace 5");
-    assert!(k.waited >= 4, "{k:?}");
+    assert!((3..=8).contains(&k.waited), "{k:?}");
     assert!(elapsed > Duration::from_millis(100), "no waiting at all: {elapsed:?}");
     // The tasks finish paced by the refills (a 4 ms ask is topped up from
     // a 1 ms / 10 ms bucket), tens of ms apart after the first few: a free

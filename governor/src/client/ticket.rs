@@ -443,7 +443,7 @@ impl Ticket {
                 self.topup_due = false;
                 return Ok(());
             }
-            let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us);
+            let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us, deadline.is_none());
             let ((res, waited), cpu) = charged(&att, self.grant.cell(), || wait_in_line(&att, &k, q, deadline));
             self.waited_for_top_up(waited, cpu);
             match res {

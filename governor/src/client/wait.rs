@@ -443,7 +443,7 @@ fn top_up_line(t: &Ticket, deadline: Option<Instant>) -> Option<Line> {
     if !t.needs_top_up(&k) {
         return None;
     }
-    let q = policy::top_up_queued(&att.admission, &k, &t.grant, k.per_allocation_us);
+    let q = policy::top_up_queued(&att.admission, &k, &t.grant, k.per_allocation_us, deadline.is_none());
     Some(Line::new(att, q, k, deadline))
 }
 

@@ -48,11 +48,13 @@ fn signed(d: u64) -> i64 {
 }
 
 impl BucketView {
-    /// `head − tail`, µs: negative when in debt or when waiters queue.
+    /// `head − tail`, less what top-ups owe, µs: negative when in debt or
+    /// when waiters queue.
     #[inline]
     pub fn available_us(&self) -> i64 {
         let tail = self.tail_us.load(Ordering::Acquire);
-        signed(self.head_us.load(Ordering::Acquire).wrapping_sub(tail))
+        let owed = self.ahead_owed_us.load(Ordering::Acquire);
+        signed(self.head_us.load(Ordering::Acquire).wrapping_sub(tail).wrapping_sub(owed))
     }
 
     /// Takes `us` if that many are available (so never while waiters queue).
@@ -106,11 +108,88 @@ impl BucketView {
         self.notify_served(head, head.wrapping_add(us));
     }
 
-    /// Adds `us` to what is available, never above `capacity`. Returns the µs
-    /// kept (the rest is dropped). Wakes waiters.
+    /// A running request's top-up of `us`, taken ahead of the line: it
+    /// does not wait behind new admissions queued earlier. What the bucket
+    /// holds is taken first; the rest is owed, never more than `bound` at
+    /// once, and the next tokens made available ([`BucketView::give`]) pay
+    /// it before anyone in line is served, so the line (and new admissions)
+    /// repays it. Returns false, taking nothing, when the rest would owe
+    /// past `bound`.
+    pub fn take_ahead(&self, us: u64, bound: u64) -> bool {
+        for _ in 0..ATTEMPTS {
+            let tail = self.tail_us.load(Ordering::Acquire);
+            let head = self.head_us.load(Ordering::Acquire);
+            let part = (signed(head.wrapping_sub(tail)).max(0) as u64).min(us);
+            let rest = us - part;
+            if self.ahead_owed_us.load(Ordering::Acquire).saturating_add(rest) > bound {
+                return false;
+            }
+            if part > 0
+                && self
+                    .tail_us
+                    .compare_exchange_weak(tail, tail.wrapping_add(part), Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                continue;
+            }
+            if rest == 0 || self.owe(rest, bound) {
+                self.count(c::AHEAD_US, rest);
+                return true;
+            }
+            // Others owed meanwhile: what was taken goes back.
+            if part > 0 {
+                self.cancel(part);
+            }
+            return false;
+        }
+        false
+    }
+
+    /// Adds `us` to what top-ups owe if that stays within `bound`.
+    fn owe(&self, us: u64, bound: u64) -> bool {
+        let mut owed = self.ahead_owed_us.load(Ordering::Acquire);
+        for _ in 0..ATTEMPTS {
+            if owed.saturating_add(us) > bound {
+                return false;
+            }
+            match self.ahead_owed_us.compare_exchange_weak(owed, owed + us, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(o) => owed = o,
+            }
+        }
+        false
+    }
+
+    /// Pays up to `us` of what top-ups owe; returns what it paid. Off the
+    /// fast path: a refund finds nothing owed.
+    #[cold]
+    #[inline(never)]
+    fn pay_ahead(&self, us: u64) -> u64 {
+        let mut owed = self.ahead_owed_us.load(Ordering::Acquire);
+        for _ in 0..ATTEMPTS {
+            let pay = owed.min(us);
+            if pay == 0 {
+                return 0;
+            }
+            match self.ahead_owed_us.compare_exchange_weak(owed, owed - pay, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return pay,
+                Err(o) => owed = o,
+            }
+        }
+        0
+    }
+
+    /// Adds `us` to what is available, never above `capacity`, after paying
+    /// what top-ups took ahead of the line. Returns the µs kept, paid ones
+    /// included (the rest is dropped). Wakes waiters.
     pub fn give(&self, us: u64, capacity: u64) -> u64 {
         if us == 0 {
             return 0;
+        }
+        let paid = if self.ahead_owed_us.load(Ordering::Relaxed) > 0 { self.pay_ahead(us) } else { 0 };
+        let us = us - paid;
+        if us == 0 {
+            return paid;
         }
         let mut head = self.head_us.load(Ordering::Acquire);
         let mut kept = 0;
@@ -134,7 +213,7 @@ impl BucketView {
         if kept > 0 {
             self.notify_served(head, head.wrapping_add(kept));
         }
-        kept
+        paid + kept
     }
 
     /// Charges an overrun of `us` as debt, never below `−max_debt`. Returns
@@ -194,6 +273,7 @@ impl BucketView {
     /// with nothing in flight and nobody waiting). Returns the tail, where
     /// the new holder's count of taken tokens starts.
     pub fn reset_tokens(&self) -> u64 {
+        self.ahead_owed_us.store(0, Ordering::Release);
         let tail = self.tail_us.load(Ordering::Acquire);
         self.head_us.store(tail, Ordering::Release);
         tail
@@ -267,6 +347,35 @@ mod tests {
         assert_eq!(b.available_us(), 0);
         assert_eq!(b.give(500, 200), 200, "clamped at capacity");
         assert_eq!(b.available_us(), 200);
+    }
+
+    #[test]
+    fn a_top_up_taken_ahead_is_served_before_the_line_and_paid_by_the_next_tokens() {
+        let m = AdmissionMemory::create(16).unwrap();
+        let b = m.regions.bucket(GLOBAL);
+        // Empty, with a new admission of 300 in line.
+        let pos = b.reserve(300);
+        assert!(!b.reached(pos));
+        // A running request's top-up goes ahead, within the bound only.
+        assert!(b.take_ahead(200, 250));
+        assert!(!b.take_ahead(100, 250), "past the bound");
+        assert_eq!(b.available_us(), -500, "the line and what is owed");
+        // The next 200 tokens pay the top-up, not the one in line.
+        assert_eq!(b.give(150, 1000), 150);
+        assert!(!b.reached(pos));
+        // 50 pay the rest of the top-up, 50 go to the line.
+        assert_eq!(b.give(100, 1000), 100);
+        assert!(!b.reached(pos));
+        assert_eq!(b.give(250, 1000), 250);
+        assert!(b.reached(pos));
+        assert_eq!(b.available_us(), 0);
+        assert_eq!(b.counter(keyspace_governor_common::admission::counter::AHEAD_US), 200);
+        assert_eq!(b.ahead_owed_us.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // What the bucket holds goes first: 100 held, 150 owed.
+        b.give(100, 1000);
+        assert!(b.take_ahead(250, 250));
+        assert_eq!(b.available_us(), -150);
+        assert_eq!(b.counter(keyspace_governor_common::admission::counter::AHEAD_US), 350);
     }
 
     #[test]

@@ -87,13 +87,18 @@ impl BucketSnapshot {
         let tail = b.tail_us.load(std::sync::atomic::Ordering::Acquire);
         let head = b.head_us.load(std::sync::atomic::Ordering::Acquire);
         let debt = b.counter(c::DEBT_US);
+        // Top-ups taken ahead of the line, and the part of them paid back
+        // from refills and refunds (which the head never saw).
+        let ahead = b.counter(c::AHEAD_US);
+        let paid = ahead.wrapping_sub(b.ahead_owed_us.load(std::sync::atomic::Ordering::Acquire));
         // The head moves by what the agent added and dropped and by refunds
         // (kept part); the rovers started equal at `tail_base_us`.
         let refunded = head
             .wrapping_sub(book.tail_base_us)
             .wrapping_sub(book.refilled_us)
             .wrapping_add(book.discarded_us)
-            .wrapping_add(b.counter(c::DISCARDED_US));
+            .wrapping_add(b.counter(c::DISCARDED_US))
+            .wrapping_add(paid);
         BucketSnapshot {
             available_us: b.available_us(),
             capacity_us: i64::try_from(book.capacity_us).unwrap_or(i64::MAX),
@@ -101,7 +106,7 @@ impl BucketSnapshot {
             base_refill_us: book.base_refill_us,
             inflight_us: b.inflight_us(),
             in_debt: book.debt_mode,
-            taken_total_us: tail.wrapping_sub(book.tail_base_us).wrapping_sub(debt),
+            taken_total_us: tail.wrapping_sub(book.tail_base_us).wrapping_sub(debt).wrapping_add(ahead),
             refunded_total_us: refunded,
             debt_total_us: debt,
             refilled_total_us: book.refilled_us,
