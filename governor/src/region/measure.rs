@@ -1,7 +1,9 @@
 //! Atomic mirrors of the measurement layouts, and the charge step.
 
 use super::MeasureRegions;
-use keyspace_governor_common::{CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag};
+use keyspace_governor_common::{
+    BEHIND_SLOTS, CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag,
+};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -46,6 +48,12 @@ pub struct WaitView {
     pub wait_ns: AtomicU64,
     pub waits: AtomicU64,
     pub hist: [AtomicU64; WAIT_BUCKETS],
+    pub behind: [[AtomicU64; 2]; BEHIND_SLOTS],
+    pub behind_collided_ns: AtomicU64,
+    pub behind_other_ns: AtomicU64,
+    pub behind_idle_ns: AtomicU64,
+    pub behind_unknown_ns: AtomicU64,
+    _pad: [u64; 4],
 }
 
 macro_rules! same_layout {
@@ -72,7 +80,18 @@ same_layout!(
     delay_ns
 );
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
-same_layout!(WaitView, KeyspaceWait, wait_ns, waits, hist);
+same_layout!(
+    WaitView,
+    KeyspaceWait,
+    wait_ns,
+    waits,
+    hist,
+    behind,
+    behind_collided_ns,
+    behind_other_ns,
+    behind_idle_ns,
+    behind_unknown_ns
+);
 
 impl MeasureRegions {
     /// One attempt at the protocol's charge: move `slot.charged_ns` from
