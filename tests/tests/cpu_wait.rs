@@ -104,19 +104,19 @@ fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() 
             );
         }
         assert!(behind(k, "unknown", None) <= 0.01, "{:?}", k.cpu_wait_behind);
-        // The hog holds a core part of the time: some waits ended when it
-        // gave one up (12–70 % here, 47–96 % in the 6.1 VMs).
+        // The hog holds a core part of the time (12–70 % of these waits
+        // ended when it gave one up, in runs here).
         let hog = behind(k, "unmeasured", None);
-        assert!(hog > 0.0 && hog <= 1.0, "keyspace {} waited {:.1} % behind the hog", k.keyspace_id, hog * 100.0);
+        assert!((0.03..=0.95).contains(&hog), "keyspace {} waited {:.1} % behind the hog", k.keyspace_id, hog * 100.0);
     }
     // The heavy tenant's threads give up their cores to the tickers' wakeups
     // and get them back when a ticker sleeps: 30–81 % of its waits ended
-    // behind the light tenant here, 32–64 % in the 6.1 VMs. (How much of the
+    // behind the light tenant here, 32–56 % in the 6.1 VMs. (How much of the
     // light tenant's waits end behind the heavy one depends on the
-    // scheduler: 14–25 % here, 1–17 % on 6.1's.)
+    // scheduler: 14–25 % here, 1 % on 6.1's.)
     let heavy_behind_light = behind(heavy_row, "keyspace", Some(LIGHT));
     assert!(
-        heavy_behind_light > 0.0 && heavy_behind_light <= 1.0,
+        (0.03..=0.95).contains(&heavy_behind_light),
         "heavy waited {:.1} % behind light",
         heavy_behind_light * 100.0
     );
