@@ -105,28 +105,11 @@ pub struct RuleCpu {
     /// tid + 1 of the task, 0 when none.
     pub tid: u64,
     pub base_ns: u64,
-    /// What held this CPU before the task was switched in
-    /// ([`BEHIND_OTHER`] and the rest).
-    pub behind: u64,
 }
 
 /// Name of the `tid → run-queue delay at its last switch-out` hash of
 /// rule-measured tasks (kernel only).
 pub const MAP_RULE_WAIT: &str = "GOV_RULE_WAIT";
-
-/// What a run-queue wait ended behind (`KeyspaceWait::behind`): the task
-/// switched out for the waiter. A keyspace's tag, or one of these.
-/// Behind a task no keyspace measures (or a registered thread untagged).
-pub const BEHIND_OTHER: u32 = 0;
-/// Behind nothing: the CPU was idle (the wait was the wakeup's latency).
-pub const BEHIND_IDLE: u32 = u32::MAX;
-/// The waiter's switch-in was not seen (it was registered, or its rule
-/// came, while it ran).
-pub const BEHIND_UNKNOWN: u32 = u32::MAX - 1;
-/// Slots of `KeyspaceWait::behind`, for the keyspaces a keyspace waited
-/// behind (by tag, modulo: a power of two, so that the kernel's verifier
-/// sees the index bounded).
-pub const BEHIND_SLOTS: usize = 16;
 /// Rule-measured tasks whose waits can be counted at once.
 pub const MAX_RULE_TASKS: u32 = 65536;
 
@@ -242,10 +225,7 @@ pub struct CpuCell {
     pub fresh_task_ns: u64,
     /// Non-zero once `mono_offset_ns` has been measured.
     pub offset_valid: u64,
-    /// What held this CPU before the registered thread now on it was
-    /// switched in (kernel only): the `behind` of the wait that ended
-    /// there ([`BEHIND_OTHER`] and the rest).
-    pub behind: u64,
+    pub _pad: [u64; 1],
 }
 
 /// `CpuCell::owner` of slot `index` at `generation`.
@@ -326,19 +306,6 @@ pub struct KeyspaceWait {
     pub waits: u64,
     /// `hist[k]`: waits of `wait_bucket(ns) == k`.
     pub hist: [u64; WAIT_BUCKETS],
-    /// The waits by what held the CPU when each ended, ns: behind a
-    /// keyspace of tag `t`, slot `t % BEHIND_SLOTS` is `[t, ns]` (`[0, 0]`
-    /// while unused; the kernel claims it on first use) ...
-    pub behind: [[u64; 2]; BEHIND_SLOTS],
-    /// ... or here, when another keyspace holds that slot;
-    pub behind_collided_ns: u64,
-    /// behind a task no keyspace measures ([`BEHIND_OTHER`]);
-    pub behind_other_ns: u64,
-    /// behind the idle task ([`BEHIND_IDLE`]);
-    pub behind_idle_ns: u64,
-    /// with what it waited behind not seen ([`BEHIND_UNKNOWN`]).
-    pub behind_unknown_ns: u64,
-    pub _pad: [u64; 4],
 }
 
 /// The bucket of a wait of `ns`: the bit length of `ns >> WAIT_BUCKET_SHIFT`,
@@ -433,8 +400,8 @@ const _: () = assert!(align_of::<CpuCell>() == 8);
 const _: () = assert!(align_of::<ThreadSlot>() == 8);
 const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
-const _: () = assert!(size_of::<RuleCpu>() == 24);
-const _: () = assert!(size_of::<KeyspaceWait>() == 512);
+const _: () = assert!(size_of::<RuleCpu>() == 16);
+const _: () = assert!(size_of::<KeyspaceWait>() == 192);
 
 /// First probe position of `keyspace_id` in a table of `len` cells
 /// (`len` a power of two). Fibonacci hashing: ids are often dense small

@@ -27,11 +27,6 @@
 //! waited so far then), so the base is always the last switch-out, never a
 //! switch-in. Unregistered tasks pay nothing for it.
 //!
-//! Each wait is also charged, in `GOV_WAIT_BEHIND`, to what held the CPU
-//! when it ended: the task switched out for the waiter (its keyspace, none,
-//! or the idle task), which the switch keeps in the CPU's cell as it
-//! switches a measured task in, for that task's switch-out to read.
-//!
 //! # What "exact" means here
 //!
 //! The kernel's own count of a task's CPU time is `se.sum_exec_runtime`:
@@ -79,7 +74,6 @@ use aya_ebpf::{
 };
 use core::ffi::c_void;
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
-use keyspace_governor_common::{BEHIND_IDLE, BEHIND_OTHER, BEHIND_SLOTS, BEHIND_UNKNOWN};
 use keyspace_governor_common::{
     CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
     FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, MAX_CPUS, MAX_PENDING, MAX_RULE_TASKS, RULE_CTL_DROPPED,
@@ -251,16 +245,13 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
         // map value and a task pointer (the verifier refuses it).
         let charged = read_volatile(addr_of_mut!((*cell).base_ns));
         let slice_start = task_field::<u64>(task, &GOV_OFF_PREV_RUNTIME);
-        let behind = read_volatile(addr_of_mut!((*cell).behind)) as u32;
         let seen = read_volatile(addr_of_mut!((*cell).tid)) == tid as u64 + 1;
         let base = if seen { charged } else { slice_start };
         if runtime > base {
             charge_rule(task, tag, runtime - base);
         }
         if !keep {
-            rule_waited(task, tid, tag, if seen { behind } else { BEHIND_UNKNOWN });
-        } else if !seen {
-            write_volatile(addr_of_mut!((*cell).behind), BEHIND_UNKNOWN as u64);
+            rule_waited(task, tid, tag);
         }
         write_volatile(addr_of_mut!((*cell).tid), if keep { tid as u64 + 1 } else { 0 });
         write_volatile(addr_of_mut!((*cell).base_ns), runtime);
@@ -275,7 +266,7 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
 /// # Safety
 /// `task` is a trusted task pointer being switched out.
 #[inline(always)]
-unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32, behind: u32) {
+unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32) {
     if !wait_on() {
         return;
     }
@@ -287,7 +278,7 @@ unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32, behind: u32) {
             let seen = read_volatile(p);
             if delay > seen {
                 if tag != TAG_PENDING {
-                    charge_wait(tag as u64, delay - seen, behind);
+                    charge_wait(tag as u64, delay - seen);
                 }
                 write_volatile(p, delay);
             }
@@ -341,10 +332,9 @@ fn wait_on() -> bool {
     unsafe { read_volatile(&GOV_WAIT_ON) != 0 }
 }
 
-/// Charges one run-queue wait of `delta` ns to the keyspace of `tag`, and
-/// to what it waited behind.
+/// Charges one run-queue wait of `delta` ns to the keyspace of `tag`.
 #[inline(always)]
-fn charge_wait(tag: u64, delta: u64, behind: u32) {
+fn charge_wait(tag: u64, delta: u64) {
     let Some(index) = cell_of_tag(tag) else { return };
     if let Some(w) = GOV_WAITS.get_ptr_mut(index) {
         let k = wait_bucket(delta);
@@ -363,29 +353,6 @@ fn charge_wait(tag: u64, delta: u64, behind: u32) {
             if let Some(bucket) = (*w).hist.get_mut(k) {
                 core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(bucket, 1);
             }
-            // What it waited behind. A keyspace's slot is claimed on first
-            // use (two CPUs claiming one at once for different keyspaces is
-            // a race the later store wins; the time still adds up).
-            let ns = match behind {
-                BEHIND_OTHER => addr_of_mut!((*w).behind_other_ns),
-                BEHIND_IDLE => addr_of_mut!((*w).behind_idle_ns),
-                BEHIND_UNKNOWN => addr_of_mut!((*w).behind_unknown_ns),
-                t => match (*w).behind.get_mut(t as usize & (BEHIND_SLOTS - 1)) {
-                    Some(slot) => {
-                        let have = read_volatile(addr_of!(slot[0]));
-                        if have == 0 {
-                            write_volatile(addr_of_mut!(slot[0]), t as u64);
-                        }
-                        if have == 0 || have == t as u64 {
-                            addr_of_mut!(slot[1])
-                        } else {
-                            addr_of_mut!((*w).behind_collided_ns)
-                        }
-                    }
-                    None => addr_of_mut!((*w).behind_collided_ns),
-                },
-            };
-            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(ns, delta);
         }
     }
 }
@@ -398,7 +365,7 @@ fn charge_wait(tag: u64, delta: u64, behind: u32) {
 /// `task` is the thread's trusted task pointer, `slot` its map value
 /// pointer; the thread cannot run now.
 #[inline(always)]
-unsafe fn slot_waited(task: *const u8, slot: *mut ThreadSlot, behind: u32) {
+unsafe fn slot_waited(task: *const u8, slot: *mut ThreadSlot) {
     if !wait_on() {
         return;
     }
@@ -407,7 +374,7 @@ unsafe fn slot_waited(task: *const u8, slot: *mut ThreadSlot, behind: u32) {
         let delay = task_field::<u64>(task, &GOV_OFF_RUN_DELAY);
         let seen = read_volatile(addr_of_mut!((*slot).delay_ns));
         if delay > seen {
-            charge_wait(read_volatile(addr_of_mut!((*slot).wait_tag)) as u64, delay - seen, behind);
+            charge_wait(read_volatile(addr_of_mut!((*slot).wait_tag)) as u64, delay - seen);
             write_volatile(addr_of_mut!((*slot).delay_ns), delay);
         }
         write_volatile(addr_of_mut!((*slot).wait_tag), read_volatile(addr_of_mut!((*slot).tag)) as u32);
@@ -455,20 +422,13 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         let prev: *const u8 = ctx.arg(1);
         let next: *const u8 = ctx.arg(2);
         let prev_tid = task_field::<u32>(prev, &GOV_OFF_PID);
-        // What the next task, if measured, waited behind: prev's keyspace.
-        let mut prev_behind = if prev_tid == 0 { BEHIND_IDLE } else { BEHIND_OTHER };
         if let Some(entry) = tid_entry(prev_tid) {
             if let Some((slot, _)) = registered(prev_tid, entry) {
                 // The kernel brought prev's runtime up to date before the switch.
                 let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
                 charge_up_to(slot, runtime);
                 write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
-                let behind = match GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
-                    Some(cell) => read_volatile(addr_of_mut!((*cell).behind)) as u32,
-                    None => BEHIND_UNKNOWN,
-                };
-                slot_waited(prev, slot, behind);
-                prev_behind = read_volatile(addr_of_mut!((*slot).tag)) as u32;
+                slot_waited(prev, slot);
                 if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
                     // Its final switch: the slot is dead before the tid entry
                     // clears, so the agent never sees a live slot without a tid.
@@ -480,9 +440,6 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 let tag = rule_tag(entry);
                 if tag != 0 && prev_tid != 0 {
                     charge_rule_slice(prev, prev_tid, tag, false);
-                    if tag != TAG_PENDING {
-                        prev_behind = tag;
-                    }
                 }
             }
         }
@@ -497,7 +454,6 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 // skips the update, and the slice then starts back at it.
                 let fresh = prev_tid != 0 && task_field::<u32>(prev, &GOV_OFF_STATE) != 0;
                 anchor(cell, start, runtime, index, slot, fresh);
-                write_volatile(addr_of_mut!((*cell).behind), prev_behind as u64);
             }
         } else if rule_tag(entry) != 0
             && next_tid != 0
@@ -506,7 +462,6 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
             // Its slice starts at its runtime now.
             write_volatile(addr_of_mut!((*cell).tid), next_tid as u64 + 1);
             write_volatile(addr_of_mut!((*cell).base_ns), task_field::<u64>(next, &GOV_OFF_RUNTIME));
-            write_volatile(addr_of_mut!((*cell).behind), prev_behind as u64);
         }
     }
     0

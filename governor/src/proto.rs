@@ -463,10 +463,6 @@ pub struct KeyspaceStatus {
     /// `2^(10 + k)` ns, the last the rest (`governor-common::wait_bucket`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cpu_wait_buckets: Vec<u64>,
-    /// What those waits were behind — what held the CPU when each ended —
-    /// most first, since its cell was created (eBPF backend).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub cpu_wait_behind: Vec<WaitBehind>,
     /// Its token bucket, when it has one.
     pub bucket: Option<BucketStatus>,
     pub estimate_us: u64,
@@ -487,21 +483,6 @@ pub struct KeyspaceStatus {
     /// The rules that charge unmodified processes to it, comma-separated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,
-}
-
-/// A share of a keyspace's run-queue wait by what it waited behind.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct WaitBehind {
-    /// `keyspace` (its threads or another keyspace's), `other keyspaces`
-    /// (keyspaces past the cell's slots, or gone), `unmeasured` (a task no
-    /// keyspace measures, or a registered thread between tags), `idle` (the
-    /// CPU was idle: the wakeup's own latency) or `unknown` (the waiter was
-    /// registered, or matched by a rule, while it ran).
-    pub what: String,
-    /// The keyspace, when `what` is `keyspace`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub keyspace_id: Option<u32>,
-    pub wait_seconds: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -51,13 +51,12 @@ fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() 
     // the keyspace they tag next (the work they were woken for). A wait
     // whose slice takes no tag (preempted between untagging and going to
     // sleep) is no keyspace's: never more than schedstat, and all but those
-    // (1.3 % in a slow emulated VM, none here). The charge is read back
-    // through seconds in a float: within a nanosecond.
+    // (1.3 % in a slow emulated VM, none here).
     let (kernel, charged) = (truth(POOLED) as f64, run.wait_ns.get(&POOLED).copied().unwrap_or(0.0));
     eprintln!("keyspace {POOLED}: charged {charged:.0} ns of run-queue wait, schedstat {kernel:.0} ns");
     assert!(kernel >= 5_000_000.0, "the pooled threads waited only {kernel} ns by schedstat: no contention");
     assert!(
-        charged <= kernel + 1.0 && charged >= 0.95 * kernel,
+        charged <= kernel && charged >= 0.95 * kernel,
         "pooled: charged {charged} ns, schedstat {kernel} ns ({:+.2} %)",
         (charged / kernel - 1.0) * 100.0
     );
@@ -75,51 +74,6 @@ fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() 
     // A ticker's wait is bounded by the four busy threads' slices and the hog's.
     assert!(p99 < 1_000_000.0, "p99 {p99} µs");
     assert_eq!(light.cpu_wait_buckets.iter().sum::<u64>(), light.cpu_waits);
-    // What the waits were behind (what held the CPU when each ended):
-    // every wait has its entry, and each names a task that was running: the
-    // heavy keyspace's busy threads, the tickers (whose wakeups preempt and
-    // who then sleep), the pooled threads between tags and the hog (neither
-    // measured by a keyspace), the idle CPU; never another keyspace, and
-    // "unknown" (a waiter registered while it ran) hardly ever.
-    let behind = |k: &keyspace_governor::proto::KeyspaceStatus, what: &str, id: Option<u32>| {
-        k.cpu_wait_behind.iter().filter(|w| w.what == what && w.keyspace_id == id).map(|w| w.wait_seconds).sum::<f64>()
-            / k.cpu_wait_seconds
-    };
-    let heavy_row = s.keyspaces.iter().find(|k| k.keyspace_id == HEAVY).expect("heavy keyspace in status");
-    for k in [heavy_row, light] {
-        let sum: f64 = k.cpu_wait_behind.iter().map(|w| w.wait_seconds).sum();
-        eprintln!("keyspace {} waited behind {:?}", k.keyspace_id, k.cpu_wait_behind);
-        assert!(
-            (sum - k.cpu_wait_seconds).abs() <= 0.01 * k.cpu_wait_seconds,
-            "keyspace {}: {sum} s by what they waited behind, {} s in all",
-            k.keyspace_id,
-            k.cpu_wait_seconds
-        );
-        for w in &k.cpu_wait_behind {
-            assert!(
-                w.keyspace_id.is_none_or(|id| [HEAVY, LIGHT, POOLED].contains(&id)),
-                "keyspace {} waited behind keyspace {:?}, which never ran",
-                k.keyspace_id,
-                w.keyspace_id
-            );
-        }
-        assert!(behind(k, "unknown", None) <= 0.01, "{:?}", k.cpu_wait_behind);
-        // The hog holds a core part of the time (12–70 % of these waits
-        // ended when it gave one up, in runs here).
-        let hog = behind(k, "unmeasured", None);
-        assert!((0.03..=0.95).contains(&hog), "keyspace {} waited {:.1} % behind the hog", k.keyspace_id, hog * 100.0);
-    }
-    // The heavy tenant's threads give up their cores to the tickers' wakeups
-    // and get them back when a ticker sleeps: 30–81 % of its waits ended
-    // behind the light tenant here, 32–56 % in the 6.1 VMs. (How much of the
-    // light tenant's waits end behind the heavy one depends on the
-    // scheduler: 14–25 % here, 1 % on 6.1's.)
-    let heavy_behind_light = behind(heavy_row, "keyspace", Some(LIGHT));
-    assert!(
-        (0.03..=0.95).contains(&heavy_behind_light),
-        "heavy waited {:.1} % behind light",
-        heavy_behind_light * 100.0
-    );
     // The same figures on /metrics, over HTTP (the workloads have exited:
     // nothing moves between the two reads).
     let text = governor_tests::scrape_metrics(s.metrics_addr.as_deref().expect("metrics address"));

@@ -3,7 +3,7 @@
 
 use super::Shared;
 use crate::policy::{KeyspaceCounters, QuotaSource};
-use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, OverflowStatus, StatusReport, WaitBehind};
+use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, OverflowStatus, StatusReport};
 use std::sync::atomic::Ordering;
 
 fn source_name(s: QuotaSource) -> &'static str {
@@ -12,40 +12,6 @@ fn source_name(s: QuotaSource) -> &'static str {
         QuotaSource::Pd => "pd",
         QuotaSource::TenantCap => "tenant_cap",
     }
-}
-
-/// Keyspace cell `cell`'s run-queue waits by what they were behind, most
-/// first (`KeyspaceWait::behind`); `keyspace_of` maps a tag to its keyspace.
-fn wait_behind(
-    m: &crate::measure::Measurement,
-    cell: u32,
-    keyspace_of: &std::collections::HashMap<u32, u32>,
-) -> Vec<WaitBehind> {
-    let Some(w) = m.waits.get(cell) else { return Vec::new() };
-    let mut rows: Vec<WaitBehind> = Vec::new();
-    let mut add = |what: &str, keyspace_id: Option<u32>, ns: u64| {
-        if ns == 0 {
-            return;
-        }
-        match rows.iter_mut().find(|w| w.what == what && w.keyspace_id == keyspace_id) {
-            Some(w) => w.wait_seconds += ns as f64 / 1e9,
-            None => rows.push(WaitBehind { what: what.into(), keyspace_id, wait_seconds: ns as f64 / 1e9 }),
-        }
-    };
-    for slot in &w.behind {
-        let (tag, ns) = (slot[0].load(Ordering::Relaxed) as u32, slot[1].load(Ordering::Relaxed));
-        // A cell given to another keyspace since: no longer a keyspace.
-        match keyspace_of.get(&tag) {
-            Some(&id) => add("keyspace", Some(id), ns),
-            None => add("other keyspaces", None, ns),
-        }
-    }
-    add("unmeasured", None, w.behind_other_ns.load(Ordering::Relaxed));
-    add("idle", None, w.behind_idle_ns.load(Ordering::Relaxed));
-    add("unknown", None, w.behind_unknown_ns.load(Ordering::Relaxed));
-    add("other keyspaces", None, w.behind_collided_ns.load(Ordering::Relaxed));
-    rows.sort_by(|a, b| b.wait_seconds.total_cmp(&a.wait_seconds));
-    rows
 }
 
 fn refused(c: &KeyspaceCounters) -> u64 {
@@ -108,8 +74,6 @@ impl Shared {
         let rule_names = rules.names_by_keyspace();
         let buckets: std::collections::HashMap<u32, &crate::policy::KeyspaceSnapshot> =
             snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
-        let keyspace_of: std::collections::HashMap<u32, u32> =
-            r.directory().live().map(|(id, cell)| (cell + 1, id)).collect();
         let counters_read_at_ns = crate::sys::monotonic_ns();
         let mut keyspaces: Vec<KeyspaceStatus> = r
             .directory()
@@ -130,7 +94,6 @@ impl Shared {
                     cpu_wait_p50_us: us(0.5),
                     cpu_wait_p99_us: us(0.99),
                     cpu_wait_buckets: if waits.waits == 0 { Vec::new() } else { waits.hist.to_vec() },
-                    cpu_wait_behind: wait_behind(&m, cell, &keyspace_of),
                     window_ratio: if span_us == 0 {
                         0.0
                     } else {

@@ -111,24 +111,6 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             k.cpu_wait_seconds, k.cpu_waits
         ),
     });
-    if !k.cpu_wait_behind.is_empty() {
-        let total: f64 = k.cpu_wait_behind.iter().map(|w| w.wait_seconds).sum::<f64>().max(f64::MIN_POSITIVE);
-        let parts: Vec<String> = k
-            .cpu_wait_behind
-            .iter()
-            .map(|w| {
-                let who = match (w.what.as_str(), w.keyspace_id) {
-                    ("keyspace", Some(other)) if other == id => "its own threads".to_string(),
-                    ("keyspace", Some(other)) => format!("keyspace {other}"),
-                    ("unmeasured", _) => "tasks no keyspace measures".to_string(),
-                    ("idle", _) => "an idle CPU waking up".to_string(),
-                    (other, _) => other.to_string(),
-                };
-                format!("{who} {:.1} %", w.wait_seconds / total * 100.0)
-            })
-            .collect();
-        why.push(format!("what held the CPU when its waits ended (since its cell was created): {}", parts.join(", ")));
-    }
     why.push(format!(
         "tickets since its cell was created: {} granted, {} waited, {} refused; {} in flight",
         k.granted, k.waited, k.refused, k.inflight_requests

@@ -1,9 +1,7 @@
 //! Atomic mirrors of the measurement layouts, and the charge step.
 
 use super::MeasureRegions;
-use keyspace_governor_common::{
-    BEHIND_SLOTS, CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag,
-};
+use keyspace_governor_common::{CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -48,12 +46,6 @@ pub struct WaitView {
     pub wait_ns: AtomicU64,
     pub waits: AtomicU64,
     pub hist: [AtomicU64; WAIT_BUCKETS],
-    pub behind: [[AtomicU64; 2]; BEHIND_SLOTS],
-    pub behind_collided_ns: AtomicU64,
-    pub behind_other_ns: AtomicU64,
-    pub behind_idle_ns: AtomicU64,
-    pub behind_unknown_ns: AtomicU64,
-    _pad: [u64; 4],
 }
 
 macro_rules! same_layout {
@@ -80,18 +72,7 @@ same_layout!(
     delay_ns
 );
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
-same_layout!(
-    WaitView,
-    KeyspaceWait,
-    wait_ns,
-    waits,
-    hist,
-    behind,
-    behind_collided_ns,
-    behind_other_ns,
-    behind_idle_ns,
-    behind_unknown_ns
-);
+same_layout!(WaitView, KeyspaceWait, wait_ns, waits, hist);
 
 impl MeasureRegions {
     /// One attempt at the protocol's charge: move `slot.charged_ns` from
