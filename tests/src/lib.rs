@@ -930,7 +930,9 @@ fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, (f64
             .status()?
             .keyspaces
             .iter()
-            .map(|k| (k.keyspace_id, (k.cpu_seconds * 1e9, k.cpu_wait_seconds * 1e9)))
+            // The agent counts whole nanoseconds; status gives seconds, and
+            // the product can land a rounding off (1031909631.0000001).
+            .map(|k| (k.keyspace_id, ((k.cpu_seconds * 1e9).round(), (k.cpu_wait_seconds * 1e9).round())))
             .collect())
     };
     let deadline = Instant::now() + Duration::from_secs(10);
