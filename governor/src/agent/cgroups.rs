@@ -86,6 +86,63 @@ fn write_cap(dir: &Path, version: Version, cores: f64, weighted: bool, period_us
     std::fs::write(dir.join(file), w.to_string())
 }
 
+/// What the rule caps take from the configuration, derived here and nowhere
+/// else: a key the caps read is read in [`CapSettings::from_config`], and a
+/// configuration change that changes these re-applies the caps.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct CapSettings {
+    /// keyspace → cores: a rule keyspace's configured quota, else the tenant
+    /// cap; none while cpu-throttle is off (measuring only). Thread rules are
+    /// measured, not capped: a cgroup holds processes, and their threads
+    /// share it.
+    pub caps: HashMap<u32, f64>,
+    /// Keyspace cgroups weigh their caps (`enable-fair-allocation`).
+    pub weighted: bool,
+    /// The bandwidth period the caps are written over, µs
+    /// (`rule-cpu-period`).
+    pub period_us: u64,
+}
+
+impl CapSettings {
+    /// The caps `config` asks for on a server of `cores`.
+    pub(crate) fn from_config(config: &crate::config::ValidatedConfig, cores: f64) -> CapSettings {
+        let t = config.cpu_throttle();
+        let caps = if t.enabled {
+            config
+                .rules()
+                .iter()
+                .filter(|r| r.thread_name_prefix.is_none())
+                .filter_map(|r| {
+                    let cap = match t.keyspace_cpu_quotas.get(r.keyspace) {
+                        Some(millicores) => millicores as f64 / 1000.0,
+                        None if t.tenant_max_cpu_ratio > 0.0 => t.tenant_max_cpu_ratio * cores,
+                        None => return None,
+                    };
+                    Some((r.keyspace, cap))
+                })
+                .collect()
+        } else {
+            HashMap::new()
+        };
+        CapSettings {
+            caps,
+            weighted: t.enabled && t.enable_fair_allocation,
+            period_us: period_us(config.resource_control().rule_cpu_period.get()),
+        }
+    }
+}
+
+impl Default for CapSettings {
+    /// No caps, over the configuration's default period.
+    fn default() -> Self {
+        CapSettings {
+            caps: HashMap::new(),
+            weighted: false,
+            period_us: period_us(crate::config::ResourceControl::default().rule_cpu_period.get()),
+        }
+    }
+}
+
 pub(crate) struct Enforcer {
     hierarchy: Option<(PathBuf, Version)>,
     /// Why enforcement is unavailable, when it is.
@@ -94,12 +151,8 @@ pub(crate) struct Enforcer {
     prefix: String,
     state_path: PathBuf,
     state: State,
-    /// keyspace → cores.
-    caps: HashMap<u32, f64>,
-    /// Keyspace cgroups weigh their caps (`enable-fair-allocation`).
-    weighted: bool,
-    /// The bandwidth period the caps are written over, µs.
-    period_us: u64,
+    /// The caps in force (until the configuration says: none).
+    settings: CapSettings,
 }
 
 /// The CPU weight of a cgroup capped at `cores`, as its version writes it:
@@ -146,10 +199,7 @@ impl Enforcer {
             prefix,
             state_path,
             state: State::default(),
-            caps: HashMap::new(),
-            weighted: false,
-            // Until the configuration says (`set_caps`): its default.
-            period_us: period_us(crate::config::ResourceControl::default().rule_cpu_period.get()),
+            settings: CapSettings::default(),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -172,7 +222,7 @@ impl Enforcer {
 
     /// The cap enforced on `keyspace`, in cores.
     pub(crate) fn cap_of(&self, keyspace: u32) -> Option<f64> {
-        self.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())
+        self.settings.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())
     }
 
     /// The cgroup directories whose limits the agent writes (its keyspace
@@ -193,16 +243,16 @@ impl Enforcer {
             (Some((root, Version::V2)), None) => {
                 format!(
                     "cgroup v2 cpu.max{} over {} ms in {}/{}-ks-<id>",
-                    if self.weighted { " and cpu.weight" } else { "" },
-                    self.period_us / 1000,
+                    if self.settings.weighted { " and cpu.weight" } else { "" },
+                    self.settings.period_us / 1000,
                     root.display(),
                     self.prefix
                 )
             }
             (Some((root, Version::V1)), None) => format!(
                 "cgroup v1 cpu.cfs_quota_us{} over {} ms in {}/{}-ks-<id>",
-                if self.weighted { " and cpu.shares" } else { "" },
-                self.period_us / 1000,
+                if self.settings.weighted { " and cpu.shares" } else { "" },
+                self.settings.period_us / 1000,
                 root.display(),
                 self.prefix
             ),
@@ -222,26 +272,19 @@ impl Enforcer {
         self.unavailable = Some(what);
     }
 
-    /// Sets the cap (cores) of every capped rule keyspace, and with
-    /// `weighted` its weight too; keyspaces no longer capped give their
-    /// processes back. Keyspaces in `in_place` are capped on that cgroup
-    /// (relative to the hierarchy's root) instead of one of governor's.
-    pub(crate) fn set_caps(
-        &mut self,
-        caps: HashMap<u32, f64>,
-        weighted: bool,
-        period: std::time::Duration,
-        in_place: &HashMap<u32, String>,
-    ) {
-        self.weighted = weighted;
-        self.period_us = period_us(period);
-        let all_caps = caps.clone();
+    /// Puts `settings` in force: the cap (cores) of every capped rule
+    /// keyspace, and when weighted its weight too; keyspaces no longer
+    /// capped give their processes back. Keyspaces in `in_place` are capped
+    /// on that cgroup (relative to the hierarchy's root) instead of one of
+    /// governor's.
+    pub(crate) fn set_caps(&mut self, settings: CapSettings, in_place: &HashMap<u32, String>) {
+        let (caps, weighted, period_us) = (settings.caps.clone(), settings.weighted, settings.period_us);
         let Some((root, version)) = self.hierarchy.clone() else {
-            self.caps = caps;
+            self.settings = settings;
             return;
         };
         if self.unavailable.is_some() {
-            self.caps = caps;
+            self.settings = settings;
             return;
         }
         self.state.root = Some((root.clone(), version));
@@ -276,7 +319,7 @@ impl Enforcer {
                 e.insert(InPlace { rel: rel.clone(), saved });
                 self.save();
             }
-            if let Err(e) = write_cap(&dir, version, cores, weighted, self.period_us) {
+            if let Err(e) = write_cap(&dir, version, cores, weighted, period_us) {
                 log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
             }
         }
@@ -299,14 +342,14 @@ impl Enforcer {
             }
             self.state.created.insert(ks, rel);
             self.save();
-            if let Err(e) = write_cap(&dir, version, cores, weighted, self.period_us) {
+            if let Err(e) = write_cap(&dir, version, cores, weighted, period_us) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
             }
         }
         if caps.is_empty() && self.state.created.is_empty() {
             self.remove_slice();
         }
-        self.caps = all_caps;
+        self.settings = settings;
         self.save();
     }
 
@@ -318,7 +361,8 @@ impl Enforcer {
             return;
         }
         let Some((root, version)) = self.hierarchy.clone() else { return };
-        match keyspace.filter(|k| self.caps.contains_key(k)).and_then(|k| self.state.created.get(&k).cloned()) {
+        match keyspace.filter(|k| self.settings.caps.contains_key(k)).and_then(|k| self.state.created.get(&k).cloned())
+        {
             Some(rel) => {
                 if cgroup_of(tgid, version).as_deref() == Some(&format!("/{rel}")) {
                     return;
@@ -425,7 +469,7 @@ impl Enforcer {
             }
         }
         self.remove_slice();
-        self.caps.clear();
+        self.settings.caps.clear();
         let _ = std::fs::remove_file(&self.state_path);
         self.state = State::default();
     }

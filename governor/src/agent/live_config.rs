@@ -98,9 +98,9 @@ impl Refused {
 /// the policy's settings and the agent's limits, which it always sets again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Effects {
-    /// The rules changed, or (with rules present) the caps they are
-    /// fractions of did: their keyspaces get cells and the kernel's caps are
-    /// set again.
+    /// The rules changed: their keyspaces get cells and the kernel's caps
+    /// are set again (as they are when only what the caps are derived from
+    /// changed, which the agent decides where it knows the server's cores).
     pub rules: bool,
     /// `agent.access` changed: the control socket's mode and group.
     pub access: bool,
@@ -171,13 +171,7 @@ impl Running {
         };
         let next = next.map_err(|e| (what.clone(), e))?;
         let diff = self.config.diff(&next);
-        // Rule caps are fractions of the server's cores: they follow
-        // `server-cpu-cores` too, and are written over `rule-cpu-period`.
-        let rules = self.config.rules() != next.rules()
-            || (!next.rules().is_empty()
-                && (diff.changed("resource-control.cpu-throttle")
-                    || diff.changed("resource-control.server-cpu-cores")
-                    || diff.changed("resource-control.rule-cpu-period")));
+        let rules = self.config.rules() != next.rules();
         let access = next.agent().access != self.config.agent().access;
         Ok(Proposal { next, diff, effects: Effects { rules, access }, what })
     }

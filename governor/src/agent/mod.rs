@@ -210,13 +210,16 @@ impl Shared {
             }
             cells.push(cell);
         }
-        let cores = self.lock_server_cpu().cores_with(config.resource_control().server_cpu_cores);
-        let caps = rule_caps(config, cores);
+        let caps = self.cap_settings(config);
         let mut m = self.lock_measurement();
-        let weighted = config.cpu_throttle().enabled && config.cpu_throttle().enable_fair_allocation;
-        let period = config.resource_control().rule_cpu_period.get();
-        self.lock_rules().apply(&mut m, list, &cells, caps, weighted, period);
+        self.lock_rules().apply(&mut m, list, &cells, caps);
         Ok(())
+    }
+
+    /// The rule caps `config` asks for on this server.
+    pub(crate) fn cap_settings(&self, config: &ValidatedConfig) -> cgroups::CapSettings {
+        let cores = self.lock_server_cpu().cores_with(config.resource_control().server_cpu_cores);
+        cgroups::CapSettings::from_config(config, cores)
     }
 
     fn lock_cell_grants(&self) -> MutexGuard<'_, cells::CellGrants> {
@@ -235,30 +238,6 @@ impl Shared {
         pinned.extend(self.lock_rules().cells());
         pinned
     }
-}
-
-/// Cores each rule keyspace may use, where the configuration caps it:
-/// its configured quota, else the tenant cap; nothing while cpu-throttle is
-/// off (measuring only). Thread rules are measured, not capped: a cgroup
-/// holds processes, and their threads share it.
-fn rule_caps(config: &ValidatedConfig, cores: f64) -> std::collections::HashMap<u32, f64> {
-    let t = config.cpu_throttle();
-    if !t.enabled {
-        return Default::default();
-    }
-    config
-        .rules()
-        .iter()
-        .filter(|r| r.thread_name_prefix.is_none())
-        .filter_map(|r| {
-            let cap = match t.keyspace_cpu_quotas.get(r.keyspace) {
-                Some(millicores) => millicores as f64 / 1000.0,
-                None if t.tenant_max_cpu_ratio > 0.0 => t.tenant_max_cpu_ratio * cores,
-                None => return None,
-            };
-            Some((r.keyspace, cap))
-        })
-        .collect()
 }
 
 fn now_us() -> u64 {

@@ -29,16 +29,18 @@ impl Shared {
     /// `current` are put back), then what cannot refuse.
     fn put_in_force(&self, current: &ValidatedConfig, p: &Proposal) -> Result<(), Refused> {
         let next = &p.next;
-        if p.effects.rules
-            && let Err(e) = self.apply_rules(next)
-        {
+        // The caps are derived (cgroups::CapSettings): any key they are
+        // derived from that changed puts them in force again.
+        let rules =
+            p.effects.rules || (!next.rules().is_empty() && self.cap_settings(current) != self.cap_settings(next));
+        if rules && let Err(e) = self.apply_rules(next) {
             let _ = self.apply_rules(current);
             return Err(Refused::RuleCells(e));
         }
         let server_cpu_cores = next.resource_control().server_cpu_cores;
         let cores = self.lock_server_cpu().cores_with(server_cpu_cores);
         if let Err(e) = self.policy.update_settings_at(Settings::from_config(next, cores), super::now_us()) {
-            if p.effects.rules {
+            if rules {
                 let _ = self.apply_rules(current);
             }
             return Err(Refused::Policy(e));

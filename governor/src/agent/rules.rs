@@ -31,6 +31,7 @@
 //! Nothing reads `/proc` on a timer. On the fallback backend there is no
 //! kernel side: rules are kept and reported as not measured.
 
+use super::cgroups::CapSettings;
 use crate::config::{ProcessIdentity, Rule};
 use crate::measure::Measurement;
 use crate::measure::ebpf::RuleMaps;
@@ -214,26 +215,19 @@ impl Rules {
     }
 
     /// Takes a new rule list: `cells[i]` is the keyspace cell of `rules[i]`,
-    /// `caps` the cores each capped rule keyspace may use (`weighted`: and
-    /// its CPU weight in proportion), over bandwidth periods of `period`.
-    /// Every process is
-    /// matched again; entries the agent set that no rule gives any more are
-    /// cleared.
-    pub(crate) fn apply(
-        &mut self,
-        m: &mut Measurement,
-        rules: &[Rule],
-        cells: &[u32],
-        caps: HashMap<u32, f64>,
-        weighted: bool,
-        period: std::time::Duration,
-    ) {
+    /// `caps` what the kernel holds capped rule keyspaces to. Every process
+    /// is matched again; entries the agent set that no rule gives any more
+    /// are cleared.
+    pub(crate) fn apply(&mut self, m: &mut Measurement, rules: &[Rule], cells: &[u32], mut caps: CapSettings) {
         // Keyspaces whose rule caps its own cgroup (never shared, validation says).
         let in_place: HashMap<u32, String> =
             rules.iter().filter(|r| r.cap_in_place).filter_map(|r| Some((r.keyspace, r.cgroup.clone()?))).collect();
         self.active = rules.iter().zip(cells).map(|(r, c)| Active { rule: r.clone(), tag: c + 1 }).collect();
         if let Some(e) = self.enforcer.as_mut() {
-            e.set_caps(if m.rules().is_some() { caps } else { HashMap::new() }, weighted, period, &in_place);
+            if m.rules().is_none() {
+                caps.caps.clear();
+            }
+            e.set_caps(caps, &in_place);
         }
         let Some(maps) = m.rules() else {
             self.unsupported = true;

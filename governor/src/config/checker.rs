@@ -9,6 +9,12 @@ use super::keyspace_list::{KeyspaceList, ListValue};
 use super::source::SourceMap;
 use super::units::ConfigDuration;
 
+pub(super) const MS: Duration = Duration::from_millis(1);
+pub(super) const SEC: Duration = Duration::from_secs(1);
+pub(super) const HOUR: Duration = Duration::from_secs(3600);
+pub(super) const DAY: Duration = Duration::from_secs(86400);
+pub(super) const MONTH: Duration = Duration::from_secs(30 * 86400);
+
 pub(super) const RC: &str = "resource-control";
 pub(super) const CT: &str = "resource-control.cpu-throttle";
 pub(super) const CAP_KEY: &str = "resource-control.cpu-throttle.tenant-max-cpu-ratio";

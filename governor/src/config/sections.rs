@@ -1,10 +1,12 @@
 //! `[resource-control]`, `[write-quota]`, `[admission-control]` and
 //! `[latency-guard]`: one type each from the file to the policy (read with defaults and
-//! `deny_unknown_fields`, checked in place by [`super::validate`], and held
+//! `deny_unknown_fields`, each checked by its own `check`, which
+//! [`super::validate`] calls, and held
 //! as they are by a [`super::ValidatedConfig`]).
 
 use serde::{Deserialize, Serialize};
 
+use super::checker::{Checker, DAY, HOUR, MS, RC, SEC};
 use super::throttle::CpuThrottle;
 use super::units::{ByteSize, ConfigDuration};
 
@@ -65,6 +67,40 @@ impl Default for ResourceControl {
     }
 }
 
+impl ResourceControl {
+    /// Every key's range, beside the keys (validation calls it; the
+    /// cpu-throttle table checks its own).
+    pub(super) fn check(&self, c: &mut Checker<'_>) {
+        c.duration(RC, "stats-interval", self.stats_interval, MS, HOUR);
+        c.duration(RC, "window-size", self.window_size, MS, DAY);
+        c.check(
+            self.window_size >= self.stats_interval,
+            RC,
+            "window-size",
+            format!("must be at least stats-interval ({}), got {}", self.stats_interval, self.window_size),
+        );
+        c.ratio(RC, "max-read-cpu-ratio", self.max_read_cpu_ratio, false);
+        c.check(
+            self.server_cpu_cores == 0.0 || (0.01..=65_536.0).contains(&self.server_cpu_cores),
+            RC,
+            "server-cpu-cores",
+            format!(
+                "must be 0 (read from the servers' cgroups) or a number of cores in [0.01, 65536], got {}",
+                self.server_cpu_cores
+            ),
+        );
+        c.duration(RC, "rule-cpu-period", self.rule_cpu_period, MS, SEC);
+        // Keys of the original system governor does not implement: refused, not
+        // ignored, so nobody believes they act.
+        c.check(
+            !self.enable_qps_bytes_limiter,
+            RC,
+            "enable-qps-bytes-limiter",
+            "is not supported: governor has no QPS/bytes read limiter (set it to false)",
+        );
+    }
+}
+
 /// `[write-quota]`: the scheduler's pending-write guard.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
@@ -81,6 +117,18 @@ impl WriteQuota {
     /// Derived, not a key: the seed deliberately adds no knob.
     pub fn per_keyspace_pending_write_threshold(&self) -> ByteSize {
         ByteSize(self.pending_write_threshold.0 / 10 * 3 + self.pending_write_threshold.0 % 10 * 3 / 10)
+    }
+}
+
+impl WriteQuota {
+    /// Every key's range (validation calls it).
+    pub(super) fn check(&self, c: &mut Checker<'_>) {
+        c.check(
+            self.pending_write_threshold.0 >= 1024,
+            "write-quota",
+            "pending-write-threshold",
+            format!("must be at least 1KiB, got {}", self.pending_write_threshold),
+        );
     }
 }
 
@@ -183,7 +231,7 @@ impl Default for LatencyGuard {
 
 impl LatencyGuard {
     /// Every key's range, beside the keys (validation calls it).
-    pub(super) fn check(&self, c: &mut super::checker::Checker<'_>) {
+    pub(super) fn check(&self, c: &mut Checker<'_>) {
         const S: &str = "latency-guard";
         let (min, max) = (std::time::Duration::from_micros(10), std::time::Duration::from_secs(1));
         c.duration(S, "target-wait-p99", self.target_wait_p99, min, max);

@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::checker::{CT, Checker, DAY, HOUR, MONTH, MS, SEC};
 use super::keyspace_list::KeyspaceList;
 use super::units::ConfigDuration;
 
@@ -143,6 +144,95 @@ pub enum Profile {
 /// The tenant cap `profile = "essential"` gives when none is set: the
 /// seed's example (tenant-cpu-cap.md §4.1).
 pub const ESSENTIAL_TENANT_MAX_CPU_RATIO: f64 = 0.4;
+
+impl CpuThrottle {
+    /// Every key's range and the rules between them, the Essential
+    /// profile's included (validation calls it); `max_keyspaces` is
+    /// `agent.max-keyspaces`.
+    pub(super) fn check(&self, c: &mut Checker<'_>, max_keyspaces: u32) {
+        c.list("keyspace-cpu-quotas", &self.keyspace_cpu_quotas);
+        c.list("keyspace-estimated-cpu-per-request-us", &self.keyspace_estimated_cpu_per_request_us);
+        c.list("keyspace-burst-enabled", &self.keyspace_burst_enabled);
+        let quotas = self.keyspace_cpu_quotas.len();
+        c.check(
+            quotas <= max_keyspaces as usize,
+            CT,
+            "keyspace-cpu-quotas",
+            format!("lists {quotas} keyspaces, more than agent.max-keyspaces ({})", max_keyspaces),
+        );
+        c.duration(CT, "pd-service-limit-fetch-interval", self.pd_service_limit_fetch_interval, SEC / 10, DAY);
+        c.duration(CT, "pd-service-limit-request-timeout", self.pd_service_limit_request_timeout, MS, HOUR);
+        c.check(
+            self.pd_service_limit_request_timeout <= self.pd_service_limit_fetch_interval,
+            CT,
+            "pd-service-limit-request-timeout",
+            "must not exceed pd-service-limit-fetch-interval, or fetches overlap",
+        );
+        c.duration(CT, "pd-service-limit-ttl", self.pd_service_limit_ttl, MS, MONTH);
+        c.check(
+            self.pd_service_limit_ttl >= self.pd_service_limit_fetch_interval,
+            CT,
+            "pd-service-limit-ttl",
+            "must be at least pd-service-limit-fetch-interval, or every keyspace expires between fetches",
+        );
+        c.int(CT, "pd-service-limit-consecutive-404", self.pd_service_limit_consecutive_404.into(), 1, 1000);
+        c.ratio(CT, "pd-service-limit-update-threshold", self.pd_service_limit_update_threshold, true);
+        c.int(CT, "estimated-cpu-per-request-us", self.estimated_cpu_per_request_us, 1, 60_000_000);
+        c.duration(CT, "refill-interval", self.refill_interval, MS, SEC);
+        c.duration(CT, "burst-window", self.burst_window, MS, SEC * 10);
+        c.check(
+            self.refill_interval <= self.burst_window,
+            CT,
+            "refill-interval",
+            format!("must not exceed burst-window ({}), got {}", self.burst_window, self.refill_interval),
+        );
+        c.ratio(CT, "high-watermark", self.high_watermark, false);
+        c.ratio(CT, "low-watermark", self.low_watermark, true);
+        c.check(
+            self.low_watermark < self.high_watermark,
+            CT,
+            "low-watermark",
+            format!("must be below high-watermark ({}), got {}", self.high_watermark, self.low_watermark),
+        );
+        c.ratio(CT, "fair-allocation-threshold", self.fair_allocation_threshold, false);
+        c.ratio(CT, "burst-threshold", self.burst_threshold, false);
+        c.int(CT, "runtime-check-interval-us", self.runtime_check_interval_us, 100, 10_000_000);
+        c.ratio(CT, "additional-allocation-threshold", self.additional_allocation_threshold, false);
+        c.int(CT, "per-allocation-us", self.per_allocation_us, 1, 60_000_000);
+        c.ratio(CT, "tenant-max-cpu-ratio", self.tenant_max_cpu_ratio, true);
+        c.duration(CT, "tenant-cap-idle-ttl", self.tenant_cap_idle_ttl, MS, MONTH);
+
+        match self.profile {
+            Profile::Essential if self.tenant_max_cpu_ratio <= 0.0 => c.invalid(
+                format!("{CT}.tenant-max-cpu-ratio"),
+                "must be above 0 with profile = \"essential\" (the uniform tenant cap is the profile)",
+            ),
+            Profile::Premium if self.tenant_max_cpu_ratio > 0.0 => c.invalid(
+                format!("{CT}.tenant-max-cpu-ratio"),
+                "must be 0 with profile = \"premium\" (a uniform tenant cap is profile = \"essential\")",
+            ),
+            _ => {}
+        }
+        // Essential profile (tenant-cpu-cap.md §4.3): every violated rule is listed.
+        if self.tenant_max_cpu_ratio > 0.0 {
+            c.cap_rule("enforce-global-limit", !self.enforce_global_limit, "must be true");
+            c.cap_rule("enable-burst", self.enable_burst, "must be false");
+            c.cap_rule("enable-fair-allocation", self.enable_fair_allocation, "must be false");
+            c.cap_rule("enable-dynamic-adjustment", self.enable_dynamic_adjustment, "must be false");
+            c.cap_rule("enable-pd-service-limit", self.enable_pd_service_limit, "must be false");
+            c.cap_rule(
+                "low-priority-dag-global-enabled",
+                self.low_priority_dag_global_enabled,
+                "must be false (its fallback path bypasses the tenant cap)",
+            );
+            c.cap_rule(
+                "keyspace-cpu-quotas",
+                !self.keyspace_cpu_quotas.is_empty() || self.keyspace_cpu_quotas.problem().is_some(),
+                "must be empty (the uniform cap replaces per-keyspace quotas)",
+            );
+        }
+    }
+}
 
 impl Profile {
     /// Gives `t` the profile's value for each key it decides, except those

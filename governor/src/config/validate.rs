@@ -7,19 +7,12 @@
 //! dotted key and, when there is a source file, its line.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
-use super::checker::{CT, Checker, RC};
+use super::checker::{Checker, MS, SEC};
 use super::error::ConfigErrors;
 use super::raw::RawConfig;
 use super::source::SourceMap;
-use super::throttle::Profile;
 use super::validated::{AgentConfig, EMBEDDED_DEFAULT_TOML, ValidatedConfig, parse_file};
-
-const MS: Duration = Duration::from_millis(1);
-const SEC: Duration = Duration::from_secs(1);
-const HOUR: Duration = Duration::from_secs(3600);
-const DAY: Duration = Duration::from_secs(86400);
 
 /// Validates `raw`; `map` supplies line numbers (empty when there is no file).
 pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConfig, ConfigErrors> {
@@ -27,126 +20,9 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     let rc = &raw.resource_control;
     let t = &rc.cpu_throttle;
 
-    // [resource-control]
-    c.duration(RC, "stats-interval", rc.stats_interval, MS, HOUR);
-    c.duration(RC, "window-size", rc.window_size, MS, DAY);
-    c.check(
-        rc.window_size >= rc.stats_interval,
-        RC,
-        "window-size",
-        format!("must be at least stats-interval ({}), got {}", rc.stats_interval, rc.window_size),
-    );
-    c.ratio(RC, "max-read-cpu-ratio", rc.max_read_cpu_ratio, false);
-    c.check(
-        rc.server_cpu_cores == 0.0 || (0.01..=65_536.0).contains(&rc.server_cpu_cores),
-        RC,
-        "server-cpu-cores",
-        format!(
-            "must be 0 (read from the servers' cgroups) or a number of cores in [0.01, 65536], got {}",
-            rc.server_cpu_cores
-        ),
-    );
-    c.duration(RC, "rule-cpu-period", rc.rule_cpu_period, MS, SEC);
-    // Keys of the original system governor does not implement: refused, not
-    // ignored, so nobody believes they act.
-    c.check(
-        !rc.enable_qps_bytes_limiter,
-        RC,
-        "enable-qps-bytes-limiter",
-        "is not supported: governor has no QPS/bytes read limiter (set it to false)",
-    );
-
-    // [resource-control.cpu-throttle]
-    c.list("keyspace-cpu-quotas", &t.keyspace_cpu_quotas);
-    c.list("keyspace-estimated-cpu-per-request-us", &t.keyspace_estimated_cpu_per_request_us);
-    c.list("keyspace-burst-enabled", &t.keyspace_burst_enabled);
-    let quotas = t.keyspace_cpu_quotas.len();
-    c.check(
-        quotas <= raw.agent.max_keyspaces as usize,
-        CT,
-        "keyspace-cpu-quotas",
-        format!("lists {quotas} keyspaces, more than agent.max-keyspaces ({})", raw.agent.max_keyspaces),
-    );
-    c.duration(CT, "pd-service-limit-fetch-interval", t.pd_service_limit_fetch_interval, SEC / 10, DAY);
-    c.duration(CT, "pd-service-limit-request-timeout", t.pd_service_limit_request_timeout, MS, HOUR);
-    c.check(
-        t.pd_service_limit_request_timeout <= t.pd_service_limit_fetch_interval,
-        CT,
-        "pd-service-limit-request-timeout",
-        "must not exceed pd-service-limit-fetch-interval, or fetches overlap",
-    );
-    c.duration(CT, "pd-service-limit-ttl", t.pd_service_limit_ttl, MS, Duration::from_secs(30 * 86400));
-    c.check(
-        t.pd_service_limit_ttl >= t.pd_service_limit_fetch_interval,
-        CT,
-        "pd-service-limit-ttl",
-        "must be at least pd-service-limit-fetch-interval, or every keyspace expires between fetches",
-    );
-    c.int(CT, "pd-service-limit-consecutive-404", t.pd_service_limit_consecutive_404.into(), 1, 1000);
-    c.ratio(CT, "pd-service-limit-update-threshold", t.pd_service_limit_update_threshold, true);
-    c.int(CT, "estimated-cpu-per-request-us", t.estimated_cpu_per_request_us, 1, 60_000_000);
-    c.duration(CT, "refill-interval", t.refill_interval, MS, SEC);
-    c.duration(CT, "burst-window", t.burst_window, MS, Duration::from_secs(10));
-    c.check(
-        t.refill_interval <= t.burst_window,
-        CT,
-        "refill-interval",
-        format!("must not exceed burst-window ({}), got {}", t.burst_window, t.refill_interval),
-    );
-    c.ratio(CT, "high-watermark", t.high_watermark, false);
-    c.ratio(CT, "low-watermark", t.low_watermark, true);
-    c.check(
-        t.low_watermark < t.high_watermark,
-        CT,
-        "low-watermark",
-        format!("must be below high-watermark ({}), got {}", t.high_watermark, t.low_watermark),
-    );
-    c.ratio(CT, "fair-allocation-threshold", t.fair_allocation_threshold, false);
-    c.ratio(CT, "burst-threshold", t.burst_threshold, false);
-    c.int(CT, "runtime-check-interval-us", t.runtime_check_interval_us, 100, 10_000_000);
-    c.ratio(CT, "additional-allocation-threshold", t.additional_allocation_threshold, false);
-    c.int(CT, "per-allocation-us", t.per_allocation_us, 1, 60_000_000);
-    c.ratio(CT, "tenant-max-cpu-ratio", t.tenant_max_cpu_ratio, true);
-    c.duration(CT, "tenant-cap-idle-ttl", t.tenant_cap_idle_ttl, MS, Duration::from_secs(30 * 86400));
-
-    match t.profile {
-        Profile::Essential if t.tenant_max_cpu_ratio <= 0.0 => c.invalid(
-            format!("{CT}.tenant-max-cpu-ratio"),
-            "must be above 0 with profile = \"essential\" (the uniform tenant cap is the profile)",
-        ),
-        Profile::Premium if t.tenant_max_cpu_ratio > 0.0 => c.invalid(
-            format!("{CT}.tenant-max-cpu-ratio"),
-            "must be 0 with profile = \"premium\" (a uniform tenant cap is profile = \"essential\")",
-        ),
-        _ => {}
-    }
-    // Essential profile (tenant-cpu-cap.md §4.3): every violated rule is listed.
-    if t.tenant_max_cpu_ratio > 0.0 {
-        c.cap_rule("enforce-global-limit", !t.enforce_global_limit, "must be true");
-        c.cap_rule("enable-burst", t.enable_burst, "must be false");
-        c.cap_rule("enable-fair-allocation", t.enable_fair_allocation, "must be false");
-        c.cap_rule("enable-dynamic-adjustment", t.enable_dynamic_adjustment, "must be false");
-        c.cap_rule("enable-pd-service-limit", t.enable_pd_service_limit, "must be false");
-        c.cap_rule(
-            "low-priority-dag-global-enabled",
-            t.low_priority_dag_global_enabled,
-            "must be false (its fallback path bypasses the tenant cap)",
-        );
-        c.cap_rule(
-            "keyspace-cpu-quotas",
-            !t.keyspace_cpu_quotas.is_empty() || t.keyspace_cpu_quotas.problem().is_some(),
-            "must be empty (the uniform cap replaces per-keyspace quotas)",
-        );
-    }
-
-    // [write-quota]
-    c.check(
-        raw.write_quota.pending_write_threshold.0 >= 1024,
-        "write-quota",
-        "pending-write-threshold",
-        format!("must be at least 1KiB, got {}", raw.write_quota.pending_write_threshold),
-    );
-
+    rc.check(&mut c);
+    t.check(&mut c, raw.agent.max_keyspaces);
+    raw.write_quota.check(&mut c);
     raw.latency_guard.check(&mut c);
 
     // [agent]
