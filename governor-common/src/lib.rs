@@ -113,6 +113,29 @@ pub const MAP_RULE_WAIT: &str = "GOV_RULE_WAIT";
 /// Rule-measured tasks whose waits can be counted at once.
 pub const MAX_RULE_TASKS: u32 = 65536;
 
+/// Name of the stack-trace map the profile program fills.
+pub const MAP_STACKS: &str = "GOV_STACKS";
+/// Name of the `ProfileKey → samples` hash of the profile program.
+pub const MAP_SAMPLES: &str = "GOV_SAMPLES";
+/// Distinct stacks one profile can hold (a stack-trace map is
+/// preallocated: about 1 KiB each).
+pub const MAX_STACKS: u32 = 4096;
+/// Distinct (tag, process, stacks) keys one profile can hold.
+pub const MAX_PROFILE_KEYS: u32 = 16384;
+
+/// What a profile sample is counted under: the tag current when the
+/// sample was taken (keyspace cell + 1), the process, and the stack ids of
+/// its user and kernel stacks in [`MAP_STACKS`] (negative: the kernel's
+/// error, the stack is lost; the sample still counts).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ProfileKey {
+    pub tag: u32,
+    pub tgid: u32,
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+}
+
 /// Program names, as exported by the eBPF object.
 pub const PROG_SCHED_SWITCH: &str = "gov_sched_switch";
 pub const PROG_TIMER: &str = "gov_timer";
@@ -123,6 +146,9 @@ pub const PROG_EXEC: &str = "gov_exec";
 /// `tp_btf/task_rename`: a renamed thread is reported while a rule matches
 /// thread names.
 pub const PROG_RENAME: &str = "gov_rename";
+/// `perf_event` at the profile's frequency, attached only while a profile
+/// is taken: counts the stacks of tagged threads by tag.
+pub const PROG_PROFILE: &str = "gov_profile";
 /// An empty sched_switch program, for benchmarks only.
 pub const PROG_CALIBRATE: &str = "gov_calibrate";
 /// A sched_switch program that only reads the clock, for benchmarks only.
@@ -402,6 +428,7 @@ const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
 const _: () = assert!(size_of::<RuleCpu>() == 16);
 const _: () = assert!(size_of::<KeyspaceWait>() == 192);
+const _: () = assert!(size_of::<ProfileKey>() == 16);
 
 /// First probe position of `keyspace_id` in a table of `len` cells
 /// (`len` a power of two). Fibonacci hashing: ids are often dense small
@@ -437,6 +464,8 @@ mod pod {
     unsafe impl aya::Pod for super::RuleCpu {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::KeyspaceWait {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ProfileKey {}
 }
 
 #[cfg(test)]

@@ -8,6 +8,9 @@
 //! - `gov_timer` (`perf_event`, a software CPU clock per CPU): charges what
 //!   the kernel has counted so far for a registered task that is still
 //!   running, so a long query is charged while it runs.
+//! - `gov_profile` (`perf_event` at a profile's frequency, attached only
+//!   while `governor profile` runs): counts the user and kernel stacks of
+//!   tagged tasks under their tag.
 //!
 //! # Run-queue wait
 //!
@@ -69,16 +72,16 @@ use aya_ebpf::{
         bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
     },
     macros::{btf_tracepoint, map, perf_event},
-    maps::{Array, HashMap, RingBuf},
+    maps::{Array, HashMap, RingBuf, StackTrace},
     programs::{BtfTracePointContext, PerfEventContext},
 };
 use core::ffi::c_void;
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
     CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
-    FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, MAX_CPUS, MAX_PENDING, MAX_RULE_TASKS, RULE_CTL_DROPPED,
-    RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, TAG_PENDING, TASK_DEAD,
-    ThreadSlot, cell_of_tag, cpu_owner, wait_bucket,
+    FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, MAX_CPUS, MAX_PENDING, MAX_PROFILE_KEYS, MAX_RULE_TASKS, MAX_STACKS,
+    ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent, SLOT_DEAD,
+    SLOT_LIVE, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner, wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -661,6 +664,24 @@ pub fn gov_calibrate_clock(_ctx: BtfTracePointContext) -> i32 {
     (now & 1) as i32
 }
 
+/// The task running here (a trusted pointer), its tid and its tid entry,
+/// if the table covers it.
+///
+/// # Safety
+/// Called from a program whose context has a current task (a perf event).
+#[inline(always)]
+unsafe fn current() -> Option<(*const u8, u32, *mut u32)> {
+    // SAFETY: the helper returns the trusted current task or null.
+    unsafe {
+        let task = bpf_get_current_task_btf() as *const u8;
+        if task.is_null() {
+            return None;
+        }
+        let tid = task_field::<u32>(task, &GOV_OFF_PID);
+        Some((task, tid, tid_entry(tid)?))
+    }
+}
+
 /// Charges a running registered task up to the runtime the kernel has
 /// counted so far (brought up to date at least every scheduler tick). The
 /// running thread's anchor is left alone.
@@ -669,12 +690,7 @@ pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     // SAFETY: the helper returns the trusted current task; a timer (a
     // hardirq) cannot land inside the switch program, whose IRQs are off.
     unsafe {
-        let task = bpf_get_current_task_btf() as *const u8;
-        if task.is_null() {
-            return 0;
-        }
-        let tid = task_field::<u32>(task, &GOV_OFF_PID);
-        let Some(entry) = tid_entry(tid) else { return 0 };
+        let Some((task, tid, entry)) = current() else { return 0 };
         if let Some((slot, _)) = registered(tid, entry) {
             charge_up_to(slot, task_field::<u64>(task, &GOV_OFF_RUNTIME));
         } else {
@@ -682,6 +698,64 @@ pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
             if tag != 0 && tid != 0 {
                 charge_rule_slice(task, tid, tag, true);
             }
+        }
+    }
+    0
+}
+
+/// Stacks of the profile program ([`gov_profile`]).
+#[map]
+static GOV_STACKS: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
+/// Samples by tag, process and stacks.
+#[map]
+static GOV_SAMPLES: HashMap<ProfileKey, u64> = HashMap::with_max_entries(MAX_PROFILE_KEYS, 0);
+
+/// `BPF_F_USER_STACK`: `bpf_get_stackid` walks the user stack.
+const BPF_F_USER_STACK: u64 = 1 << 8;
+
+/// Profile sample (a CPU clock at the profile's frequency, attached only
+/// while a profile is taken): the task running here is counted, with its
+/// user and kernel stacks, under the tag it works for now — a registered
+/// thread's current tag (the one its next charge goes to), else its rule's
+/// keyspace. Untagged tasks are not counted.
+#[perf_event]
+pub fn gov_profile(ctx: PerfEventContext) -> u32 {
+    // SAFETY: the helper returns the trusted current task; the slot and
+    // tid-table pointers are map values, valid for this run.
+    unsafe {
+        let Some((task, tid, entry)) = current() else { return 0 };
+        if tid == 0 {
+            return 0;
+        }
+        let mut tag = 0u32;
+        if let Some((slot, _)) = registered(tid, entry) {
+            let t = read_volatile(addr_of!((*slot).tag));
+            if let Some(cell) = cell_of_tag(t) {
+                tag = cell + 1;
+            }
+        }
+        if tag == 0 {
+            tag = rule_tag(entry);
+        }
+        if tag == 0 || tag == TAG_PENDING {
+            return 0;
+        }
+        let user_stack = match GOV_STACKS.get_stackid(&ctx, BPF_F_USER_STACK) {
+            Ok(id) => id as i32,
+            Err(e) => e as i32,
+        };
+        let kernel_stack = match GOV_STACKS.get_stackid(&ctx, 0) {
+            Ok(id) => id as i32,
+            Err(e) => e as i32,
+        };
+        let key = ProfileKey { tag, tgid: task_field::<u32>(task, &GOV_OFF_TGID), user_stack, kernel_stack };
+        if let Some(p) = GOV_SAMPLES.get_ptr_mut(&key) {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);
+        } else if GOV_SAMPLES.insert(&key, &1, 1 /* BPF_NOEXIST */).is_err()
+            && let Some(p) = GOV_SAMPLES.get_ptr_mut(&key)
+        {
+            // Another CPU put it in first.
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);
         }
     }
     0

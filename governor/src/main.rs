@@ -77,6 +77,38 @@ enum Verb {
         #[arg(long)]
         json: bool,
     },
+    /// Where each keyspace's CPU goes: the kernel samples the stacks of
+    /// tagged threads and rule-matched processes on every CPU for
+    /// --seconds, by the keyspace each worked for at the sample; symbols
+    /// are looked up on the node. Admin role. Build servers with frame
+    /// pointers (-C force-frame-pointers=yes) for whole user stacks.
+    Profile {
+        /// One keyspace (default: every keyspace that ran).
+        #[arg(long)]
+        keyspace: Option<u32>,
+        /// Only the N keyspaces with the most samples.
+        #[arg(long, conflicts_with = "keyspace")]
+        top: Option<usize>,
+        /// How long to sample.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Samples per second on each CPU (1..=1000).
+        #[arg(long, default_value_t = 99)]
+        frequency: u32,
+        /// text (a summary), folded (stacks for flame graph tools), svg (a
+        /// flame graph) or pprof (protobuf, for go tool pprof, Pyroscope,
+        /// Grafana).
+        #[arg(long, value_enum, default_value = "text")]
+        format: ProfileFormat,
+        /// Write the profile here instead of standard output.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// The whole profile as JSON: sample counts by keyspace and stack.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check what this node offers the agent: kernel, BTF, capabilities,
     /// memlock, pid_max, BPF statistics, clocksource, cgroups, scheduler
     /// slices, the agent itself. Exit 1 when the eBPF backend cannot run.
@@ -96,6 +128,14 @@ enum Verb {
         #[command(subcommand)]
         verb: ConfigVerb,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ProfileFormat {
+    Text,
+    Folded,
+    Svg,
+    Pprof,
 }
 
 #[derive(Subcommand)]
@@ -287,6 +327,37 @@ fn main() {
             };
             if let Err(e) = cli::top::run(&socket.unwrap_or_else(default_socket), &o, write_stdout) {
                 fail(json, &e);
+            }
+        }
+        Verb::Profile { keyspace, top, seconds, frequency, format, output, socket, json } => {
+            let ask = cli::profile::Ask { seconds, frequency_hz: frequency, keyspace, top };
+            let report = match cli::profile::run(&socket.unwrap_or_else(default_socket), &ask) {
+                Ok(r) => r,
+                Err(e) => fail(json, &e),
+            };
+            let body = match (json, format) {
+                (true, _) => serde_json::to_vec_pretty(&report).expect("serializable"),
+                (false, ProfileFormat::Text) => cli::profile::render(&report).into_bytes(),
+                (false, ProfileFormat::Folded) => cli::profile::folded(&report).into_bytes(),
+                (false, ProfileFormat::Svg) => match cli::profile::svg(&report) {
+                    Ok(b) => b,
+                    Err(e) => fail(json, &e),
+                },
+                (false, ProfileFormat::Pprof) => cli::profile::pprof(&report),
+            };
+            match output {
+                Some(path) => {
+                    if let Err(source) = std::fs::write(&path, &body) {
+                        fail(json, &CliError::Write { path, source });
+                    }
+                }
+                None => {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    if out.write_all(&body).and_then(|()| out.flush()).is_err() {
+                        std::process::exit(0);
+                    }
+                }
             }
         }
         Verb::Threads { socket, json } => match cli::threads::run(&socket.unwrap_or_else(default_socket)) {

@@ -78,6 +78,15 @@ pub enum Request {
     },
     /// Removes the rule named `name`. Root or the agent's own uid only.
     RuleRemove { name: String },
+    /// Samples the stacks of tagged threads and rule-matched processes for
+    /// `seconds` at `frequency_hz` per CPU, by keyspace (`keyspace`: that
+    /// one only), and answers with them symbolized. Admin role.
+    Profile {
+        seconds: f64,
+        frequency_hz: u32,
+        #[serde(default)]
+        keyspace: Option<u32>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -115,6 +124,7 @@ pub enum Reply {
     Threads {
         threads: Vec<ThreadInfo>,
     },
+    Profile(Box<ProfileReport>),
     /// An accepted configuration change: every key it changed (none when
     /// the new configuration equals the running one).
     ConfigUpdated {
@@ -128,6 +138,43 @@ pub enum Reply {
     Error {
         message: String,
     },
+}
+
+/// A profile: the samples the kernel took of tagged work, by keyspace, with
+/// their stacks symbolized.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileReport {
+    /// How long it sampled.
+    pub seconds: f64,
+    pub frequency_hz: u32,
+    /// Online CPUs sampled.
+    pub cpus: u32,
+    /// Samples and charged CPU by keyspace, most samples first.
+    pub keyspaces: Vec<ProfileKeyspace>,
+    /// Every distinct stack with its samples.
+    pub stacks: Vec<ProfileStack>,
+    /// Samples whose user or kernel stack the kernel could not keep (the
+    /// stack map full or a hash collision): counted, with `[lost]` frames.
+    pub lost_stacks: u64,
+}
+
+/// One keyspace's share of a profile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileKeyspace {
+    pub keyspace_id: u32,
+    pub samples: u64,
+    /// CPU charged to the keyspace while the profile ran.
+    pub cpu_seconds: f64,
+}
+
+/// A stack, root first: the process's name, its user frames, then its
+/// kernel frames (suffixed `_[k]`, as flame graph tools mark them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileStack {
+    pub keyspace_id: u32,
+    pub pid: u32,
+    pub frames: Vec<String>,
+    pub samples: u64,
 }
 
 /// A registered thread, as `governor threads` shows it.

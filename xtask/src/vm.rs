@@ -31,7 +31,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The integration tests that run in the guest.
-const TESTS: &[&str] = &["measurement", "kernel_exact", "client_api", "cpu_wait"];
+const TESTS: &[&str] = &["measurement", "kernel_exact", "client_api", "cpu_wait", "profile"];
 const INIT: &str = include_str!("vm_init.sh");
 const MARKER: &str = "VM-TEST-EXIT=";
 

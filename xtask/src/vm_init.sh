@@ -238,6 +238,12 @@ case ",${vm_test_only:-}," in
 *",core,"*) step core ./measurement --test-threads 1 --nocapture --exact \
     ebpf_charges_every_nanosecond_exactly_once long_slice_is_charged_while_it_runs ;;
 esac
+# Per-keyspace profiles: the perf_event program, stacks and symbols on this
+# kernel and architecture.
+case ",${vm_test_only:-}," in
+*",profile,"*) step profile ./profile --test-threads 1 --nocapture --exact \
+    keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu ;;
+esac
 
 if [ "$status" -ne 0 ]; then
     echo "last kernel messages:"

@@ -25,6 +25,7 @@ mod ledgers;
 mod live_config;
 mod metrics;
 mod pd;
+mod profile;
 mod reconfigure;
 mod rules;
 mod server;

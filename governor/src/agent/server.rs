@@ -79,6 +79,7 @@ fn needs(request: &Request) -> Option<(Role, &'static str)> {
         Request::ConfigReload | Request::ConfigSet { .. } | Request::RuleAdd { .. } | Request::RuleRemove { .. } => {
             (Role::Admin, "change the configuration")
         }
+        Request::Profile { .. } => (Role::Admin, "profile the node's processes"),
         Request::Hello
         | Request::RegisterThread { .. }
         | Request::UnregisterThread { .. }
@@ -243,6 +244,11 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             ),
             Request::RuleRemove { name } => {
                 (blocking(&shared, move |s| config_reply(s.change_config(Change::RemoveRule(&name)))).await, None)
+            }
+            // Waits out the profile on this connection's task alone; the
+            // symbols are looked up off the runtime's threads.
+            Request::Profile { seconds, frequency_hz, keyspace } => {
+                (super::profile::take(&shared, seconds, frequency_hz, keyspace).await, None)
             }
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {

@@ -4,6 +4,7 @@
 pub mod config_cmd;
 pub mod doctor;
 pub mod keyspace;
+pub mod profile;
 pub mod rules;
 pub mod status;
 pub mod threads;
@@ -21,6 +22,12 @@ pub enum CliError {
     Client(#[from] crate::client::ClientError),
     #[error("cannot read {path}")]
     Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}")]
+    Write {
         path: PathBuf,
         #[source]
         source: std::io::Error,

@@ -45,9 +45,16 @@ fn read_reply(r: &mut BufReader<UnixStream>) -> Result<Reply, ClientError> {
 /// One request on a fresh connection, without `hello` (operator verbs).
 #[cfg(feature = "agent")]
 pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
+    request_within(path, req, CALL_TIMEOUT)
+}
+
+/// [`request`] for a call that takes longer than [`CALL_TIMEOUT`] by
+/// design (a profile): the reply is awaited up to `timeout`.
+#[cfg(feature = "agent")]
+pub fn request_within(path: &Path, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
     let stream =
         UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
-    stream.set_read_timeout(Some(CALL_TIMEOUT))?;
+    stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(CALL_TIMEOUT))?;
     Conn { reader: BufReader::new(stream) }.call(req)
 }

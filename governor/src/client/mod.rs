@@ -44,7 +44,7 @@ pub use crate::proto::BackendKind;
 pub use crate::region::{RegionError, RegionSizes};
 pub use crate::sys::{set_thread_slice, thread_cputime_ns};
 #[cfg(feature = "agent")]
-pub use attachment::{CALL_TIMEOUT, handshake, request};
+pub use attachment::{CALL_TIMEOUT, handshake, request, request_within};
 pub use conn::Client;
 pub use error::{ClientError, Refused};
 pub use future::{Tagged, TaggedExt};

@@ -14,7 +14,7 @@ use aya::{Btf, Ebpf, EbpfLoader};
 use keyspace_governor_common::{
     GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUN_DELAY,
     GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, GLOBAL_WAIT_ON, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES,
-    MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC, PROG_FORK, PROG_RENAME,
+    MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC, PROG_FORK, PROG_PROFILE, PROG_RENAME,
     PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME, RuleEvent,
 };
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -23,12 +23,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// What the eBPF backend keeps alive: the loaded object (its programs stay
 /// attached while it lives) and the tid map the agent fills.
 pub struct EbpfSide {
-    ebpf: Ebpf,
+    pub(super) ebpf: Ebpf,
     /// `tid → [slot + 1, rule tag]`, mmapped: registering a thread is a
     /// store (`2 × tid`; the rule half belongs to [`RuleMaps`]).
     tid_slot: Table<AtomicU32>,
     /// The rules' side (see [`RuleMaps`]).
     pub(super) rules: RuleMaps,
+    /// The profile program's maps and perf events (`None`: this kernel
+    /// refused the program).
+    pub(super) profile: Option<super::profile::ProfileProbe>,
     // Keep the maps alive: their fds back the mappings.
     _maps: Vec<MapData>,
 }
@@ -124,6 +127,11 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
             .map_err(|e| MeasureError::Attach { program: PROG_TIMER, source: boxed(e) })?;
     }
 
+    // Profiles are a diagnosis: an agent that cannot take them still measures.
+    let profile = super::profile::ProfileProbe::load(&mut ebpf)
+        .map_err(|e| log::warn!("profiles unavailable: {}", crate::error_chain(&e)))
+        .ok();
+
     let mut arrays = Vec::new();
     let mut fds = Vec::new();
     for name in [MAP_CPUS, MAP_SLOTS, MAP_KEYSPACES] {
@@ -168,7 +176,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         waits,
         wait_source: if wait_on != 0 { super::WaitSource::Kernel } else { super::WaitSource::Unavailable },
         fds,
-        inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, rules, _maps: arrays })),
+        inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, rules, profile, _maps: arrays })),
     })
 }
 
@@ -198,7 +206,7 @@ impl EbpfSide {
     }
 
     pub(super) fn program_stats(&self) -> Vec<ProgramStats> {
-        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_FORK, PROG_EXEC, PROG_RENAME]
+        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_FORK, PROG_EXEC, PROG_RENAME, PROG_PROFILE]
             .into_iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;

@@ -10,6 +10,7 @@
 pub mod btf;
 pub mod ebpf;
 pub mod fallback;
+pub mod profile;
 
 use crate::proto::{BackendKind, ProgramStats};
 use crate::region::{MeasureRegions, RegionError, RegionSizes, Table, WaitView};
@@ -146,6 +147,20 @@ impl Measurement {
     pub fn rules(&mut self) -> Option<&mut ebpf::RuleMaps> {
         match &mut self.inner {
             Inner::Ebpf(side) => Some(&mut side.rules),
+            Inner::Fallback => None,
+        }
+    }
+
+    fn ebpf_side(&mut self) -> Option<&mut ebpf::EbpfSide> {
+        match &mut self.inner {
+            Inner::Ebpf(side) => Some(side),
+            Inner::Fallback => None,
+        }
+    }
+
+    fn ebpf_side_ref(&self) -> Option<&ebpf::EbpfSide> {
+        match &self.inner {
+            Inner::Ebpf(side) => Some(side),
             Inner::Fallback => None,
         }
     }

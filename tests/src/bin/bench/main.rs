@@ -4,6 +4,7 @@
 #![recursion_limit = "256"]
 mod adoption;
 mod operator;
+mod profile;
 mod rules;
 mod switch;
 mod tickets;
@@ -21,9 +22,19 @@ use std::time::Instant;
 const DEMO_RUNS: usize = 5;
 /// Rounds of the real server beside a rule-capped hog (their median).
 const NEIGHBOUR_ROUNDS: usize = 5;
+/// Rounds of the noisy tenant with and without a profile running.
+const PROFILE_ROUNDS: usize = 5;
 
 /// `reader_neighbour_p99_ratio` (the median round's p99 beside the capped
 /// hog over alone) and the rounds behind it.
+fn profile_keys(o: &mut serde_json::Map<String, serde_json::Value>, p: &profile::ProfileCost) {
+    o.insert("profile_overhead_pct".into(), json!(round2(p.overhead_pct)));
+    o.insert("profile_overhead_pct_runs".into(), json!(p.overhead_runs.iter().map(|v| round2(*v)).collect::<Vec<_>>()));
+    o.insert("profile_ebpf_ns_per_sample".into(), json!(round(p.ebpf_ns_per_sample)));
+    o.insert("profile_samples_per_cpu_second".into(), json!(round2(p.samples_per_cpu_second)));
+    o.insert("profile_render_ms".into(), json!(round(p.render_ms)));
+}
+
 fn neighbour_keys(o: &mut serde_json::Map<String, serde_json::Value>, n: &rules::Neighbour) {
     let r3 = |v: &[f64]| v.iter().map(|x| round3(*x)).collect::<Vec<_>>();
     let r1 = |v: &[f64]| v.iter().map(|x| round(*x)).collect::<Vec<_>>();
@@ -221,6 +232,13 @@ fn main() -> Result<()> {
     }
     // `--neighbour`: a real server beside a rule-capped hog, and the rule
     // cap's worst 1 s window, alone.
+    if std::env::args().any(|a| a == "--profile") {
+        let p = profile::cost(PROFILE_ROUNDS)?;
+        let mut o = serde_json::Map::new();
+        profile_keys(&mut o, &p);
+        println!("{}", serde_json::Value::Object(o));
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--neighbour") {
         let n = rules::reader_neighbour(NEIGHBOUR_ROUNDS)?;
         let rule_cap = rules::cap_error_pct()?;
@@ -338,6 +356,7 @@ fn main() -> Result<()> {
     let rule_attribution = rules::attribution_error_pct()?;
     let rule_cap = rules::cap_error_pct()?;
     let neighbour = rules::reader_neighbour(NEIGHBOUR_ROUNDS)?;
+    let profile_cost = profile::cost(PROFILE_ROUNDS)?;
     // Agent up and down alternate: measured last, on its own.
     let overhead = switch::overhead(9)?;
 
@@ -408,6 +427,7 @@ fn main() -> Result<()> {
         o.insert("rule_attribution_signed_error_pct".into(), json!(round3(rule_attribution)));
         o.insert("rule_cap_error_pct".into(), json!(round2(rule_cap)));
         neighbour_keys(o, &neighbour);
+        profile_keys(o, &profile_cost);
         o.insert("overflow_cap_error_pct".into(), json!(round2(overflow_cap)));
         o.insert("cgroup_cap_error_pct".into(), json!(round2(cgroup_cap)));
         o.insert("cgroup_cap_schedstat_error_pct".into(), json!(round2(cgroup_cap_schedstat)));

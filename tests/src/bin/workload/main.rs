@@ -4,6 +4,7 @@
 mod attack;
 mod kinds;
 mod probe;
+mod rows;
 mod server;
 mod tickets;
 
@@ -236,7 +237,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(verb) = args.first() else {
         bail!(
-            "usage: workload exactly-once|busy|untagged|burn|churn|threads|pingpong|redis-probe|tickets|async-server|late|hold|corrupt [--socket PATH] ..."
+            "usage: workload exactly-once|busy|untagged|burn|churn|threads|rows|pingpong|redis-probe|tickets|async-server|late|hold|corrupt [--socket PATH] ..."
         )
     };
     let out = match verb.as_str() {
@@ -255,6 +256,7 @@ fn main() -> Result<()> {
         "pingpong" => kinds::pingpong(&args),
         "redis-probe" => probe::redis_probe(&args),
         "slice" => probe::slice(&args),
+        "rows" => rows::rows(&args),
         "pingpong-peer" => {
             kinds::pingpong_peer(&args)?;
             return Ok(());

@@ -1,0 +1,139 @@
+//! The kernel side of a profile: `gov_profile`, loaded with the other
+//! programs but attached (one CPU-clock perf event per online CPU, at the
+//! profile's frequency) only while a profile is taken, and its two maps:
+//! the samples counted by (tag, process, stacks) and the stacks themselves.
+//! Nothing is sampled and nothing is paid while no profile runs.
+
+use super::{MeasureError, Measurement, ebpf::EbpfSide};
+use crate::sys;
+use aya::Ebpf;
+use aya::maps::{HashMap, MapData, StackTraceMap};
+use aya::programs::PerfEvent;
+use aya::programs::perf_event::{PerfEventLinkId, PerfEventScope, PerfTypeId, SamplePolicy, perf_sw_ids};
+use keyspace_governor_common::{MAP_SAMPLES, MAP_STACKS, PROG_PROFILE, ProfileKey};
+
+/// The profile program's maps and, while a profile runs, its perf events.
+pub struct ProfileProbe {
+    stacks: StackTraceMap<MapData>,
+    samples: HashMap<MapData, ProfileKey, u64>,
+    links: Vec<PerfEventLinkId>,
+}
+
+/// Why a profile cannot be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("profiles need the eBPF backend and its profile program; this agent has neither (see its log)")]
+    NoKernelSide,
+    #[error("a profile is being taken already; one at a time")]
+    Busy,
+    #[error("attaching the profile's perf events failed: {0}")]
+    Attach(String),
+}
+
+fn program(ebpf: &mut Ebpf) -> Result<&mut PerfEvent, MeasureError> {
+    ebpf.program_mut(PROG_PROFILE)
+        .ok_or_else(|| MeasureError::Attach { program: PROG_PROFILE, source: "not in the object".into() })?
+        .try_into()
+        .map_err(|e| MeasureError::Attach { program: PROG_PROFILE, source: Box::new(e) })
+}
+
+impl ProfileProbe {
+    /// Loads the program (not attached) and takes its maps.
+    pub(super) fn load(ebpf: &mut Ebpf) -> Result<ProfileProbe, MeasureError> {
+        program(ebpf)?.load().map_err(|e| MeasureError::Attach { program: PROG_PROFILE, source: Box::new(e) })?;
+        let missing = |name: &str| MeasureError::Load(format!("map {name} missing or of another type").into());
+        let stacks = ebpf.take_map(MAP_STACKS).ok_or_else(|| missing(MAP_STACKS))?;
+        let stacks = StackTraceMap::try_from(stacks).map_err(|_| missing(MAP_STACKS))?;
+        let samples = ebpf.take_map(MAP_SAMPLES).ok_or_else(|| missing(MAP_SAMPLES))?;
+        let samples = HashMap::try_from(samples).map_err(|_| missing(MAP_SAMPLES))?;
+        Ok(ProfileProbe { stacks, samples, links: Vec::new() })
+    }
+}
+
+impl EbpfSide {
+    fn profile_attach(&mut self, frequency_hz: u64) -> Result<(), ProfileError> {
+        let probe = self.profile.as_mut().ok_or(ProfileError::NoKernelSide)?;
+        if !probe.links.is_empty() {
+            return Err(ProfileError::Busy);
+        }
+        let prog = program(&mut self.ebpf).map_err(|e| ProfileError::Attach(e.to_string()))?;
+        let mut links = Vec::new();
+        let online = sys::online_cpus().map_err(|e| ProfileError::Attach(format!("online CPUs: {e}")))?;
+        for cpu in online {
+            match prog.attach(
+                PerfTypeId::Software,
+                perf_sw_ids::PERF_COUNT_SW_CPU_CLOCK as u64,
+                PerfEventScope::AllProcessesOneCpu { cpu },
+                SamplePolicy::Frequency(frequency_hz),
+                true,
+            ) {
+                Ok(link) => links.push(link),
+                Err(e) => {
+                    for link in links {
+                        let _ = prog.detach(link);
+                    }
+                    return Err(ProfileError::Attach(format!("CPU {cpu}: {e}")));
+                }
+            }
+        }
+        if let Some(probe) = self.profile.as_mut() {
+            probe.links = links;
+        }
+        Ok(())
+    }
+
+    fn profile_detach(&mut self) {
+        let Some(probe) = self.profile.as_mut() else { return };
+        let links = std::mem::take(&mut probe.links);
+        if let Ok(prog) = program(&mut self.ebpf) {
+            for link in links {
+                if let Err(e) = prog.detach(link) {
+                    log::warn!("profile: detaching a perf event failed: {e}");
+                }
+            }
+        }
+    }
+}
+
+impl Measurement {
+    /// Starts sampling tagged tasks at `frequency_hz` on every online CPU.
+    pub fn profile_start(&mut self, frequency_hz: u64) -> Result<(), ProfileError> {
+        self.ebpf_side().ok_or(ProfileError::NoKernelSide)?.profile_attach(frequency_hz)
+    }
+
+    /// Stops sampling (what was counted stays until [`Self::profile_clear`]).
+    pub fn profile_stop(&mut self) {
+        if let Some(side) = self.ebpf_side() {
+            side.profile_detach();
+        }
+    }
+
+    /// The samples counted so far, by key.
+    pub fn profile_counts(&self) -> Vec<(ProfileKey, u64)> {
+        match self.ebpf_side_ref().and_then(|s| s.profile.as_ref()) {
+            Some(probe) => probe.samples.iter().filter_map(Result::ok).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The instruction pointers of stack `id`, innermost first.
+    pub fn profile_stack(&self, id: i32) -> Option<Vec<u64>> {
+        let probe = self.ebpf_side_ref()?.profile.as_ref()?;
+        let id = u32::try_from(id).ok()?;
+        let trace = probe.stacks.get(&id, 0).ok()?;
+        Some(trace.frames().iter().map(|f| f.ip).collect())
+    }
+
+    /// Forgets every sample and stack, for the next profile.
+    pub fn profile_clear(&mut self) {
+        let Some(probe) = self.ebpf_side().and_then(|s| s.profile.as_mut()) else { return };
+        let keys: Vec<ProfileKey> = probe.samples.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            let _ = probe.samples.remove(&k);
+        }
+        let ids: Vec<u32> = probe.stacks.stack_ids().filter_map(Result::ok).collect();
+        for id in ids {
+            let _ = probe.stacks.remove(&id);
+        }
+    }
+}

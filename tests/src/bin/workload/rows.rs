@@ -1,0 +1,83 @@
+//! `workload rows`: two keyspaces served by the same threads, in turns of
+//! about 100 µs, each in a function of its own (`hash_rows` for the first,
+//! `compress_rows` for the second): what a per-keyspace profile must tell
+//! apart.
+
+use super::arg;
+use anyhow::Result;
+use keyspace_governor::client::{self, Client};
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// Keyspace A's work: integer mixing, no calls.
+#[inline(never)]
+fn hash_rows(rounds: u64) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for i in 0..rounds {
+        h = (h ^ i).wrapping_mul(0x0100_0000_01b3).rotate_left(7);
+    }
+    std::hint::black_box(h)
+}
+
+/// Keyspace B's work: a different loop, no calls either.
+#[inline(never)]
+fn compress_rows(rounds: u64) -> u64 {
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut run = 0u64;
+    for i in 0..rounds {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        run = run.wrapping_add((x ^ i) & 0xff);
+    }
+    std::hint::black_box(run)
+}
+
+/// Rounds of `f` that take about `d`.
+fn calibrate(f: fn(u64) -> u64, d: Duration) -> u64 {
+    let mut rounds = 1000u64;
+    loop {
+        let t = Instant::now();
+        f(rounds);
+        let took = t.elapsed();
+        if took >= Duration::from_millis(2) {
+            return (rounds as f64 * d.as_secs_f64() / took.as_secs_f64()).max(1.0) as u64;
+        }
+        rounds *= 2;
+    }
+}
+
+/// `--threads N --a ID --b ID --seconds S --a-us U --b-us U`: prints the
+/// turns each thread took.
+pub fn rows(args: &[String]) -> Result<serde_json::Value> {
+    let threads: usize = arg(args, "--threads", 2);
+    let (a, b): (u32, u32) = (arg(args, "--a", 7100), arg(args, "--b", 7200));
+    let seconds: f64 = arg(args, "--seconds", 5.0);
+    let a_rounds = calibrate(hash_rows, Duration::from_micros(arg(args, "--a-us", 150)));
+    let b_rounds = calibrate(compress_rows, Duration::from_micros(arg(args, "--b-us", 50)));
+    let client = Client::connect(super::socket(args))?;
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let client = client.clone();
+            std::thread::spawn(move || -> Result<u64> {
+                client.register_current_thread()?;
+                let end = Instant::now() + Duration::from_secs_f64(seconds);
+                let mut turns = 0;
+                while Instant::now() < end {
+                    client::set_tag(a)?;
+                    hash_rows(a_rounds);
+                    client::set_tag(b)?;
+                    compress_rows(b_rounds);
+                    turns += 1;
+                }
+                client::clear_tag();
+                Ok(turns)
+            })
+        })
+        .collect();
+    let mut turns = 0;
+    for h in handles {
+        turns += h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
+    }
+    Ok(json!({ "turns": turns, "a_rounds": a_rounds, "b_rounds": b_rounds }))
+}

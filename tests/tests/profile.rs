@@ -1,0 +1,321 @@
+//! Per-keyspace CPU profiles from the kernel (`governor profile`): two
+//! keyspaces served by the same threads in turns of 150 and 50 µs, each in a
+//! function of its own, get their own stacks, in proportion to the CPU each
+//! was charged; a process that exits mid-profile still shows what it ran; a
+//! rule-matched unmodified process (stress-ng) shows its own binary's
+//! frames; the SVG is a flame graph of the expected frames and the pprof
+//! protobuf decodes (with a decoder of the tests' own) to the same picture.
+
+use governor_tests::{Agent, Scratch, governor_bin, output_text, workload_bin};
+use keyspace_governor::proto::ProfileReport;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// One profile at a time on this machine: they share its two CPUs.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const A: u32 = 7100;
+const B: u32 = 7200;
+
+fn rows(agent: &Agent, seconds: f64) -> Child {
+    Command::new(workload_bin())
+        .args(["rows", "--threads", "2", "--a", &A.to_string(), "--b", &B.to_string()])
+        .args(["--seconds", &seconds.to_string(), "--socket"])
+        .arg(&agent.socket)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("workload rows")
+}
+
+fn profile(agent: &Agent, args: &[&str]) -> Output {
+    let out = Command::new(governor_bin())
+        .arg("profile")
+        .args(args)
+        .arg("--socket")
+        .arg(&agent.socket)
+        .output()
+        .expect("governor profile runs");
+    assert!(out.status.success(), "{}", output_text(&out));
+    out
+}
+
+fn profile_json(agent: &Agent, args: &[&str]) -> ProfileReport {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = profile(agent, &all);
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", output_text(&out)))
+}
+
+/// Share of `keyspace`'s samples whose stack holds a frame containing `name`.
+fn share_with(r: &ProfileReport, keyspace: u32, name: &str) -> f64 {
+    let stacks = r.stacks.iter().filter(|s| s.keyspace_id == keyspace);
+    let (with, all) = stacks.fold((0, 0), |(w, a), s| {
+        (w + if s.frames.iter().any(|f| f.contains(name)) { s.samples } else { 0 }, a + s.samples)
+    });
+    with as f64 / all.max(1) as f64
+}
+
+/// Checks the two keyspaces' profiles against what each one ran.
+fn check_rows(r: &ProfileReport, what: &str) {
+    for (ks, own, other) in [(A, "hash_rows", "compress_rows"), (B, "compress_rows", "hash_rows")] {
+        let (mine, theirs) = (share_with(r, ks, own), share_with(r, ks, other));
+        eprintln!(
+            "{what}: keyspace {ks}: {:.1} % of samples in {own}, {:.1} % in {other}",
+            mine * 100.0,
+            theirs * 100.0
+        );
+        assert!(mine >= 0.90, "{what}: keyspace {ks}: {own} in {:.1} % of its samples", mine * 100.0);
+        assert!(theirs <= 0.05, "{what}: keyspace {ks}: {other} in {:.1} % of its samples", theirs * 100.0);
+    }
+}
+
+#[test]
+fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").expect("agent");
+    let mut work = rows(&agent, 12.0);
+    std::thread::sleep(Duration::from_millis(500));
+    // 499 Hz: about 4000 samples, so the lighter keyspace's share is known
+    // to ±3 % (one standard deviation) of itself.
+    let r = profile_json(&agent, &["--seconds", "4", "--frequency", "499"]);
+    let samples = |ks: u32| r.keyspaces.iter().find(|k| k.keyspace_id == ks).map_or(0, |k| k.samples);
+    let cpu = |ks: u32| r.keyspaces.iter().find(|k| k.keyspace_id == ks).map_or(0.0, |k| k.cpu_seconds);
+    let (sa, sb) = (samples(A), samples(B));
+    // Two busy threads on two CPUs.
+    let expected = 2.0 * f64::from(r.frequency_hz) * r.seconds;
+    eprintln!(
+        "samples {sa} + {sb} in {:.2} s (at most {expected:.0}), charged {:.3} + {:.3} s",
+        r.seconds,
+        cpu(A),
+        cpu(B)
+    );
+    assert!((sa + sb) as f64 >= 0.6 * expected && (sa + sb) as f64 <= 1.05 * expected, "{} samples", sa + sb);
+    // Each keyspace's share of the samples is its share of the CPU charged
+    // in the same span (the kernel's count, split at every tag switch).
+    for (ks, n) in [(A, sa), (B, sb)] {
+        let (sample_share, cpu_share) = (n as f64 / (sa + sb) as f64, cpu(ks) / (cpu(A) + cpu(B)));
+        eprintln!("keyspace {ks}: {:.1} % of samples, {:.1} % of CPU", sample_share * 100.0, cpu_share * 100.0);
+        assert!(
+            (sample_share - cpu_share).abs() <= 0.10 * cpu_share,
+            "keyspace {ks}: {sample_share:.3} of the samples against {cpu_share:.3} of the CPU"
+        );
+    }
+    // 150 µs against 50 µs turns (calibrated apart, so roughly: 0.83 in an
+    // emulated VM).
+    assert!((0.6..=0.9).contains(&(cpu(A) / (cpu(A) + cpu(B)))), "A's CPU share");
+    check_rows(&r, "json");
+    assert_eq!(r.frequency_hz, 499);
+    assert!(r.stacks.iter().all(|s| s.frames.first().is_some_and(|f| f == "workload")), "the process name first");
+
+    // --keyspace: that keyspace's stacks alone.
+    let only = profile_json(&agent, &["--seconds", "1", "--keyspace", &B.to_string()]);
+    assert!(only.keyspaces.iter().all(|k| k.keyspace_id == B) && !only.keyspaces.is_empty(), "{:?}", only.keyspaces);
+    assert!(only.stacks.iter().all(|s| s.keyspace_id == B));
+
+    // The flame graph: an SVG with both functions in it, and the pprof.
+    let dir = Scratch::new("profile");
+    let svg = dir.0.join("profile.svg");
+    let mut taking = Command::new(governor_bin())
+        .args(["profile", "--seconds", "2", "--format", "svg", "--output", svg.to_str().unwrap(), "--socket"])
+        .arg(&agent.socket)
+        .spawn()
+        .expect("governor profile");
+    // While it samples and looks symbols up, the agent answers everyone
+    // else; a second profile is refused, not queued.
+    std::thread::sleep(Duration::from_millis(300));
+    let second = Command::new(governor_bin())
+        .args(["profile", "--seconds", "1", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .expect("governor profile");
+    assert!(
+        !second.status.success()
+            && String::from_utf8_lossy(&second.stderr).contains("a profile is being taken already"),
+        "{}",
+        output_text(&second)
+    );
+    let mut slowest = Duration::ZERO;
+    while taking.try_wait().expect("wait").is_none() {
+        let t = std::time::Instant::now();
+        agent.status().expect("status during a profile");
+        slowest = slowest.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(taking.wait().expect("wait").success());
+    eprintln!("status during the profile: slowest {slowest:?}");
+    assert!(slowest < Duration::from_millis(500), "status took {slowest:?} during a profile");
+    let text = std::fs::read_to_string(&svg).expect("svg written");
+    assert!(text.starts_with("<?xml") && text.contains("<svg"), "not an SVG: {}", &text[..text.len().min(200)]);
+    for name in ["keyspace-7100", "keyspace-7200", "hash_rows", "compress_rows"] {
+        assert!(text.contains(name), "the flame graph has no {name}");
+    }
+    let pprof = dir.0.join("profile.pb");
+    profile(&agent, &["--seconds", "1", "--format", "pprof", "--output", pprof.to_str().unwrap()]);
+    let p = pprof::decode(&std::fs::read(&pprof).expect("pprof written"));
+    assert_eq!(p.sample_types, [("samples".to_string(), "count".to_string()), ("cpu".into(), "nanoseconds".into())]);
+    let by_keyspace = p.leaf_shares();
+    eprintln!("pprof: {} samples, leaves {by_keyspace:?}", p.samples.len());
+    assert!(by_keyspace[&(A, "workload::rows::hash_rows".to_string())] >= 0.9, "{by_keyspace:?}");
+    assert!(by_keyspace[&(B, "workload::rows::compress_rows".to_string())] >= 0.9, "{by_keyspace:?}");
+    let _ = work.kill();
+    let _ = work.wait();
+
+    // A process that exits mid-profile: its stacks still have their symbols.
+    let mut short = rows(&agent, 1.0);
+    let r = profile_json(&agent, &["--seconds", "2.5"]);
+    assert!(short.try_wait().expect("wait").is_some(), "the workload outlived the profile");
+    check_rows(&r, "exited mid-profile");
+}
+
+#[test]
+fn a_rule_matched_process_shows_its_own_frames() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let config = "[[rules]]\nname = \"hog\"\nkeyspace = 9300\nexe = \"/usr/bin/stress-ng\"\n";
+    let agent = Agent::start("ebpf", config).expect("agent");
+    let mut hog = Command::new("stress-ng")
+        .args(["--cpu", "1", "--cpu-method", "int64", "-t", "6"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("stress-ng");
+    std::thread::sleep(Duration::from_millis(800));
+    let r = profile_json(&agent, &["--seconds", "2", "--keyspace", "9300"]);
+    let _ = hog.kill();
+    let _ = hog.wait();
+    let total: u64 = r.stacks.iter().map(|s| s.samples).sum();
+    // Debian's stress-ng is stripped: its frames are its file's name.
+    let own = r
+        .stacks
+        .iter()
+        .filter(|s| s.frames[0].starts_with("stress-ng") && s.frames.iter().any(|f| f == "[stress-ng]"))
+        .map(|s| s.samples)
+        .sum::<u64>();
+    eprintln!("stress-ng: {own} of {total} samples in its own frames; {:?}", r.stacks.first());
+    // One busy process on one CPU at 99 Hz for 2 s.
+    assert!((120..=220).contains(&total), "{total} samples");
+    assert!(own as f64 >= 0.9 * total as f64, "{own} of {total}");
+}
+
+/// A pprof decoder of the tests' own: the fields the profile writes.
+mod pprof {
+    use std::collections::{BTreeMap, HashMap};
+
+    pub struct Profile {
+        pub sample_types: Vec<(String, String)>,
+        /// (location ids leaf first, values, keyspace label).
+        pub samples: Vec<(Vec<u64>, Vec<i64>, u32)>,
+        /// location id → function id
+        locations: HashMap<u64, u64>,
+        /// function id → name (string index)
+        functions: HashMap<u64, i64>,
+        strings: Vec<String>,
+    }
+
+    impl Profile {
+        /// By (keyspace, leaf function): its share of the keyspace's samples.
+        pub fn leaf_shares(&self) -> BTreeMap<(u32, String), f64> {
+            let mut n: BTreeMap<(u32, String), i64> = BTreeMap::new();
+            let mut all: BTreeMap<u32, i64> = BTreeMap::new();
+            for (locs, values, ks) in &self.samples {
+                let f = self.functions[&self.locations[&locs[0]]];
+                *n.entry((*ks, self.strings[f as usize].clone())).or_default() += values[0];
+                *all.entry(*ks).or_default() += values[0];
+            }
+            n.into_iter().map(|(k, v)| (k.clone(), v as f64 / all[&k.0] as f64)).collect()
+        }
+    }
+
+    fn varint(b: &[u8], i: &mut usize) -> u64 {
+        let (mut v, mut shift) = (0u64, 0);
+        loop {
+            let byte = b[*i];
+            *i += 1;
+            v |= u64::from(byte & 0x7f) << shift;
+            if byte < 0x80 {
+                return v;
+            }
+            shift += 7;
+        }
+    }
+
+    /// (field, varint value or bytes) of one message.
+    fn fields(b: &[u8]) -> Vec<(u64, Result<u64, &[u8]>)> {
+        let (mut out, mut i) = (Vec::new(), 0);
+        while i < b.len() {
+            let key = varint(b, &mut i);
+            match key & 7 {
+                0 => out.push((key >> 3, Ok(varint(b, &mut i)))),
+                2 => {
+                    let len = varint(b, &mut i) as usize;
+                    out.push((key >> 3, Err(&b[i..i + len])));
+                    i += len;
+                }
+                w => panic!("wire type {w} in a pprof"),
+            }
+        }
+        out
+    }
+
+    fn packed(b: &[u8]) -> Vec<u64> {
+        let (mut out, mut i) = (Vec::new(), 0);
+        while i < b.len() {
+            out.push(varint(b, &mut i));
+        }
+        out
+    }
+
+    fn int(fs: &[(u64, Result<u64, &[u8]>)], field: u64) -> u64 {
+        fs.iter().find_map(|(f, v)| (*f == field).then(|| v.ok()).flatten()).unwrap_or(0)
+    }
+
+    pub fn decode(b: &[u8]) -> Profile {
+        let top = fields(b);
+        let strings: Vec<String> = top
+            .iter()
+            .filter(|(f, _)| *f == 6)
+            .map(|(_, v)| String::from_utf8(v.unwrap_err().to_vec()).unwrap())
+            .collect();
+        assert_eq!(strings.first().map(String::as_str), Some(""), "string 0 is empty");
+        let s = |i: u64| strings[i as usize].clone();
+        let mut p = Profile {
+            sample_types: Vec::new(),
+            samples: Vec::new(),
+            locations: HashMap::new(),
+            functions: HashMap::new(),
+            strings: strings.clone(),
+        };
+        let keyspace = strings.iter().position(|x| x == "keyspace").expect("a keyspace label") as u64;
+        for (f, v) in &top {
+            let Err(body) = v else { continue };
+            if ![1, 2, 4, 5].contains(f) {
+                continue;
+            }
+            let m = fields(body);
+            match f {
+                1 => p.sample_types.push((s(int(&m, 1)), s(int(&m, 2)))),
+                2 => {
+                    let locs = packed(m.iter().find(|(f, _)| *f == 1).unwrap().1.unwrap_err());
+                    let values = packed(m.iter().find(|(f, _)| *f == 2).unwrap().1.unwrap_err());
+                    let ks = m
+                        .iter()
+                        .filter(|(f, _)| *f == 3)
+                        .map(|(_, l)| fields(l.unwrap_err()))
+                        .find(|l| int(l, 1) == keyspace)
+                        .map(|l| int(&l, 3) as u32)
+                        .expect("a sample's keyspace");
+                    p.samples.push((locs, values.into_iter().map(|v| v as i64).collect(), ks));
+                }
+                4 => {
+                    let line = fields(m.iter().find(|(f, _)| *f == 4).unwrap().1.unwrap_err());
+                    p.locations.insert(int(&m, 1), int(&line, 1));
+                }
+                5 => {
+                    p.functions.insert(int(&m, 1), int(&m, 2) as i64);
+                }
+                _ => {}
+            }
+        }
+        p
+    }
+}
