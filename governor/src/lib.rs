@@ -53,6 +53,8 @@ pub mod proto;
 #[allow(dead_code, unused_imports)]
 mod proto;
 #[cfg(feature = "agent")]
+pub mod ranked;
+#[cfg(feature = "agent")]
 pub mod region;
 #[cfg(not(feature = "agent"))]
 #[allow(dead_code, unused_imports)]

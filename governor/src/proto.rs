@@ -256,6 +256,10 @@ pub struct ServerLimitStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
     pub backend: BackendKind,
+    /// Locks the agent took against its lock order since it started (a
+    /// bug: each can deadlock it; the log names the pair). 0 is right.
+    #[serde(default)]
+    pub lock_order_violations: u64,
     /// Where threads read the clock: `tsc` (the agent's published mapping),
     /// `vdso` (CLOCK_MONOTONIC) or `thread-cputime` (fallback backend).
     pub thread_clock_source: String,

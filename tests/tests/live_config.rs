@@ -354,4 +354,8 @@ fn status_scrapes_cell_requests_and_changes_at_once_never_stall_the_agent() {
     for (what, worst) in &slowest {
         assert!(*worst < Duration::from_secs(3), "{what}: one took {worst:?}");
     }
+    // Every lock was taken in the order: none of these paths can deadlock
+    // another (a lock taken against it is counted; its pair is in the log).
+    let broken = agent.status().unwrap().lock_order_violations;
+    assert_eq!(broken, 0, "locks taken against the order; the agent's log names them");
 }

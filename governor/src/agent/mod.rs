@@ -38,13 +38,14 @@ mod waits;
 use crate::config::ValidatedConfig;
 use crate::measure::{MeasureError, MeasureMode, Measurement, Sizing, fallback};
 use crate::policy::{Policy, Settings};
+use crate::ranked::{Rank, Ranked, RankedGuard};
 use crate::region::RegionError;
 use crate::sys;
 use std::collections::HashSet;
 use std::future::Future;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
@@ -108,29 +109,31 @@ impl AgentOptions {
 /// The agent's state, shared by the control socket, the housekeeping tick
 /// and `/metrics`.
 ///
-/// Lock order (a lock is only ever taken while holding locks before it):
-/// `config` → `cell_grants` → the policy's engine → `measurement` → `slots`
-/// → `usage` → `rules`. `server_cpu`, `autoscale` and the policy's settings
-/// are leaves. Status and `/metrics` read what needs the engine, the grants
-/// or the configuration before they take `measurement`; the tick's idle-cell
-/// eviction asks for the pinned cells (`measurement`) under the engine.
+/// Every lock is a [`Ranked`] one: the order they may be taken in is
+/// [`Rank`]'s (`config` → `cell_grants` → `ledgers` → the policy's engine →
+/// `measurement` → `slots` → `usage` → `rules`, then the leaves: the
+/// policy's settings, `server_cpu`, `autoscale`), checked as each is taken
+/// and counted in status when broken. Status and `/metrics` read what needs
+/// the engine, the grants or the configuration before they take
+/// `measurement`; the tick's idle-cell eviction asks for the pinned cells
+/// (`measurement`) under the engine.
 pub(crate) struct Shared {
-    measurement: Mutex<Measurement>,
-    slots: Mutex<slots::Slots>,
+    measurement: Ranked<Measurement>,
+    slots: Ranked<slots::Slots>,
     pub(crate) policy: Policy,
-    ledgers: Mutex<ledgers::Ledgers>,
-    usage: Mutex<usage::Usage>,
+    ledgers: Ranked<ledgers::Ledgers>,
+    usage: Ranked<usage::Usage>,
     /// Who got each keyspace cell, and the keyspaces that got none.
-    cell_grants: Mutex<cells::CellGrants>,
+    cell_grants: Ranked<cells::CellGrants>,
     keyspaces_per_uid: std::sync::atomic::AtomicU32,
     /// `agent.metrics-max-keyspaces`, read at each scrape.
     metrics_max_keyspaces: std::sync::atomic::AtomicUsize,
     /// The running configuration and where it came from.
-    config: Mutex<live_config::Running>,
+    config: Ranked<live_config::Running>,
     /// Rule measurement (last in lock order).
-    rules: Mutex<rules::Rules>,
+    rules: Ranked<rules::Rules>,
     /// Counter samples behind the autoscaling signals.
-    autoscale: Mutex<autoscale::History>,
+    autoscale: Ranked<autoscale::History>,
     /// The PD service-limit client's memory and metrics.
     pd: pd::PdClient,
     /// Where `/metrics` is served, as bound.
@@ -141,28 +144,28 @@ pub(crate) struct Shared {
     instance: u64,
     started: Instant,
     /// The CPU every cap is a fraction of (a leaf: no lock is taken under it).
-    server_cpu: Mutex<server_cpu::ServerCpu>,
+    server_cpu: Ranked<server_cpu::ServerCpu>,
 }
 
 impl Shared {
-    fn lock_measurement(&self) -> MutexGuard<'_, Measurement> {
-        self.measurement.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_measurement(&self) -> RankedGuard<'_, Measurement> {
+        self.measurement.lock()
     }
 
-    fn lock_slots(&self) -> MutexGuard<'_, slots::Slots> {
-        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_slots(&self) -> RankedGuard<'_, slots::Slots> {
+        self.slots.lock()
     }
 
-    fn lock_ledgers(&self) -> MutexGuard<'_, ledgers::Ledgers> {
-        self.ledgers.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_ledgers(&self) -> RankedGuard<'_, ledgers::Ledgers> {
+        self.ledgers.lock()
     }
 
-    fn lock_usage(&self) -> MutexGuard<'_, usage::Usage> {
-        self.usage.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_usage(&self) -> RankedGuard<'_, usage::Usage> {
+        self.usage.lock()
     }
 
-    fn lock_config(&self) -> MutexGuard<'_, live_config::Running> {
-        self.config.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_config(&self) -> RankedGuard<'_, live_config::Running> {
+        self.config.lock()
     }
 
     /// The configuration in force now.
@@ -191,8 +194,8 @@ impl Shared {
         self.lock_config().access()
     }
 
-    fn lock_rules(&self) -> MutexGuard<'_, rules::Rules> {
-        self.rules.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_rules(&self) -> RankedGuard<'_, rules::Rules> {
+        self.rules.lock()
     }
 
     /// Puts `config`'s rules in force: gives each rule's keyspace a cell,
@@ -223,8 +226,8 @@ impl Shared {
         cgroups::CapSettings::from_config(config, cores)
     }
 
-    fn lock_cell_grants(&self) -> MutexGuard<'_, cells::CellGrants> {
-        self.cell_grants.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock_cell_grants(&self) -> RankedGuard<'_, cells::CellGrants> {
+        self.cell_grants.lock()
     }
 
     /// Keyspace cells a registered thread is tagged with now: never evicted.
@@ -275,23 +278,26 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
         opts.socket.display()
     );
     let shared = Arc::new(Shared {
-        slots: Mutex::new(slots::Slots::new(measurement.sizes.slots, opts.config.agent().max_threads_per_uid)),
-        usage: Mutex::new(usage::Usage::new(&opts.config)),
-        cell_grants: Mutex::new(cells::CellGrants::default()),
+        slots: Ranked::new(
+            Rank::Slots,
+            slots::Slots::new(measurement.sizes.slots, opts.config.agent().max_threads_per_uid),
+        ),
+        usage: Ranked::new(Rank::Usage, usage::Usage::new(&opts.config)),
+        cell_grants: Ranked::new(Rank::CellGrants, cells::CellGrants::default()),
         keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid.into(),
         metrics_max_keyspaces: (opts.config.agent().metrics_max_keyspaces as usize).into(),
-        config: Mutex::new(live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
-        rules: Mutex::new(rules::Rules::default()),
-        autoscale: Mutex::new(autoscale::History::default()),
+        config: Ranked::new(Rank::Config, live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
+        rules: Ranked::new(Rank::Rules, rules::Rules::default()),
+        autoscale: Ranked::new(Rank::Autoscale, autoscale::History::default()),
         pd: pd::PdClient::default(),
         metrics_addr,
         socket: opts.socket.clone(),
-        measurement: Mutex::new(measurement),
+        measurement: Ranked::new(Rank::Measurement, measurement),
         policy,
-        ledgers: Mutex::new(ledgers::Ledgers::default()),
+        ledgers: Ranked::new(Rank::Ledgers, ledgers::Ledgers::default()),
         instance,
         started: Instant::now(),
-        server_cpu: Mutex::new(server_cpu),
+        server_cpu: Ranked::new(Rank::ServerCpu, server_cpu),
     });
     if let Some(addr) = metrics_addr {
         log::info!("serving /metrics on http://{addr}/metrics");
@@ -317,7 +323,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let stop_housekeeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // The autoscaling rules' first sample, before any request can be
     // refused: "recently" starts here.
-    shared.autoscale.lock().unwrap_or_else(|p| p.into_inner()).record(0, std::collections::HashMap::new());
+    shared.autoscale.lock().record(0, std::collections::HashMap::new());
     let background = {
         let (shared, opts, stop) = (shared.clone(), opts.clone(), stop_housekeeping.clone());
         std::thread::Builder::new()
@@ -418,7 +424,7 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
         shared.policy.tick_with(now_us(), sample.as_ref(), &cpu_ns, || shared.pinned_cells());
         if sample.is_some() {
             let (refused, held_back) = shared.held_back();
-            shared.autoscale.lock().unwrap_or_else(|p| p.into_inner()).record(refused, held_back);
+            shared.autoscale.lock().record(refused, held_back);
         }
         header.agent.heartbeat_ns.store(sys::monotonic_ns(), Ordering::Release);
     }

@@ -29,9 +29,9 @@
 use super::Shared;
 use crate::policy::Settings;
 use crate::proto::{ServerCpuStatus, ServerLimitStatus};
+use crate::ranked::RankedGuard;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::MutexGuard;
 
 /// Where a number of cores came from.
 #[derive(Clone, Debug, PartialEq)]
@@ -386,8 +386,8 @@ impl ServerCpu {
 }
 
 impl Shared {
-    pub(crate) fn lock_server_cpu(&self) -> MutexGuard<'_, ServerCpu> {
-        self.server_cpu.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock_server_cpu(&self) -> RankedGuard<'_, ServerCpu> {
+        self.server_cpu.lock()
     }
 
     /// The servers' CPU since the last monitor sample.

@@ -132,11 +132,7 @@ impl Shared {
         // From the counters the rows above already read: tickets that waited
         // or were refused, per keyspace.
         let held_back = keyspaces.iter().map(|k| (k.keyspace_id, k.waited + k.refused)).collect();
-        let autoscale = self.autoscale.lock().unwrap_or_else(|p| p.into_inner()).signals(
-            c.concurrency_refused,
-            &held_back,
-            &window,
-        );
+        let autoscale = self.autoscale.lock().signals(c.concurrency_refused, &held_back, &window);
         StatusReport {
             backend: m.kind,
             thread_clock_source: thread_clock_source.to_string(),
@@ -191,6 +187,7 @@ impl Shared {
             programs: m.program_stats(),
             metrics_addr: self.metrics_addr.map(|a| a.to_string()),
             config_updates,
+            lock_order_violations: crate::ranked::violations(),
             rules: rules.status(),
             rule_events: rules.events,
             rule_events_dropped: rules.dropped,

@@ -5,9 +5,9 @@
 //! request, on the same memory. `allocate`/`release` here run that same fast
 //! path for the agent's own use and for tests.
 
+use crate::ranked::{Rank, Ranked, RankedGuard};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, MutexGuard};
 
 use keyspace_governor_common::admission::{
     KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_CAP_MODE, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL,
@@ -63,8 +63,8 @@ pub(crate) struct Engine {
 /// agent's loop.
 pub struct Policy {
     pub(crate) memory: AdmissionMemory,
-    pub(crate) settings: Mutex<Settings>,
-    pub(crate) engine: Mutex<Engine>,
+    pub(crate) settings: Ranked<Settings>,
+    pub(crate) engine: Ranked<Engine>,
 }
 
 impl std::fmt::Debug for Policy {
@@ -104,7 +104,11 @@ impl Policy {
             cap_buckets_evicted: 0,
             retired: [0; counter::COUNT],
         };
-        let p = Policy { memory, settings: Mutex::new(settings.clone()), engine: Mutex::new(engine) };
+        let p = Policy {
+            memory,
+            settings: Ranked::new(Rank::Settings, settings.clone()),
+            engine: Ranked::new(Rank::Engine, engine),
+        };
         let a = p.regions().header().agent.instance.load(Ordering::Relaxed);
         debug_assert_eq!(a, 0);
         p.regions().header().agent.now_ms.store(now_us / 1000, Ordering::Relaxed);
@@ -120,8 +124,8 @@ impl Policy {
         Ok(p)
     }
 
-    pub(crate) fn engine(&self) -> MutexGuard<'_, Engine> {
-        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn engine(&self) -> RankedGuard<'_, Engine> {
+        self.engine.lock()
     }
 
     /// A copy of the running settings.
@@ -129,8 +133,8 @@ impl Policy {
         self.lock_settings().clone()
     }
 
-    pub(crate) fn lock_settings(&self) -> MutexGuard<'_, Settings> {
-        self.settings.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock_settings(&self) -> RankedGuard<'_, Settings> {
+        self.settings.lock()
     }
 
     /// The shared regions this policy publishes into.
