@@ -163,7 +163,9 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
 
     // A process that exits mid-profile: its stacks still have their symbols.
     let mut short = rows(&agent, 1.0);
-    let r = profile_json(&agent, &["--seconds", "2.5"]);
+    // 499 Hz: a second of the lighter keyspace is some 200 samples, so a
+    // few stray ones (a tag switch, an interrupt) stay under 5 %.
+    let r = profile_json(&agent, &["--seconds", "2.5", "--frequency", "499"]);
     assert!(short.try_wait().expect("wait").is_some(), "the workload outlived the profile");
     check_rows(&r, "exited mid-profile");
 }
@@ -179,10 +181,28 @@ fn a_rule_matched_process_shows_its_own_frames() {
         .stderr(Stdio::null())
         .spawn()
         .expect("stress-ng");
+    // Nothing runs while no profile does: the program's own run count, from
+    // the kernel's BPF statistics, stands still, and moves by one per
+    // sample on each CPU while one runs.
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).expect("BPF run-time statistics");
+    let runs = || {
+        let s = agent.status().unwrap();
+        s.programs.iter().find(|p| p.name == "gov_profile").map(|p| p.run_count).expect("gov_profile in status")
+    };
+    let idle0 = runs();
     std::thread::sleep(Duration::from_millis(800));
+    let idle1 = runs();
     let r = profile_json(&agent, &["--seconds", "2", "--keyspace", "9300"]);
+    let during = runs() - idle1;
     let _ = hog.kill();
     let _ = hog.wait();
+    let cpus = f64::from(r.cpus);
+    eprintln!("gov_profile ran {} times with no profile, {during} during 2 s on {cpus} CPUs", idle1 - idle0);
+    assert_eq!(idle1, idle0, "the profile program ran with no profile");
+    assert!(
+        (during as f64) >= 0.7 * 99.0 * 2.0 * cpus && (during as f64) <= 1.1 * 99.0 * 2.0 * cpus,
+        "{during} runs in a 2 s profile at 99 Hz on {cpus} CPUs"
+    );
     let total: u64 = r.stacks.iter().map(|s| s.samples).sum();
     // Debian's stress-ng is stripped: its frames are its file's name.
     let own = r

@@ -80,8 +80,8 @@ enum Task {
         #[arg(long, default_value = "6.1")]
         kernel: String,
         /// Only these guest steps (comma-separated: doctor, agent-backend,
-        /// measurement, kernel_exact, client_api, cgroup-v2, tickets, server-cpu, cpu-wait; and core, CI's subset of
-        /// measurement, run only when named).
+        /// measurement, kernel_exact, client_api, cgroup-v2, tickets, server-cpu, cpu-wait; and, run only
+        /// when named, core, CI's subset of measurement, and profile).
         #[arg(long)]
         only: Option<String>,
     },
@@ -157,7 +157,8 @@ fn test(host_only: bool, repeat: Option<u32>, busy_cores: u32) -> Result<()> {
         // Debian 12's 6.1 kernel in qemu, both architectures, one eBPF
         // object: the agent comes up on eBPF, exactly once, the long slice,
         // the client API, a rule cap held by cgroup v2's cpu.max, tickets, a
-        // tenant cap of a server's 1-core cgroup, run-queue wait per keyspace.
+        // tenant cap of a server's 1-core cgroup, run-queue wait per keyspace,
+        // per-keyspace profiles.
         for arch in ["x86_64", "aarch64"] {
             run(Command::new(std::env::current_exe()?).args([
                 "vm-test",
@@ -166,7 +167,7 @@ fn test(host_only: bool, repeat: Option<u32>, busy_cores: u32) -> Result<()> {
                 "--kernel",
                 "6.1",
                 "--only",
-                "doctor,agent-backend,core,client_api,cgroup-v2,tickets,server-cpu,cpu-wait",
+                "doctor,agent-backend,core,client_api,cgroup-v2,tickets,server-cpu,cpu-wait,profile",
             ]))?;
         }
     }
