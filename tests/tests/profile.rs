@@ -171,6 +171,25 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
 }
 
 #[test]
+fn bad_requests_are_refused_before_anything_is_sampled() {
+    for (args, says) in [
+        (["--seconds", "0"], "--seconds must be in (0, 300], got 0"),
+        (["--seconds", "301"], "--seconds must be in (0, 300], got 301"),
+        (["--frequency", "0"], "--frequency must be 1..=1000 Hz, got 0"),
+        (["--frequency", "5000"], "--frequency must be 1..=1000 Hz, got 5000"),
+    ] {
+        let out = Command::new(governor_bin())
+            .arg("profile")
+            .args(args)
+            .args(["--socket", "/nonexistent/governor.sock"])
+            .output()
+            .expect("governor profile runs");
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {}", output_text(&out));
+        assert!(String::from_utf8_lossy(&out.stderr).contains(says), "{args:?}: {}", output_text(&out));
+    }
+}
+
+#[test]
 fn a_rule_matched_process_shows_its_own_frames() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let config = "[[rules]]\nname = \"hog\"\nkeyspace = 9300\nexe = \"/usr/bin/stress-ng\"\n";

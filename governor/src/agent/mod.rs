@@ -25,7 +25,7 @@ mod ledgers;
 mod live_config;
 mod metrics;
 mod pd;
-mod profile;
+pub(crate) mod profile;
 mod reconfigure;
 mod rules;
 mod server;

@@ -11,6 +11,7 @@
 //! runs off the runtime's threads; only this connection waits.
 
 use super::Shared;
+use crate::measure::profile::ProfileError;
 use crate::proto::{ProfileKeyspace, ProfileReport, ProfileStack, Reply};
 use blazesym::normalize::{Normalizer, UserMeta};
 use blazesym::symbolize::source::{Elf, Kernel, Source};
@@ -239,8 +240,8 @@ fn charged(shared: &Shared) -> BTreeMap<u32, f64> {
     shared.status().keyspaces.iter().map(|k| (k.keyspace_id, k.cpu_seconds)).collect()
 }
 
-async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| format!("the profile's worker failed: {e}"))
+async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ProfileError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ProfileError::Worker(e.to_string()))
 }
 
 /// Takes a profile of `seconds` at `frequency_hz` per CPU (`only`: of that
@@ -248,7 +249,7 @@ async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) 
 pub(super) async fn take(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, only: Option<u32>) -> Reply {
     match run(shared, seconds, frequency_hz, only).await {
         Ok(report) => Reply::Profile(Box::new(report)),
-        Err(message) => Reply::Error { message },
+        Err(e) => Reply::Error { message: e.to_string() },
     }
 }
 
@@ -257,20 +258,19 @@ async fn run(
     seconds: f64,
     frequency_hz: u32,
     only: Option<u32>,
-) -> Result<ProfileReport, String> {
+) -> Result<ProfileReport, ProfileError> {
     if !(seconds > 0.0 && seconds <= MAX_SECONDS) {
-        return Err(format!("profile seconds must be in (0, {MAX_SECONDS}], got {seconds}"));
+        return Err(ProfileError::Seconds { got: seconds, max: MAX_SECONDS });
     }
     if !(1..=MAX_FREQUENCY_HZ).contains(&frequency_hz) {
-        return Err(format!("profile frequency must be 1..={MAX_FREQUENCY_HZ} Hz, got {frequency_hz}"));
+        return Err(ProfileError::Frequency { got: frequency_hz, max: MAX_FREQUENCY_HZ });
     }
     let s = shared.clone();
     let before = off_runtime(move || {
         let before = charged(&s);
         s.lock_measurement().profile_start(u64::from(frequency_hz)).map(|()| before)
     })
-    .await?
-    .map_err(|e| e.to_string())?;
+    .await??;
     let started = Instant::now();
     let end = started + Duration::from_secs_f64(seconds);
     let mut session = Session::default();

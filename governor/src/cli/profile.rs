@@ -20,8 +20,15 @@ pub struct Ask {
 
 /// Asks the agent for a profile and waits it out.
 pub fn run(socket: &Path, ask: &Ask) -> Result<ProfileReport, CliError> {
-    if !(ask.seconds > 0.0 && ask.seconds <= 300.0) {
-        return Err(CliError::Usage(format!("--seconds must be in (0, 300], got {}", ask.seconds)));
+    use crate::agent::profile::{MAX_FREQUENCY_HZ, MAX_SECONDS};
+    if !(ask.seconds > 0.0 && ask.seconds <= MAX_SECONDS) {
+        return Err(CliError::Usage(format!("--seconds must be in (0, {MAX_SECONDS}], got {}", ask.seconds)));
+    }
+    if !(1..=MAX_FREQUENCY_HZ).contains(&ask.frequency_hz) {
+        return Err(CliError::Usage(format!(
+            "--frequency must be 1..={MAX_FREQUENCY_HZ} Hz, got {}",
+            ask.frequency_hz
+        )));
     }
     let request = Request::Profile { seconds: ask.seconds, frequency_hz: ask.frequency_hz, keyspace: ask.keyspace };
     // The profile's length, then symbol lookup.

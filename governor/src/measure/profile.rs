@@ -28,6 +28,12 @@ pub enum ProfileError {
     Busy,
     #[error("attaching the profile's perf events failed: {0}")]
     Attach(String),
+    #[error("profile seconds must be in (0, {max}], got {got}")]
+    Seconds { got: f64, max: f64 },
+    #[error("profile frequency must be 1..={max} Hz, got {got}")]
+    Frequency { got: u32, max: u32 },
+    #[error("the profile's worker failed: {0}")]
+    Worker(String),
 }
 
 fn program(ebpf: &mut Ebpf) -> Result<&mut PerfEvent, MeasureError> {
