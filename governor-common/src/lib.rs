@@ -117,6 +117,9 @@ pub const MAX_RULE_TASKS: u32 = 65536;
 pub const MAP_STACKS: &str = "GOV_STACKS";
 /// Name of the `ProfileKey → samples` hash of the profile program.
 pub const MAP_SAMPLES: &str = "GOV_SAMPLES";
+/// Name of the profile's one-entry array: samples that found the
+/// [`MAP_SAMPLES`] hash full (counted, never silently lost).
+pub const MAP_PROFILE_DROPPED: &str = "GOV_PROFILE_DROPPED";
 /// Distinct stacks one profile can hold (a stack-trace map is
 /// preallocated: about 1 KiB each).
 pub const MAX_STACKS: u32 = 4096;

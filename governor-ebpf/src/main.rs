@@ -710,6 +710,10 @@ static GOV_STACKS: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
 #[map]
 static GOV_SAMPLES: HashMap<ProfileKey, u64> = HashMap::with_max_entries(MAX_PROFILE_KEYS, 0);
 
+/// Samples the hash had no room for.
+#[map]
+static GOV_PROFILE_DROPPED: Array<u64> = Array::with_max_entries(1, 0);
+
 /// `BPF_F_USER_STACK`: `bpf_get_stackid` walks the user stack.
 const BPF_F_USER_STACK: u64 = 1 << 8;
 
@@ -751,11 +755,15 @@ pub fn gov_profile(ctx: PerfEventContext) -> u32 {
         let key = ProfileKey { tag, tgid: task_field::<u32>(task, &GOV_OFF_TGID), user_stack, kernel_stack };
         if let Some(p) = GOV_SAMPLES.get_ptr_mut(&key) {
             core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);
-        } else if GOV_SAMPLES.insert(&key, &1, 1 /* BPF_NOEXIST */).is_err()
-            && let Some(p) = GOV_SAMPLES.get_ptr_mut(&key)
-        {
-            // Another CPU put it in first.
-            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);
+        } else if GOV_SAMPLES.insert(&key, &1, 1 /* BPF_NOEXIST */).is_err() {
+            // Another CPU put it in first, or the hash is full.
+            let p = match GOV_SAMPLES.get_ptr_mut(&key) {
+                Some(p) => Some(p),
+                None => GOV_PROFILE_DROPPED.get_ptr_mut(0),
+            };
+            if let Some(p) = p {
+                core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);
+            }
         }
     }
     0

@@ -156,6 +156,11 @@ pub struct ProfileReport {
     /// Samples whose user or kernel stack the kernel could not keep (the
     /// stack map full or a hash collision): counted, with `[lost]` frames.
     pub lost_stacks: u64,
+    /// Samples of tagged work counted under no key: the kernel's table of
+    /// (keyspace, process, stacks) was full (16 384 keys). Not in
+    /// `keyspaces` or `stacks`.
+    #[serde(default)]
+    pub dropped_samples: u64,
 }
 
 /// One keyspace's share of a profile.

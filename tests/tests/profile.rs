@@ -106,6 +106,7 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
     assert!((0.6..=0.9).contains(&(cpu(A) / (cpu(A) + cpu(B)))), "A's CPU share");
     check_rows(&r, "json");
     assert_eq!(r.frequency_hz, 499);
+    assert_eq!(r.dropped_samples, 0, "samples the kernel could not key");
     assert!(r.stacks.iter().all(|s| s.frames.first().is_some_and(|f| f == "workload")), "the process name first");
 
     // --keyspace: that keyspace's stacks alone.

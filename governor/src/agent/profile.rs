@@ -54,6 +54,8 @@ struct Session {
     keyspaces: HashMap<u32, u32>,
     /// Process names, read when first seen.
     names: HashMap<u32, String>,
+    /// Samples the kernel could not key (its table full).
+    dropped: u64,
 }
 
 impl Session {
@@ -64,6 +66,7 @@ impl Session {
         let mut new_user = Vec::new();
         {
             let m = shared.lock_measurement();
+            self.dropped = m.profile_dropped();
             for (key, n) in m.profile_counts() {
                 self.counts.insert(key, n);
                 if let Some(&id) = ids.get(&key.tag) {
@@ -147,6 +150,7 @@ impl Session {
             keyspaces,
             stacks,
             lost_stacks: lost,
+            dropped_samples: self.dropped,
         }
     }
 }

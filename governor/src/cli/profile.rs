@@ -88,6 +88,13 @@ pub fn render(r: &ProfileReport) -> String {
         r.cpus,
         if r.lost_stacks > 0 { format!(" ({} with a lost stack)", r.lost_stacks) } else { String::new() }
     );
+    if r.dropped_samples > 0 {
+        let _ = writeln!(
+            out,
+            "{} more samples found the kernel's table of stacks full and are in no keyspace below",
+            r.dropped_samples
+        );
+    }
     for k in &r.keyspaces {
         let _ = writeln!(
             out,

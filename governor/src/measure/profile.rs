@@ -7,15 +7,17 @@
 use super::{MeasureError, Measurement, ebpf::EbpfSide};
 use crate::sys;
 use aya::Ebpf;
-use aya::maps::{HashMap, MapData, StackTraceMap};
+use aya::maps::{Array, HashMap, MapData, StackTraceMap};
 use aya::programs::PerfEvent;
 use aya::programs::perf_event::{PerfEventLinkId, PerfEventScope, PerfTypeId, SamplePolicy, perf_sw_ids};
-use keyspace_governor_common::{MAP_SAMPLES, MAP_STACKS, PROG_PROFILE, ProfileKey};
+use keyspace_governor_common::{MAP_PROFILE_DROPPED, MAP_SAMPLES, MAP_STACKS, PROG_PROFILE, ProfileKey};
 
 /// The profile program's maps and, while a profile runs, its perf events.
 pub struct ProfileProbe {
     stacks: StackTraceMap<MapData>,
     samples: HashMap<MapData, ProfileKey, u64>,
+    /// Samples that found `samples` full.
+    dropped: Array<MapData, u64>,
     links: Vec<PerfEventLinkId>,
 }
 
@@ -52,7 +54,9 @@ impl ProfileProbe {
         let stacks = StackTraceMap::try_from(stacks).map_err(|_| missing(MAP_STACKS))?;
         let samples = ebpf.take_map(MAP_SAMPLES).ok_or_else(|| missing(MAP_SAMPLES))?;
         let samples = HashMap::try_from(samples).map_err(|_| missing(MAP_SAMPLES))?;
-        Ok(ProfileProbe { stacks, samples, links: Vec::new() })
+        let dropped = ebpf.take_map(MAP_PROFILE_DROPPED).ok_or_else(|| missing(MAP_PROFILE_DROPPED))?;
+        let dropped = Array::try_from(dropped).map_err(|_| missing(MAP_PROFILE_DROPPED))?;
+        Ok(ProfileProbe { stacks, samples, dropped, links: Vec::new() })
     }
 }
 
@@ -122,6 +126,11 @@ impl Measurement {
         }
     }
 
+    /// Samples counted nowhere so far: the hash of keys was full.
+    pub fn profile_dropped(&self) -> u64 {
+        self.ebpf_side_ref().and_then(|s| s.profile.as_ref()).and_then(|p| p.dropped.get(&0, 0).ok()).unwrap_or(0)
+    }
+
     /// The instruction pointers of stack `id`, innermost first.
     pub fn profile_stack(&self, id: i32) -> Option<Vec<u64>> {
         let probe = self.ebpf_side_ref()?.profile.as_ref()?;
@@ -141,5 +150,6 @@ impl Measurement {
         for id in ids {
             let _ = probe.stacks.remove(&id);
         }
+        let _ = probe.dropped.set(0, 0, 0);
     }
 }
