@@ -80,12 +80,15 @@ pub enum Request {
     RuleRemove { name: String },
     /// Samples the stacks of tagged threads and rule-matched processes for
     /// `seconds` at `frequency_hz` per CPU, by keyspace (`keyspace`: that
-    /// one only), and answers with them symbolized. Admin role.
+    /// one only; else `top`: the busiest N), and answers with them
+    /// symbolized. Admin role.
     Profile {
         seconds: f64,
         frequency_hz: u32,
         #[serde(default)]
         keyspace: Option<u32>,
+        #[serde(default)]
+        top: Option<u32>,
     },
 }
 

@@ -74,7 +74,7 @@ fn check_rows(r: &ProfileReport, what: &str) {
 fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let agent = Agent::start("ebpf", "").expect("agent");
-    let mut work = rows(&agent, 12.0);
+    let mut work = rows(&agent, 16.0);
     std::thread::sleep(Duration::from_millis(500));
     // 499 Hz: about 4000 samples, so the lighter keyspace's share is known
     // to ±3 % (one standard deviation) of itself.
@@ -113,6 +113,11 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
     let only = profile_json(&agent, &["--seconds", "1", "--keyspace", &B.to_string()]);
     assert!(only.keyspaces.iter().all(|k| k.keyspace_id == B) && !only.keyspaces.is_empty(), "{:?}", only.keyspaces);
     assert!(only.stacks.iter().all(|s| s.keyspace_id == B));
+    // --top 1: the busiest keyspace alone (A, three quarters of the CPU).
+    let top = profile_json(&agent, &["--seconds", "1", "--top", "1"]);
+    let kept: Vec<u32> = top.keyspaces.iter().map(|k| k.keyspace_id).collect();
+    assert_eq!(kept, [A], "--top 1 kept {kept:?}");
+    assert!(top.stacks.iter().all(|s| s.keyspace_id == A));
 
     // The flame graph: an SVG with both functions in it, and the pprof.
     let dir = Scratch::new("profile");

@@ -31,6 +31,16 @@ pub(crate) const MAX_FREQUENCY_HZ: u32 = 1000;
 /// user stack).
 const NO_STACK: i32 = -libc::EFAULT;
 
+/// Which keyspaces a report keeps.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Pick {
+    /// This one.
+    One(u32),
+    /// The N with the most samples.
+    Top(usize),
+    All,
+}
+
 /// A user frame as the process mapped it.
 #[derive(Clone, Debug)]
 enum UserFrame {
@@ -94,20 +104,43 @@ impl Session {
         }
     }
 
-    /// The report: symbols looked up, stacks merged by keyspace, process
-    /// and frames.
-    fn report(self, seconds: f64, frequency_hz: u32, only: Option<u32>, cpu: &BTreeMap<u32, f64>) -> ProfileReport {
+    /// The report: the keyspaces `pick` keeps, their symbols looked up
+    /// (only theirs), their stacks merged by keyspace, process and frames.
+    fn report(self, seconds: f64, frequency_hz: u32, pick: Pick, cpu: &BTreeMap<u32, f64>) -> ProfileReport {
+        let mut totals: BTreeMap<u32, u64> = BTreeMap::new();
+        for (key, n) in &self.counts {
+            if let Some(&ks) = self.keyspaces.get(&key.tag) {
+                *totals.entry(ks).or_default() += n;
+            }
+        }
+        let kept: std::collections::HashSet<u32> = match pick {
+            Pick::One(ks) => [ks].into(),
+            Pick::All => totals.keys().copied().collect(),
+            Pick::Top(n) => {
+                let mut busiest: Vec<(u32, u64)> = totals.iter().map(|(k, v)| (*k, *v)).collect();
+                busiest.sort_by_key(|&(k, v)| (std::cmp::Reverse(v), k));
+                busiest.into_iter().take(n).map(|(k, _)| k).collect()
+            }
+        };
+        let counts: Vec<(&ProfileKey, &u64)> = self
+            .counts
+            .iter()
+            .filter(|(key, _)| self.keyspaces.get(&key.tag).is_some_and(|ks| kept.contains(ks)))
+            .collect();
         let symbolizer = Symbolizer::new();
-        let user_names = symbolize_user(&symbolizer, self.user.values().flatten());
-        let kernel_names = symbolize_kernel(&symbolizer, self.kernel.values().flatten().copied());
+        let user_names = symbolize_user(
+            &symbolizer,
+            counts.iter().filter_map(|(k, _)| self.user.get(&(k.tgid, k.user_stack))).flatten(),
+        );
+        let kernel_names = symbolize_kernel(
+            &symbolizer,
+            counts.iter().filter_map(|(k, _)| self.kernel.get(&k.kernel_stack)).flatten().copied(),
+        );
         let mut merged: BTreeMap<(u32, u32, Vec<String>), u64> = BTreeMap::new();
         let mut by_keyspace: BTreeMap<u32, u64> = BTreeMap::new();
         let mut lost = 0;
-        for (key, n) in &self.counts {
+        for (key, n) in counts {
             let Some(&ks) = self.keyspaces.get(&key.tag) else { continue };
-            if only.is_some_and(|o| o != ks) {
-                continue;
-            }
             *by_keyspace.entry(ks).or_default() += n;
             let mut frames = vec![self.names.get(&key.tgid).cloned().unwrap_or_else(|| process_name(key.tgid))];
             match self.user.get(&(key.tgid, key.user_stack)) {
@@ -248,21 +281,16 @@ async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) 
     tokio::task::spawn_blocking(f).await.map_err(|e| ProfileError::Worker(e.to_string()))
 }
 
-/// Takes a profile of `seconds` at `frequency_hz` per CPU (`only`: of that
-/// keyspace) and answers with it.
-pub(super) async fn take(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, only: Option<u32>) -> Reply {
-    match run(shared, seconds, frequency_hz, only).await {
+/// Takes a profile of `seconds` at `frequency_hz` per CPU of the keyspaces
+/// `pick` names, and answers with it.
+pub(super) async fn take(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, pick: Pick) -> Reply {
+    match run(shared, seconds, frequency_hz, pick).await {
         Ok(report) => Reply::Profile(Box::new(report)),
         Err(e) => Reply::Error { message: e.to_string() },
     }
 }
 
-async fn run(
-    shared: &Arc<Shared>,
-    seconds: f64,
-    frequency_hz: u32,
-    only: Option<u32>,
-) -> Result<ProfileReport, ProfileError> {
+async fn run(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, pick: Pick) -> Result<ProfileReport, ProfileError> {
     if !(seconds > 0.0 && seconds <= MAX_SECONDS) {
         return Err(ProfileError::Seconds { got: seconds, max: MAX_SECONDS });
     }
@@ -308,7 +336,7 @@ async fn run(
         let after = charged(&s);
         let cpu: BTreeMap<u32, f64> =
             after.iter().map(|(k, v)| (*k, v - before.get(k).copied().unwrap_or(0.0))).collect();
-        session.report(took, frequency_hz, only, &cpu)
+        session.report(took, frequency_hz, pick, &cpu)
     })
     .await
 }

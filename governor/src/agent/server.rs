@@ -247,8 +247,13 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
             }
             // Waits out the profile on this connection's task alone; the
             // symbols are looked up off the runtime's threads.
-            Request::Profile { seconds, frequency_hz, keyspace } => {
-                (super::profile::take(&shared, seconds, frequency_hz, keyspace).await, None)
+            Request::Profile { seconds, frequency_hz, keyspace, top } => {
+                let pick = match (keyspace, top) {
+                    (Some(ks), _) => super::profile::Pick::One(ks),
+                    (None, Some(n)) => super::profile::Pick::Top(n as usize),
+                    (None, None) => super::profile::Pick::All,
+                };
+                (super::profile::take(&shared, seconds, frequency_hz, pick).await, None)
             }
             _ if !said_hello => (Reply::Error { message: "say hello first".into() }, None),
             Request::RegisterThread { tid } => {

@@ -13,7 +13,8 @@ use std::time::Duration;
 pub struct Ask {
     pub seconds: f64,
     pub frequency_hz: u32,
-    /// One keyspace; `None`: every keyspace (then `top` keeps the busiest).
+    /// One keyspace; `None`: every keyspace (or the `top` busiest, chosen
+    /// by the agent, which then looks up only their symbols).
     pub keyspace: Option<u32>,
     pub top: Option<usize>,
 }
@@ -30,19 +31,18 @@ pub fn run(socket: &Path, ask: &Ask) -> Result<ProfileReport, CliError> {
             ask.frequency_hz
         )));
     }
-    let request = Request::Profile { seconds: ask.seconds, frequency_hz: ask.frequency_hz, keyspace: ask.keyspace };
+    let request = Request::Profile {
+        seconds: ask.seconds,
+        frequency_hz: ask.frequency_hz,
+        keyspace: ask.keyspace,
+        top: ask.top.map(|n| n.min(u32::MAX as usize) as u32),
+    };
     // The profile's length, then symbol lookup.
     let timeout = Duration::from_secs_f64(ask.seconds) + Duration::from_secs(60);
-    let mut report = match client::request_within(socket, &request, timeout)? {
-        Reply::Profile(r) => *r,
-        other => return Err(CliError::Reply { detail: format!("{other:?}") }),
-    };
-    if let Some(n) = ask.top {
-        report.keyspaces.truncate(n);
-        let kept: Vec<u32> = report.keyspaces.iter().map(|k| k.keyspace_id).collect();
-        report.stacks.retain(|s| kept.contains(&s.keyspace_id));
+    match client::request_within(socket, &request, timeout)? {
+        Reply::Profile(r) => Ok(*r),
+        other => Err(CliError::Reply { detail: format!("{other:?}") }),
     }
-    Ok(report)
 }
 
 /// Folded stacks, one line each (`keyspace-ID;process;frame;… samples`):
