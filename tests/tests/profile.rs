@@ -47,24 +47,45 @@ fn profile_json(agent: &Agent, args: &[&str]) -> ProfileReport {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", output_text(&out)))
 }
 
-/// Share of `keyspace`'s samples whose stack holds a frame containing `name`.
+/// A sample whose user stack the kernel's stack map could not keep (its
+/// hash bucket held another stack): counted, with no frames to judge.
+fn lost(s: &keyspace_governor::proto::ProfileStack) -> bool {
+    s.frames.iter().any(|f| f == "[lost]")
+}
+
+/// Share of `keyspace`'s samples with a stack whose stack holds a frame
+/// containing `name`.
 fn share_with(r: &ProfileReport, keyspace: u32, name: &str) -> f64 {
-    let stacks = r.stacks.iter().filter(|s| s.keyspace_id == keyspace);
+    let stacks = r.stacks.iter().filter(|s| s.keyspace_id == keyspace && !lost(s));
     let (with, all) = stacks.fold((0, 0), |(w, a), s| {
         (w + if s.frames.iter().any(|f| f.contains(name)) { s.samples } else { 0 }, a + s.samples)
     });
     with as f64 / all.max(1) as f64
 }
 
+/// Share of `keyspace`'s samples whose stack was lost.
+fn lost_share(r: &ProfileReport, keyspace: u32) -> f64 {
+    let stacks: Vec<_> = r.stacks.iter().filter(|s| s.keyspace_id == keyspace).collect();
+    let n = |f: &dyn Fn(&&keyspace_governor::proto::ProfileStack) -> bool| {
+        stacks.iter().filter(|s| f(s)).map(|s| s.samples).sum::<u64>()
+    };
+    n(&|s| lost(s)) as f64 / n(&|_| true).max(1) as f64
+}
+
 /// Checks the two keyspaces' profiles against what each one ran.
 fn check_rows(r: &ProfileReport, what: &str) {
     for (ks, own, other) in [(A, "hash_rows", "compress_rows"), (B, "compress_rows", "hash_rows")] {
-        let (mine, theirs) = (share_with(r, ks, own), share_with(r, ks, other));
+        let (mine, theirs, gone) = (share_with(r, ks, own), share_with(r, ks, other), lost_share(r, ks));
         eprintln!(
-            "{what}: keyspace {ks}: {:.1} % of samples in {own}, {:.1} % in {other}",
+            "{what}: keyspace {ks}: {:.1} % of samples in {own}, {:.1} % in {other}, {:.1} % with a lost stack",
             mine * 100.0,
-            theirs * 100.0
+            theirs * 100.0,
+            gone * 100.0
         );
+        // Without frame pointers every instruction of the loop is a stack
+        // of its own, and a stack whose bucket is taken is lost (12.6 % of
+        // the lighter keyspace's once in CI): counted, never misattributed.
+        assert!(gone <= 0.25, "{what}: keyspace {ks}: {:.1} % of its samples lost their stack", gone * 100.0);
         assert!(mine >= 0.90, "{what}: keyspace {ks}: {own} in {:.1} % of its samples", mine * 100.0);
         assert!(theirs <= 0.05, "{what}: keyspace {ks}: {other} in {:.1} % of its samples", theirs * 100.0);
     }
@@ -236,10 +257,16 @@ fn a_rule_matched_process_shows_its_own_frames() {
         .filter(|s| s.frames[0].starts_with("stress-ng") && s.frames.iter().any(|f| f == "[stress-ng]"))
         .map(|s| s.samples)
         .sum::<u64>();
-    eprintln!("stress-ng: {own} of {total} samples in its own frames; {:?}", r.stacks.first());
+    let gone = lost_share(&r, 9300);
+    eprintln!(
+        "stress-ng: {own} of {total} samples in its own frames, {:.1} % with a lost stack; {:?}",
+        gone * 100.0,
+        r.stacks.first()
+    );
     // One busy process on one CPU at 99 Hz for 2 s.
     assert!((120..=220).contains(&total), "{total} samples");
-    assert!(own as f64 >= 0.9 * total as f64, "{own} of {total}");
+    assert!(gone <= 0.25, "{:.1} % of the samples lost their stack", gone * 100.0);
+    assert!(own as f64 >= 0.9 * total as f64 * (1.0 - gone), "{own} of {total}");
 }
 
 /// A pprof decoder of the tests' own: the fields the profile writes.
@@ -258,13 +285,18 @@ mod pprof {
     }
 
     impl Profile {
-        /// By (keyspace, leaf function): its share of the keyspace's samples.
+        /// By (keyspace, leaf function): its share of the keyspace's
+        /// samples that kept their stack.
         pub fn leaf_shares(&self) -> BTreeMap<(u32, String), f64> {
             let mut n: BTreeMap<(u32, String), i64> = BTreeMap::new();
             let mut all: BTreeMap<u32, i64> = BTreeMap::new();
             for (locs, values, ks) in &self.samples {
                 let f = self.functions[&self.locations[&locs[0]]];
-                *n.entry((*ks, self.strings[f as usize].clone())).or_default() += values[0];
+                let leaf = self.strings[f as usize].clone();
+                if leaf == "[lost]" {
+                    continue;
+                }
+                *n.entry((*ks, leaf)).or_default() += values[0];
                 *all.entry(*ks).or_default() += values[0];
             }
             n.into_iter().map(|(k, v)| (k.clone(), v as f64 / all[&k.0] as f64)).collect()
