@@ -180,6 +180,12 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
     })
 }
 
+/// Takes map `name` out of the object as the typed map `M`.
+pub(super) fn take_map<M: TryFrom<Map>>(ebpf: &mut Ebpf, name: &str) -> Result<M, MeasureError> {
+    let missing = || MeasureError::Load(format!("map {name} missing or of another type").into());
+    M::try_from(ebpf.take_map(name).ok_or_else(missing)?).map_err(|_| missing())
+}
+
 /// Possible tids: `kernel.pid_max` (the tid table has one entry each).
 fn pid_max() -> u32 {
     crate::procs::pid_max().unwrap_or(keyspace_governor_common::DEFAULT_MAX_TIDS)
@@ -247,14 +253,12 @@ pub struct RuleMaps {
 
 impl RuleMaps {
     fn take(ebpf: &mut Ebpf, tids: Table<AtomicU32>) -> Result<RuleMaps, MeasureError> {
-        let missing = |name: &str| MeasureError::Load(format!("map {name} missing or of another type").into());
-        let pending = ebpf.take_map(MAP_PENDING).ok_or_else(|| missing(MAP_PENDING))?;
-        let pending = HashMap::try_from(pending).map_err(|_| missing(MAP_PENDING))?;
-        let events = ebpf.take_map(MAP_EVENTS).ok_or_else(|| missing(MAP_EVENTS))?;
-        let events = RingBuf::try_from(events).map_err(|_| missing(MAP_EVENTS))?;
-        let ctl = ebpf.take_map(MAP_RULE_CTL).ok_or_else(|| missing(MAP_RULE_CTL))?;
-        let ctl = Array::try_from(ctl).map_err(|_| missing(MAP_RULE_CTL))?;
-        Ok(RuleMaps { tids, pending, events, ctl })
+        Ok(RuleMaps {
+            tids,
+            pending: take_map(ebpf, MAP_PENDING)?,
+            events: take_map(ebpf, MAP_EVENTS)?,
+            ctl: take_map(ebpf, MAP_RULE_CTL)?,
+        })
     }
 
     fn half(&self, tid: u32) -> Option<&AtomicU32> {

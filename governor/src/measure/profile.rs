@@ -4,7 +4,8 @@
 //! the samples counted by (tag, process, stacks) and the stacks themselves.
 //! Nothing is sampled and nothing is paid while no profile runs.
 
-use super::{MeasureError, Measurement, ebpf::EbpfSide};
+use super::ebpf::{EbpfSide, take_map};
+use super::{MeasureError, Measurement};
 use crate::sys;
 use aya::Ebpf;
 use aya::maps::{Array, HashMap, MapData, StackTraceMap};
@@ -49,13 +50,9 @@ impl ProfileProbe {
     /// Loads the program (not attached) and takes its maps.
     pub(super) fn load(ebpf: &mut Ebpf) -> Result<ProfileProbe, MeasureError> {
         program(ebpf)?.load().map_err(|e| MeasureError::Attach { program: PROG_PROFILE, source: Box::new(e) })?;
-        let missing = |name: &str| MeasureError::Load(format!("map {name} missing or of another type").into());
-        let stacks = ebpf.take_map(MAP_STACKS).ok_or_else(|| missing(MAP_STACKS))?;
-        let stacks = StackTraceMap::try_from(stacks).map_err(|_| missing(MAP_STACKS))?;
-        let samples = ebpf.take_map(MAP_SAMPLES).ok_or_else(|| missing(MAP_SAMPLES))?;
-        let samples = HashMap::try_from(samples).map_err(|_| missing(MAP_SAMPLES))?;
-        let dropped = ebpf.take_map(MAP_PROFILE_DROPPED).ok_or_else(|| missing(MAP_PROFILE_DROPPED))?;
-        let dropped = Array::try_from(dropped).map_err(|_| missing(MAP_PROFILE_DROPPED))?;
+        let stacks = take_map(ebpf, MAP_STACKS)?;
+        let samples = take_map(ebpf, MAP_SAMPLES)?;
+        let dropped = take_map(ebpf, MAP_PROFILE_DROPPED)?;
         Ok(ProfileProbe { stacks, samples, dropped, links: Vec::new() })
     }
 }

@@ -270,6 +270,7 @@ fn main() -> Result<()> {
                 "ebpf_stats_floor_ns": round(e("floor")),
                 "ebpf_sched_switch_net_ns": round(e("registered") - e("floor")),
                 "ebpf_sched_switch_unregistered_ns": round(e("unregistered") - e("floor")),
+                "ebpf_timer_ns": round(e("timer")),
             })
         );
         client::unregister_current_thread();
