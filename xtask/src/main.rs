@@ -4,7 +4,7 @@
 //! # Layout
 //!
 //! - `setup`: installs what a bare machine lacks (idempotent).
-//! - `test`: setup, then the lints (rustfmt, clippy -D warnings), then every test: the amd64 package (a test installs
+//! - `test`: setup, then the lints (the agent crate's shape, rustfmt, clippy -D warnings), then every test: the amd64 package (a test installs
 //!   it), host tests (real eBPF included), the light client on stable (its
 //!   tests, and no agent crate in its tree), the aarch64 cross build with
 //!   its pure unit tests under qemu-user, and the arm64 package;
@@ -19,6 +19,7 @@
 mod dist;
 mod repeat;
 mod setup;
+mod structure;
 mod vm;
 
 use anyhow::{Context, Result, bail};
@@ -112,10 +113,12 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-/// Style is part of the build: formatting (rustfmt.toml), then clippy with
+/// Style is part of the build: the agent crate's shape (no file over 600
+/// lines, no import cycle), formatting (rustfmt.toml), then clippy with
 /// warnings as errors on the agent build, the client build and the eBPF
 /// crate (workspace `[lints]`), before any test runs.
 fn lint() -> Result<()> {
+    structure::check(&root().join("governor/src"))?;
     run(cargo().args(["fmt", "--all", "--check"]))?;
     let deny = ["--", "-D", "warnings"];
     run(cargo()

@@ -3,7 +3,7 @@
 //! maps, and attaches `tp_btf/sched_switch` and one software CPU-clock perf
 //! event per online CPU.
 
-use super::{Inner, MeasureError, Measurement, Sizing};
+use super::{Inner, MeasureError, Measurement, Sizing, take_map};
 use crate::proto::{BackendKind, ProgramStats};
 use crate::region::{Access, MeasureRegions, RegionSizes, Table, fd};
 use crate::sys;
@@ -178,12 +178,6 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         fds,
         inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, rules, profile, _maps: arrays })),
     })
-}
-
-/// Takes map `name` out of the object as the typed map `M`.
-pub(super) fn take_map<M: TryFrom<Map>>(ebpf: &mut Ebpf, name: &str) -> Result<M, MeasureError> {
-    let missing = || MeasureError::Load(format!("map {name} missing or of another type").into());
-    M::try_from(ebpf.take_map(name).ok_or_else(missing)?).map_err(|_| missing())
 }
 
 /// Possible tids: `kernel.pid_max` (the tid table has one entry each).

@@ -46,6 +46,12 @@ pub enum MeasureError {
     Register { tid: u32, reason: String },
 }
 
+/// Takes map `name` out of the object as the typed map `M`.
+fn take_map<M: TryFrom<aya::maps::Map>>(ebpf: &mut aya::Ebpf, name: &str) -> Result<M, MeasureError> {
+    let missing = || MeasureError::Load(format!("map {name} missing or of another type").into());
+    M::try_from(ebpf.take_map(name).ok_or_else(missing)?).map_err(|_| missing())
+}
+
 /// Region sizes asked of a backend.
 #[derive(Clone, Copy, Debug)]
 pub struct Sizing {
@@ -156,6 +162,16 @@ impl Measurement {
             Inner::Ebpf(side) => Some(side),
             Inner::Fallback => None,
         }
+    }
+
+    /// The loaded object and the profile program's side, when both are there.
+    fn profile_parts(&mut self) -> Option<(&mut aya::Ebpf, &mut profile::ProfileProbe)> {
+        let side = self.ebpf_side()?;
+        Some((&mut side.ebpf, side.profile.as_mut()?))
+    }
+
+    fn profile_probe(&self) -> Option<&profile::ProfileProbe> {
+        self.ebpf_side_ref()?.profile.as_ref()
     }
 
     fn ebpf_side_ref(&self) -> Option<&ebpf::EbpfSide> {

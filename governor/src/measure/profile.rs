@@ -4,8 +4,7 @@
 //! the samples counted by (tag, process, stacks) and the stacks themselves.
 //! Nothing is sampled and nothing is paid while no profile runs.
 
-use super::ebpf::{EbpfSide, take_map};
-use super::{MeasureError, Measurement};
+use super::{MeasureError, Measurement, take_map};
 use crate::sys;
 use aya::Ebpf;
 use aya::maps::{Array, HashMap, MapData, StackTraceMap};
@@ -57,13 +56,12 @@ impl ProfileProbe {
     }
 }
 
-impl EbpfSide {
-    fn profile_attach(&mut self, frequency_hz: u64) -> Result<(), ProfileError> {
-        let probe = self.profile.as_mut().ok_or(ProfileError::NoKernelSide)?;
-        if !probe.links.is_empty() {
+impl ProfileProbe {
+    fn attach(&mut self, ebpf: &mut Ebpf, frequency_hz: u64) -> Result<(), ProfileError> {
+        if !self.links.is_empty() {
             return Err(ProfileError::Busy);
         }
-        let prog = program(&mut self.ebpf).map_err(|e| ProfileError::Attach(e.to_string()))?;
+        let prog = program(ebpf).map_err(|e| ProfileError::Attach(e.to_string()))?;
         let mut links = Vec::new();
         let online = sys::online_cpus().map_err(|e| ProfileError::Attach(format!("online CPUs: {e}")))?;
         for cpu in online {
@@ -83,16 +81,13 @@ impl EbpfSide {
                 }
             }
         }
-        if let Some(probe) = self.profile.as_mut() {
-            probe.links = links;
-        }
+        self.links = links;
         Ok(())
     }
 
-    fn profile_detach(&mut self) {
-        let Some(probe) = self.profile.as_mut() else { return };
-        let links = std::mem::take(&mut probe.links);
-        if let Ok(prog) = program(&mut self.ebpf) {
+    fn detach(&mut self, ebpf: &mut Ebpf) {
+        let links = std::mem::take(&mut self.links);
+        if let Ok(prog) = program(ebpf) {
             for link in links {
                 if let Err(e) = prog.detach(link) {
                     log::warn!("profile: detaching a perf event failed: {e}");
@@ -105,19 +100,20 @@ impl EbpfSide {
 impl Measurement {
     /// Starts sampling tagged tasks at `frequency_hz` on every online CPU.
     pub fn profile_start(&mut self, frequency_hz: u64) -> Result<(), ProfileError> {
-        self.ebpf_side().ok_or(ProfileError::NoKernelSide)?.profile_attach(frequency_hz)
+        let (ebpf, probe) = self.profile_parts().ok_or(ProfileError::NoKernelSide)?;
+        probe.attach(ebpf, frequency_hz)
     }
 
     /// Stops sampling (what was counted stays until [`Self::profile_clear`]).
     pub fn profile_stop(&mut self) {
-        if let Some(side) = self.ebpf_side() {
-            side.profile_detach();
+        if let Some((ebpf, probe)) = self.profile_parts() {
+            probe.detach(ebpf);
         }
     }
 
     /// The samples counted so far, by key.
     pub fn profile_counts(&self) -> Vec<(ProfileKey, u64)> {
-        match self.ebpf_side_ref().and_then(|s| s.profile.as_ref()) {
+        match self.profile_probe() {
             Some(probe) => probe.samples.iter().filter_map(Result::ok).collect(),
             None => Vec::new(),
         }
@@ -125,12 +121,12 @@ impl Measurement {
 
     /// Samples counted nowhere so far: the hash of keys was full.
     pub fn profile_dropped(&self) -> u64 {
-        self.ebpf_side_ref().and_then(|s| s.profile.as_ref()).and_then(|p| p.dropped.get(&0, 0).ok()).unwrap_or(0)
+        self.profile_probe().and_then(|p| p.dropped.get(&0, 0).ok()).unwrap_or(0)
     }
 
     /// The instruction pointers of stack `id`, innermost first.
     pub fn profile_stack(&self, id: i32) -> Option<Vec<u64>> {
-        let probe = self.ebpf_side_ref()?.profile.as_ref()?;
+        let probe = self.profile_probe()?;
         let id = u32::try_from(id).ok()?;
         let trace = probe.stacks.get(&id, 0).ok()?;
         Some(trace.frames().iter().map(|f| f.ip).collect())
@@ -138,7 +134,7 @@ impl Measurement {
 
     /// Forgets every sample and stack, for the next profile.
     pub fn profile_clear(&mut self) {
-        let Some(probe) = self.ebpf_side().and_then(|s| s.profile.as_mut()) else { return };
+        let Some((_, probe)) = self.profile_parts() else { return };
         let keys: Vec<ProfileKey> = probe.samples.keys().filter_map(Result::ok).collect();
         for k in keys {
             let _ = probe.samples.remove(&k);
