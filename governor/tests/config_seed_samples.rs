@@ -96,7 +96,7 @@ fn empty_file_gives_documented_defaults() {
     assert_eq!(cfg.admission_control().limit(), None);
     let a = cfg.agent();
     assert_eq!(a.control_socket.to_str(), Some("/run/governor/governor.sock"));
-    assert_eq!(a.metrics_addr.to_string(), "127.0.0.1:9464");
+    assert_eq!(a.metrics_socket().to_string(), "127.0.0.1:9464");
     assert_eq!(a.measure, MeasureMode::Auto);
     assert_eq!(a.timer_period.get(), Duration::from_millis(10));
     assert_eq!((a.max_threads, a.max_keyspaces), (16384, 4096));

@@ -122,7 +122,7 @@ impl Running {
 
     /// `agent.access` in force.
     pub(crate) fn access(&self) -> crate::config::Access {
-        self.config.agent().access.clone()
+        self.config.access().clone()
     }
 
     pub(crate) fn counts(&self) -> ConfigUpdates {
@@ -172,7 +172,7 @@ impl Running {
         let next = next.map_err(|e| (what.clone(), e))?;
         let diff = self.config.diff(&next);
         let rules = self.config.rules() != next.rules();
-        let access = next.agent().access != self.config.agent().access;
+        let access = next.access() != self.config.access();
         Ok(Proposal { next, diff, effects: Effects { rules, access }, what })
     }
 

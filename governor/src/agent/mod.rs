@@ -99,7 +99,7 @@ impl AgentOptions {
                 max_keyspaces: a.max_keyspaces.next_power_of_two(),
                 timer_period_ns: a.timer_period.get().as_nanos() as u64,
             },
-            metrics_addr: a.metrics_addr,
+            metrics_addr: a.metrics_socket(),
             config: cfg.clone(),
             config_path: None,
         }
@@ -255,7 +255,7 @@ fn fnv32(bytes: &[u8]) -> u32 {
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
-    let listener = server::bind(&opts.socket, &opts.config.agent().access)?;
+    let listener = server::bind(&opts.socket, opts.config.access())?;
     let metrics_listener = tokio::net::TcpListener::bind(opts.metrics_addr)
         .await
         .map_err(|source| AgentError::Metrics { addr: opts.metrics_addr, source })?;
@@ -280,11 +280,11 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let shared = Arc::new(Shared {
         slots: Ranked::new(
             Rank::Slots,
-            slots::Slots::new(measurement.sizes.slots, opts.config.agent().max_threads_per_uid),
+            slots::Slots::new(measurement.sizes.slots, opts.config.agent().threads_per_uid()),
         ),
         usage: Ranked::new(Rank::Usage, usage::Usage::new(&opts.config)),
         cell_grants: Ranked::new(Rank::CellGrants, cells::CellGrants::default()),
-        keyspaces_per_uid: opts.config.agent().max_keyspaces_per_uid.into(),
+        keyspaces_per_uid: opts.config.agent().keyspaces_per_uid().into(),
         metrics_max_keyspaces: (opts.config.agent().metrics_max_keyspaces as usize).into(),
         config: Ranked::new(Rank::Config, live_config::Running::new(opts.config.clone(), opts.config_path.clone())),
         rules: Ranked::new(Rank::Rules, rules::Rules::default()),

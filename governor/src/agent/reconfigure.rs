@@ -47,13 +47,13 @@ impl Shared {
         }
         let a = next.agent();
         if p.effects.access
-            && let Err(e) = a.access.apply_to_socket(&self.socket)
+            && let Err(e) = next.access().apply_to_socket(&self.socket)
         {
             log::warn!("{}: the control socket's mode or group could not be set: {e}", p.what);
         }
-        self.keyspaces_per_uid.store(a.max_keyspaces_per_uid, Ordering::Relaxed);
+        self.keyspaces_per_uid.store(a.keyspaces_per_uid(), Ordering::Relaxed);
         self.metrics_max_keyspaces.store(a.metrics_max_keyspaces as usize, Ordering::Relaxed);
-        self.lock_slots().set_per_uid(a.max_threads_per_uid);
+        self.lock_slots().set_per_uid(a.threads_per_uid());
         self.lock_server_cpu().set_configured(server_cpu_cores);
         Ok(())
     }

@@ -219,7 +219,7 @@ mod tests {
     use crate::config::ValidatedConfig;
 
     fn access(toml: &str) -> Access {
-        ValidatedConfig::from_toml_str(toml).unwrap().agent().access.clone()
+        ValidatedConfig::from_toml_str(toml).unwrap().access().clone()
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! `deny_unknown_fields`, no cross-field checks. [`super::validate`] turns a
 //! [`RawConfig`] into a [`super::ValidatedConfig`]. The sections the policy
 //! runs on are one type each, read and validated alike
-//! ([`super::sections`], [`super::throttle`]); `[agent]`, `[pd]` and
-//! `[[rules]]` are read here and typed by validation.
+//! ([`super::sections`], [`super::throttle`]), and so is `[agent]`
+//! ([`AgentConfig`]: validation fills in its derived per-uid quotas and
+//! resolves `[agent.access]` beside it); `[pd]` and `[[rules]]` are read
+//! here and typed by validation.
 //!
 //! Keys are the seeds' keys, verbatim and kebab-case, so operators of the
 //! original system recognise them.
@@ -28,7 +30,7 @@ pub struct RawConfig {
     /// `[latency-guard]`: light keyspaces' run-queue wait.
     pub latency_guard: LatencyGuard,
     /// `[agent]`: the daemon itself (socket, metrics, measurement backend).
-    pub agent: RawAgent,
+    pub agent: AgentConfig,
     /// `[pd]`: the PD members service limits are fetched from.
     pub pd: super::pd::RawPd,
     /// `[[rules]]`: unmodified processes measured by rule, first match wins.
@@ -49,10 +51,12 @@ pub enum MeasureMode {
     ThreadClock,
 }
 
-/// `[agent]`: the daemon.
+/// `[agent]`: the daemon. One type as written and as validated: after
+/// validation both per-uid quotas hold their value (derived ones included)
+/// and `metrics-addr` is a socket address.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields, rename_all = "kebab-case")]
-pub struct RawAgent {
+pub struct AgentConfig {
     /// Unix socket clients connect to for region fds and CLI verbs.
     /// Restart-only: clients hold the path. Default `/run/governor/governor.sock`.
     pub control_socket: PathBuf,
@@ -85,11 +89,29 @@ pub struct RawAgent {
     /// limited. Range 1..=max-keyspaces; default half of `max-keyspaces`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keyspaces_per_uid: Option<u32>,
-    /// `[agent.access]`: the socket's mode and group, and who may do what.
+    /// `[agent.access]`: the socket's mode and group, and who may do what,
+    /// as written (resolved: [`super::ValidatedConfig::access`]).
     pub access: super::access::RawAccess,
 }
 
-impl Default for RawAgent {
+impl AgentConfig {
+    /// Where `/metrics` listens.
+    pub fn metrics_socket(&self) -> std::net::SocketAddr {
+        self.metrics_addr.parse().expect("a validated configuration holds a socket address")
+    }
+
+    /// Thread slots one uid may hold: as set, else half of `max-threads`.
+    pub fn threads_per_uid(&self) -> u32 {
+        self.max_threads_per_uid.unwrap_or(self.max_threads / 2).max(1)
+    }
+
+    /// Keyspace cells one uid may use: as set, else half of `max-keyspaces`.
+    pub fn keyspaces_per_uid(&self) -> u32 {
+        self.max_keyspaces_per_uid.unwrap_or(self.max_keyspaces / 2).max(1)
+    }
+}
+
+impl Default for AgentConfig {
     fn default() -> Self {
         Self {
             control_socket: PathBuf::from("/run/governor/governor.sock"),

@@ -12,7 +12,7 @@ use super::checker::{Checker, MS, SEC};
 use super::error::ConfigErrors;
 use super::raw::RawConfig;
 use super::source::SourceMap;
-use super::validated::{AgentConfig, EMBEDDED_DEFAULT_TOML, ValidatedConfig, parse_file};
+use super::validated::{EMBEDDED_DEFAULT_TOML, ValidatedConfig, parse_file};
 
 /// Validates `raw`; `map` supplies line numbers (empty when there is no file).
 pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConfig, ConfigErrors> {
@@ -33,10 +33,11 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         "control-socket",
         format!("must be an absolute path, got {:?}", a.control_socket),
     );
-    let metrics_addr = a.metrics_addr.parse::<SocketAddr>().unwrap_or_else(|e| {
+    let mut agent = a.clone();
+    if let Err(e) = a.metrics_addr.parse::<SocketAddr>() {
         c.invalid("agent.metrics-addr".into(), format!("{:?} is not a socket address ({e})", a.metrics_addr));
-        SocketAddr::from(([127, 0, 0, 1], 0))
-    });
+        agent.metrics_addr = SocketAddr::from(([127, 0, 0, 1], 0)).to_string();
+    }
     c.int("agent", "metrics-max-keyspaces", a.metrics_max_keyspaces.into(), 1, 100_000);
     c.duration("agent", "timer-period", a.timer_period, MS, SEC);
     c.int("agent", "max-threads", a.max_threads.into(), 64, 1 << 20);
@@ -48,8 +49,8 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     if let Some(n) = a.max_keyspaces_per_uid {
         c.int("agent", "max-keyspaces-per-uid", n.into(), 1, a.max_keyspaces.into());
     }
-    let threads_per_uid = a.max_threads_per_uid.unwrap_or(a.max_threads / 2).max(1);
-    let keyspaces_per_uid = a.max_keyspaces_per_uid.unwrap_or(a.max_keyspaces / 2).max(1);
+    agent.max_threads_per_uid = Some(a.threads_per_uid());
+    agent.max_keyspaces_per_uid = Some(a.keyspaces_per_uid());
     let rules = super::rules::check(&mut c, &raw.rules);
     let access = super::access::check(&mut c, &a.access);
     // In tenant-cap mode PD is refused on its own (below the Essential rules).
@@ -60,18 +61,8 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
         write_quota: raw.write_quota.clone(),
         admission_control: raw.admission_control.clone(),
         latency_guard: raw.latency_guard.clone(),
-        agent: AgentConfig {
-            control_socket: a.control_socket.clone(),
-            metrics_addr,
-            metrics_max_keyspaces: a.metrics_max_keyspaces,
-            measure: a.measure,
-            timer_period: a.timer_period,
-            max_threads: a.max_threads,
-            max_keyspaces: a.max_keyspaces,
-            max_threads_per_uid: threads_per_uid,
-            max_keyspaces_per_uid: keyspaces_per_uid,
-            access,
-        },
+        agent,
+        access,
         pd,
         rules,
     };
@@ -229,7 +220,7 @@ mod tests {
     fn per_uid_quotas_default_to_half_and_are_bounded_by_the_totals() {
         let source = "[agent]\nmax-threads = 1000\nmax-keyspaces = 64\n";
         let cfg = validate(&toml::from_str(source).unwrap(), &SourceMap::new(source)).unwrap();
-        assert_eq!((cfg.agent.max_threads_per_uid, cfg.agent.max_keyspaces_per_uid), (500, 32));
+        assert_eq!((cfg.agent.threads_per_uid(), cfg.agent.keyspaces_per_uid()), (500, 32));
         let source = "[agent]\nmax-threads = 1000\nmax-threads-per-uid = 1001\nmax-keyspaces-per-uid = 0\n";
         let errors = validate(&toml::from_str(source).unwrap(), &SourceMap::new(source)).unwrap_err();
         assert_eq!(

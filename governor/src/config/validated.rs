@@ -8,16 +8,12 @@
 //! (durations as strings, lists as `"id:value"` strings), for
 //! `governor config show`; the TOML output parses back to the same value.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-
 use serde::Serialize;
 
-use super::raw::{MeasureMode, RawConfig};
+use super::raw::{AgentConfig, RawConfig};
 use super::sections::{AdmissionControl, LatencyGuard, ResourceControl, WriteQuota};
 use super::source::SourceMap;
 use super::throttle::CpuThrottle;
-use super::units::ConfigDuration;
 
 /// The embedded default configuration file, documented key by key.
 pub const EMBEDDED_DEFAULT_TOML: &str = include_str!("default.toml");
@@ -31,26 +27,12 @@ pub struct ValidatedConfig {
     pub(crate) admission_control: AdmissionControl,
     pub(crate) latency_guard: LatencyGuard,
     pub(crate) agent: AgentConfig,
+    /// `[agent.access]` resolved (it prints back as written, in `agent`).
+    #[serde(skip)]
+    pub(crate) access: super::access::Access,
     pub(crate) pd: super::pd::Pd,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub(crate) rules: Vec<super::rules::Rule>,
-}
-
-/// `[agent]`, validated. Field meanings: see [`super::RawAgent`].
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct AgentConfig {
-    pub control_socket: PathBuf,
-    pub metrics_addr: SocketAddr,
-    pub metrics_max_keyspaces: u32,
-    pub measure: MeasureMode,
-    pub timer_period: ConfigDuration,
-    pub max_threads: u32,
-    pub max_keyspaces: u32,
-    pub max_threads_per_uid: u32,
-    pub max_keyspaces_per_uid: u32,
-    /// `[agent.access]` (a table: after every plain key).
-    pub access: super::access::Access,
 }
 
 /// A file as written, with its profile's values for the keys it leaves
@@ -91,6 +73,11 @@ impl ValidatedConfig {
     /// `[agent]`.
     pub fn agent(&self) -> &AgentConfig {
         &self.agent
+    }
+
+    /// `[agent.access]`, its users and groups resolved.
+    pub fn access(&self) -> &super::access::Access {
+        &self.access
     }
 
     /// `[pd]`.
