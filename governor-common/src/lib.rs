@@ -113,30 +113,71 @@ pub const MAP_RULE_WAIT: &str = "GOV_RULE_WAIT";
 /// Rule-measured tasks whose waits can be counted at once.
 pub const MAX_RULE_TASKS: u32 = 65536;
 
-/// Name of the stack-trace map the profile program fills.
+/// Name of the profile's stack table: [`StackFrames`] by the 64-bit hash
+/// of their addresses (a hash map of the profile program's own, so two
+/// stacks never share an entry as they do in the kernel's stack-trace map,
+/// which keeps one stack per bucket of a 32-bit hash).
 pub const MAP_STACKS: &str = "GOV_STACKS";
+/// Name of the per-CPU scratch buffer a stack is walked into before it is
+/// hashed (one [`StackFrames`] per CPU).
+pub const MAP_STACK_SCRATCH: &str = "GOV_STACK_SCRATCH";
 /// Name of the `ProfileKey → samples` hash of the profile program.
 pub const MAP_SAMPLES: &str = "GOV_SAMPLES";
 /// Name of the profile's one-entry array: samples that found the
 /// [`MAP_SAMPLES`] hash full (counted, never silently lost).
 pub const MAP_PROFILE_DROPPED: &str = "GOV_PROFILE_DROPPED";
-/// Distinct stacks one profile can hold (a stack-trace map is
-/// preallocated: about 1 KiB each).
+/// Distinct stacks one profile can hold (the table is preallocated, about
+/// 1 KiB each; a stack that finds it full is counted as lost).
 pub const MAX_STACKS: u32 = 4096;
+/// Frames kept of a stack: the kernel's deepest walk
+/// (`PERF_MAX_STACK_DEPTH`).
+pub const MAX_FRAMES: usize = 127;
+/// A [`ProfileKey`] stack that the sample does not have: a task
+/// interrupted in user mode has no kernel stack, a kernel thread no user
+/// stack.
+pub const NO_STACK: u64 = 0;
+/// A [`ProfileKey`] stack that was walked but could not be kept (the
+/// table full, or the walk failed): the sample still counts.
+pub const LOST_STACK: u64 = 1;
+
+/// One stack's instruction pointers, innermost first; zero after the last.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackFrames {
+    pub ips: [u64; MAX_FRAMES],
+}
+
+/// The key of a walked stack in [`MAP_STACKS`]: a 64-bit hash of its
+/// addresses (the first `n`, `n` ≤ [`MAX_FRAMES`]), never [`NO_STACK`] or
+/// [`LOST_STACK`]. Written once here, for the program and for tests.
+#[inline(always)]
+pub fn stack_hash(ips: &[u64; MAX_FRAMES], n: usize) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < MAX_FRAMES {
+        if i >= n {
+            break;
+        }
+        h = (h ^ ips[i]).wrapping_mul(0x0000_0100_0000_01b3);
+        h ^= h >> 29;
+        i += 1;
+    }
+    if h <= LOST_STACK { h + 2 } else { h }
+}
 /// Distinct (tag, process, stacks) keys one profile can hold.
 pub const MAX_PROFILE_KEYS: u32 = 16384;
 
 /// What a profile sample is counted under: the tag current when the
-/// sample was taken (keyspace cell + 1), the process, and the stack ids of
-/// its user and kernel stacks in [`MAP_STACKS`] (negative: the kernel's
-/// error, the stack is lost; the sample still counts).
+/// sample was taken (keyspace cell + 1), the process, and the keys of its
+/// user and kernel stacks in [`MAP_STACKS`] (or [`NO_STACK`] /
+/// [`LOST_STACK`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ProfileKey {
     pub tag: u32,
     pub tgid: u32,
-    pub user_stack: i32,
-    pub kernel_stack: i32,
+    pub user_stack: u64,
+    pub kernel_stack: u64,
 }
 
 /// Program names, as exported by the eBPF object.
@@ -431,7 +472,8 @@ const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
 const _: () = assert!(size_of::<RuleCpu>() == 16);
 const _: () = assert!(size_of::<KeyspaceWait>() == 192);
-const _: () = assert!(size_of::<ProfileKey>() == 16);
+const _: () = assert!(size_of::<ProfileKey>() == 24);
+const _: () = assert!(size_of::<StackFrames>() == 8 * MAX_FRAMES);
 
 /// First probe position of `keyspace_id` in a table of `len` cells
 /// (`len` a power of two). Fibonacci hashing: ids are often dense small
@@ -469,11 +511,36 @@ mod pod {
     unsafe impl aya::Pod for super::KeyspaceWait {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::ProfileKey {}
+    // SAFETY: as above: plain integers, no padding.
+    unsafe impl aya::Pod for super::StackFrames {}
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stack_is_keyed_by_its_walked_frames_alone_and_never_as_none_or_lost() {
+        let mut a = [0u64; MAX_FRAMES];
+        // The instructions of one hot loop, one frame each: a stack apiece.
+        let mut keys = std::collections::HashSet::new();
+        for ip in 0x5555_0000_1000u64..0x5555_0000_1000 + 20_000 {
+            a[0] = ip;
+            let k = stack_hash(&a, 1);
+            assert!(k > LOST_STACK);
+            assert!(keys.insert(k), "two stacks share key {k:#x}");
+        }
+        // What lies past the walked frames does not count; a deeper stack
+        // is another; the full depth is read.
+        let (b, mut c) = ([7u64; MAX_FRAMES], [7u64; MAX_FRAMES]);
+        c[5] = 8;
+        assert_eq!(stack_hash(&b, 5), stack_hash(&c, 5));
+        assert_ne!(stack_hash(&b, 6), stack_hash(&c, 6));
+        assert_ne!(stack_hash(&b, 2), stack_hash(&b, 3));
+        let mut d = b;
+        d[MAX_FRAMES - 1] = 9;
+        assert_ne!(stack_hash(&b, MAX_FRAMES), stack_hash(&d, MAX_FRAMES));
+    }
 
     #[test]
     fn tags_round_trip_and_zero_is_untagged() {

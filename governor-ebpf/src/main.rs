@@ -65,23 +65,25 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+use aya_ebpf::EbpfContext;
 use aya_ebpf::helpers::{bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem};
 use aya_ebpf::{
     helpers::{
-        bpf_get_current_comm, bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_ktime_get_ns,
+        bpf_get_current_comm, bpf_get_current_task_btf, bpf_get_smp_processor_id, bpf_get_stack, bpf_ktime_get_ns,
         bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
     },
     macros::{btf_tracepoint, map, perf_event},
-    maps::{Array, HashMap, RingBuf, StackTrace},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{BtfTracePointContext, PerfEventContext},
 };
 use core::ffi::c_void;
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
     CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
-    FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, MAX_CPUS, MAX_PENDING, MAX_PROFILE_KEYS, MAX_RULE_TASKS, MAX_STACKS,
-    ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent, SLOT_DEAD,
-    SLOT_LIVE, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner, wait_bucket,
+    FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS,
+    MAX_RULE_TASKS, MAX_STACKS, NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME,
+    RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner,
+    wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -703,9 +705,13 @@ pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     0
 }
 
-/// Stacks of the profile program ([`gov_profile`]).
+/// Stacks of the profile program ([`gov_profile`]), by the hash of their
+/// addresses.
 #[map]
-static GOV_STACKS: StackTrace = StackTrace::with_max_entries(MAX_STACKS, 0);
+static GOV_STACKS: HashMap<u64, StackFrames> = HashMap::with_max_entries(MAX_STACKS, 0);
+/// Where a stack is walked before it is hashed (too big for the BPF stack).
+#[map]
+static GOV_STACK_SCRATCH: PerCpuArray<StackFrames> = PerCpuArray::with_max_entries(1, 0);
 /// Samples by tag, process and stacks.
 #[map]
 static GOV_SAMPLES: HashMap<ProfileKey, u64> = HashMap::with_max_entries(MAX_PROFILE_KEYS, 0);
@@ -714,8 +720,36 @@ static GOV_SAMPLES: HashMap<ProfileKey, u64> = HashMap::with_max_entries(MAX_PRO
 #[map]
 static GOV_PROFILE_DROPPED: Array<u64> = Array::with_max_entries(1, 0);
 
-/// `BPF_F_USER_STACK`: `bpf_get_stackid` walks the user stack.
+/// `BPF_F_USER_STACK`: `bpf_get_stack` walks the user stack.
 const BPF_F_USER_STACK: u64 = 1 << 8;
+
+/// Walks the sample's user (`flags` = [`BPF_F_USER_STACK`]) or kernel
+/// stack and keeps it in [`GOV_STACKS`] under its hash, which it returns:
+/// [`NO_STACK`] for an empty walk, [`LOST_STACK`] when the walk failed or
+/// the table is full. The same stack is stored once (a second insert of
+/// one hash finds it there).
+#[inline(always)]
+unsafe fn keep_stack(ctx: &PerfEventContext, flags: u64) -> u64 {
+    let Some(buf) = GOV_STACK_SCRATCH.get_ptr_mut(0) else { return LOST_STACK };
+    // SAFETY: buf is this CPU's map value, a StackFrames for this run; the
+    // helper writes at most its size and zeroes the rest.
+    unsafe {
+        let len = bpf_get_stack(ctx.as_ptr(), buf as *mut c_void, size_of::<StackFrames>() as u32, flags);
+        if len < 0 {
+            return LOST_STACK;
+        }
+        let n = len as usize / 8;
+        if n == 0 {
+            return NO_STACK;
+        }
+        let h = keyspace_governor_common::stack_hash(&(*buf).ips, n.min(MAX_FRAMES));
+        if GOV_STACKS.get_ptr(&h).is_some() || GOV_STACKS.insert(&h, &*buf, 1 /* BPF_NOEXIST */).is_ok() {
+            return h;
+        }
+        // Another CPU stored it meanwhile, or the table is full.
+        if GOV_STACKS.get_ptr(&h).is_some() { h } else { LOST_STACK }
+    }
+}
 
 /// Profile sample (a CPU clock at the profile's frequency, attached only
 /// while a profile is taken): the task running here is counted, with its
@@ -744,14 +778,8 @@ pub fn gov_profile(ctx: PerfEventContext) -> u32 {
         if tag == 0 || tag == TAG_PENDING {
             return 0;
         }
-        let user_stack = match GOV_STACKS.get_stackid(&ctx, BPF_F_USER_STACK) {
-            Ok(id) => id as i32,
-            Err(e) => e as i32,
-        };
-        let kernel_stack = match GOV_STACKS.get_stackid(&ctx, 0) {
-            Ok(id) => id as i32,
-            Err(e) => e as i32,
-        };
+        let user_stack = keep_stack(&ctx, BPF_F_USER_STACK);
+        let kernel_stack = keep_stack(&ctx, 0);
         let key = ProfileKey { tag, tgid: task_field::<u32>(task, &GOV_OFF_TGID), user_stack, kernel_stack };
         if let Some(p) = GOV_SAMPLES.get_ptr_mut(&key) {
             core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);

@@ -47,8 +47,8 @@ fn profile_json(agent: &Agent, args: &[&str]) -> ProfileReport {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", output_text(&out)))
 }
 
-/// A sample whose user stack the kernel's stack map could not keep (its
-/// hash bucket held another stack): counted, with no frames to judge.
+/// A sample whose user stack was walked but not kept (the agent's stack
+/// table full, or the walk failed): counted, with no frames to judge.
 fn lost(s: &keyspace_governor::proto::ProfileStack) -> bool {
     s.frames.iter().any(|f| f == "[lost]")
 }
@@ -83,9 +83,10 @@ fn check_rows(r: &ProfileReport, what: &str) {
             gone * 100.0
         );
         // Without frame pointers every instruction of the loop is a stack
-        // of its own, and a stack whose bucket is taken is lost (12.6 % of
-        // the lighter keyspace's once in CI): counted, never misattributed.
-        assert!(gone <= 0.25, "{what}: keyspace {ks}: {:.1} % of its samples lost their stack", gone * 100.0);
+        // of its own: a few hundred stacks, each kept under its own 64-bit
+        // hash (in the kernel's stack map, one per bucket of a 32-bit hash,
+        // up to 12.6 % of a keyspace's samples were lost).
+        assert!(gone <= 0.01, "{what}: keyspace {ks}: {:.1} % of its samples lost their stack", gone * 100.0);
         assert!(mine >= 0.90, "{what}: keyspace {ks}: {own} in {:.1} % of its samples", mine * 100.0);
         assert!(theirs <= 0.05, "{what}: keyspace {ks}: {other} in {:.1} % of its samples", theirs * 100.0);
     }
@@ -270,7 +271,7 @@ fn a_rule_matched_process_shows_its_own_frames() {
         total as f64 >= 0.85 * expected && total as f64 <= 1.15 * expected,
         "{total} samples for {expected:.0} expected from the CPU charged"
     );
-    assert!(gone <= 0.25, "{:.1} % of the samples lost their stack", gone * 100.0);
+    assert!(gone <= 0.01, "{:.1} % of the samples lost their stack", gone * 100.0);
     assert!(own as f64 >= 0.9 * total as f64 * (1.0 - gone), "{own} of {total}");
 }
 

@@ -16,7 +16,7 @@ use crate::proto::{ProfileKeyspace, ProfileReport, ProfileStack, Reply};
 use blazesym::normalize::{Normalizer, UserMeta};
 use blazesym::symbolize::source::{Elf, Kernel, Source};
 use blazesym::symbolize::{Input, Symbolized, Symbolizer};
-use keyspace_governor_common::ProfileKey;
+use keyspace_governor_common::{LOST_STACK, NO_STACK, ProfileKey};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -26,10 +26,6 @@ use std::time::{Duration, Instant};
 pub(crate) const MAX_SECONDS: f64 = 300.0;
 /// Highest sampling frequency per CPU.
 pub(crate) const MAX_FREQUENCY_HZ: u32 = 1000;
-/// `-EFAULT` from `bpf_get_stackid`: the sample has no such stack (a user
-/// task interrupted in user mode has no kernel stack, a kernel thread no
-/// user stack).
-const NO_STACK: i32 = -libc::EFAULT;
 
 /// Which keyspaces a report keeps.
 #[derive(Clone, Copy, Debug)]
@@ -56,10 +52,10 @@ enum UserFrame {
 #[derive(Default)]
 struct Session {
     counts: HashMap<ProfileKey, u64>,
-    /// By (process, user stack id), innermost first.
-    user: HashMap<(u32, i32), Vec<UserFrame>>,
-    /// By kernel stack id, innermost first.
-    kernel: HashMap<i32, Vec<u64>>,
+    /// By (process, user stack key), innermost first.
+    user: HashMap<(u32, u64), Vec<UserFrame>>,
+    /// By kernel stack key, innermost first.
+    kernel: HashMap<u64, Vec<u64>>,
     /// Tag → keyspace, as the directory said when the tag was first seen.
     keyspaces: HashMap<u32, u32>,
     /// Process names, read when first seen.
@@ -82,13 +78,13 @@ impl Session {
                 if let Some(&id) = ids.get(&key.tag) {
                     self.keyspaces.entry(key.tag).or_insert(id);
                 }
-                if key.user_stack >= 0
+                if key.user_stack > LOST_STACK
                     && !self.user.contains_key(&(key.tgid, key.user_stack))
                     && let Some(ips) = m.profile_stack(key.user_stack)
                 {
                     new_user.push((key.tgid, key.user_stack, ips));
                 }
-                if key.kernel_stack >= 0
+                if key.kernel_stack > LOST_STACK
                     && !self.kernel.contains_key(&key.kernel_stack)
                     && let Some(ips) = m.profile_stack(key.kernel_stack)
                 {
@@ -155,8 +151,11 @@ impl Session {
                 None if key.kernel_stack == NO_STACK => {}
                 None => frames.push("[lost]_[k]".into()),
             }
-            if (key.user_stack < 0 && key.user_stack != NO_STACK)
-                || (key.kernel_stack < 0 && key.kernel_stack != NO_STACK)
+            // Walked but not kept (the table full, or the walk failed), or
+            // kept but gone by the time it was read.
+            let missing = |s: u64, known: bool| s == LOST_STACK || (s != NO_STACK && !known);
+            if missing(key.user_stack, self.user.contains_key(&(key.tgid, key.user_stack)))
+                || missing(key.kernel_stack, self.kernel.contains_key(&key.kernel_stack))
             {
                 lost += n;
             }

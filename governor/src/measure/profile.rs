@@ -1,20 +1,21 @@
 //! The kernel side of a profile: `gov_profile`, loaded with the other
 //! programs but attached (one CPU-clock perf event per online CPU, at the
 //! profile's frequency) only while a profile is taken, and its two maps:
-//! the samples counted by (tag, process, stacks) and the stacks themselves.
+//! the samples counted by (tag, process, stacks) and the stacks themselves,
+//! by the hash of their addresses.
 //! Nothing is sampled and nothing is paid while no profile runs.
 
 use super::{MeasureError, Measurement, take_map};
 use crate::sys;
 use aya::Ebpf;
-use aya::maps::{Array, HashMap, MapData, StackTraceMap};
+use aya::maps::{Array, HashMap, MapData};
 use aya::programs::PerfEvent;
 use aya::programs::perf_event::{PerfEventLinkId, PerfEventScope, PerfTypeId, SamplePolicy, perf_sw_ids};
-use keyspace_governor_common::{MAP_PROFILE_DROPPED, MAP_SAMPLES, MAP_STACKS, PROG_PROFILE, ProfileKey};
+use keyspace_governor_common::{MAP_PROFILE_DROPPED, MAP_SAMPLES, MAP_STACKS, PROG_PROFILE, ProfileKey, StackFrames};
 
 /// The profile program's maps and, while a profile runs, its perf events.
 pub struct ProfileProbe {
-    stacks: StackTraceMap<MapData>,
+    stacks: HashMap<MapData, u64, StackFrames>,
     samples: HashMap<MapData, ProfileKey, u64>,
     /// Samples that found `samples` full.
     dropped: Array<MapData, u64>,
@@ -124,12 +125,11 @@ impl Measurement {
         self.profile_probe().and_then(|p| p.dropped.get(&0, 0).ok()).unwrap_or(0)
     }
 
-    /// The instruction pointers of stack `id`, innermost first.
-    pub fn profile_stack(&self, id: i32) -> Option<Vec<u64>> {
-        let probe = self.profile_probe()?;
-        let id = u32::try_from(id).ok()?;
-        let trace = probe.stacks.get(&id, 0).ok()?;
-        Some(trace.frames().iter().map(|f| f.ip).collect())
+    /// The instruction pointers of the stack kept under `key`, innermost
+    /// first.
+    pub fn profile_stack(&self, key: u64) -> Option<Vec<u64>> {
+        let frames = self.profile_probe()?.stacks.get(&key, 0).ok()?;
+        Some(frames.ips.iter().copied().take_while(|&ip| ip != 0).collect())
     }
 
     /// Forgets every sample and stack, for the next profile.
@@ -139,9 +139,9 @@ impl Measurement {
         for k in keys {
             let _ = probe.samples.remove(&k);
         }
-        let ids: Vec<u32> = probe.stacks.stack_ids().filter_map(Result::ok).collect();
-        for id in ids {
-            let _ = probe.stacks.remove(&id);
+        let stacks: Vec<u64> = probe.stacks.keys().filter_map(Result::ok).collect();
+        for s in stacks {
+            let _ = probe.stacks.remove(&s);
         }
         let _ = probe.dropped.set(0, 0, 0);
     }
