@@ -168,14 +168,16 @@ pub fn stack_hash(ips: &[u64; MAX_FRAMES], n: usize) -> u64 {
 pub const MAX_PROFILE_KEYS: u32 = 16384;
 
 /// What a profile sample is counted under: the tag current when the
-/// sample was taken (keyspace cell + 1), the process, and the keys of its
-/// user and kernel stacks in [`MAP_STACKS`] (or [`NO_STACK`] /
-/// [`LOST_STACK`]).
+/// sample was taken (keyspace cell + 1), the process, the request kind the
+/// tag carried (0: none), and the keys of its user and kernel stacks in
+/// [`MAP_STACKS`] (or [`NO_STACK`] / [`LOST_STACK`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ProfileKey {
     pub tag: u32,
     pub tgid: u32,
+    pub kind: u32,
+    pub _pad: u32,
     pub user_stack: u64,
     pub kernel_stack: u64,
 }
@@ -229,7 +231,9 @@ pub const DEFAULT_MAX_THREADS: u32 = 16384;
 pub const DEFAULT_MAX_KEYSPACES: u32 = 4096;
 
 /// A tag of 0 means "untagged": the slice is charged to no keyspace.
-/// Any other tag is `keyspace cell index + 1`.
+/// Any other tag holds `keyspace cell index + 1` in its low 32 bits (what
+/// the charge goes by) and the request kind a server gave in bits 32–39
+/// (0: none; only profiles read it, see [`tag_for`]).
 pub const TAG_NONE: u64 = 0;
 
 /// Slot states (`ThreadSlot::state`).
@@ -321,7 +325,8 @@ pub struct ThreadSlot {
     /// schedstat sample (fallback backend).
     pub oncpu_ns: u64,
     pub charged_ns: u64,
-    /// Current tag: [`TAG_NONE`] or keyspace cell index + 1.
+    /// Current tag: [`TAG_NONE`] or keyspace cell index + 1, with the
+    /// request kind above (see [`tag_for`]).
     pub tag: u64,
     /// Registration generation; bumped every time the slot is handed out, so
     /// stale handles can be detected.
@@ -472,7 +477,7 @@ const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
 const _: () = assert!(size_of::<RuleCpu>() == 16);
 const _: () = assert!(size_of::<KeyspaceWait>() == 192);
-const _: () = assert!(size_of::<ProfileKey>() == 24);
+const _: () = assert!(size_of::<ProfileKey>() == 32);
 const _: () = assert!(size_of::<StackFrames>() == 8 * MAX_FRAMES);
 
 /// First probe position of `keyspace_id` in a table of `len` cells
@@ -490,10 +495,27 @@ pub const fn tag_for_cell(index: u32) -> u64 {
     index as u64 + 1
 }
 
+/// Tag value for keyspace cell `index` doing a request of `kind` (a
+/// server's own numbering of its request kinds: get, scan, write…; 0 for
+/// none). The kind never changes what is charged where.
+#[inline]
+pub const fn tag_for(index: u32, kind: u8) -> u64 {
+    tag_for_cell(index) | (kind as u64) << 32
+}
+
+/// The request kind a tag carries (0: none given).
+#[inline]
+pub const fn kind_of_tag(tag: u64) -> u8 {
+    (tag >> 32) as u8
+}
+
 /// Keyspace cell index of a tag, or `None` for [`TAG_NONE`].
 #[inline]
 pub const fn cell_of_tag(tag: u64) -> Option<u32> {
-    if tag == TAG_NONE { None } else { Some((tag - 1) as u32) }
+    match tag as u32 {
+        0 => None,
+        low => Some(low - 1),
+    }
 }
 
 #[cfg(feature = "user")]
@@ -547,6 +569,12 @@ mod tests {
         assert_eq!(cell_of_tag(TAG_NONE), None);
         for i in [0u32, 1, 17, 4095, u32::MAX - 1] {
             assert_eq!(cell_of_tag(tag_for_cell(i)), Some(i));
+            assert_eq!(kind_of_tag(tag_for_cell(i)), 0);
+            // A kind rides along and changes nothing of the charge.
+            for kind in [1u8, 7, 255] {
+                assert_eq!((cell_of_tag(tag_for(i, kind)), kind_of_tag(tag_for(i, kind))), (Some(i), kind));
+                assert_eq!(cell_of_tag(tag_for(i, kind) as u32 as u64), Some(i), "a wait tag keeps the cell");
+            }
         }
     }
 

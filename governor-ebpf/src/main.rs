@@ -83,7 +83,7 @@ use keyspace_governor_common::{
     FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS,
     MAX_RULE_TASKS, MAX_STACKS, NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME,
     RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner,
-    wait_bucket,
+    kind_of_tag, wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -754,8 +754,9 @@ unsafe fn keep_stack(ctx: &PerfEventContext, flags: u64) -> u64 {
 /// Profile sample (a CPU clock at the profile's frequency, attached only
 /// while a profile is taken): the task running here is counted, with its
 /// user and kernel stacks, under the tag it works for now — a registered
-/// thread's current tag (the one its next charge goes to), else its rule's
-/// keyspace. Untagged tasks are not counted.
+/// thread's current tag (the one its next charge goes to) and the request
+/// kind it carries, else its rule's keyspace. Untagged tasks are not
+/// counted.
 #[perf_event]
 pub fn gov_profile(ctx: PerfEventContext) -> u32 {
     // SAFETY: the helper returns the trusted current task; the slot and
@@ -765,11 +766,12 @@ pub fn gov_profile(ctx: PerfEventContext) -> u32 {
         if tid == 0 {
             return 0;
         }
-        let mut tag = 0u32;
+        let (mut tag, mut kind) = (0u32, 0u32);
         if let Some((slot, _)) = registered(tid, entry) {
             let t = read_volatile(addr_of!((*slot).tag));
             if let Some(cell) = cell_of_tag(t) {
                 tag = cell + 1;
+                kind = kind_of_tag(t) as u32;
             }
         }
         if tag == 0 {
@@ -780,7 +782,8 @@ pub fn gov_profile(ctx: PerfEventContext) -> u32 {
         }
         let user_stack = keep_stack(&ctx, BPF_F_USER_STACK);
         let kernel_stack = keep_stack(&ctx, 0);
-        let key = ProfileKey { tag, tgid: task_field::<u32>(task, &GOV_OFF_TGID), user_stack, kernel_stack };
+        let tgid = task_field::<u32>(task, &GOV_OFF_TGID);
+        let key = ProfileKey { tag, tgid, kind, _pad: 0, user_stack, kernel_stack };
         if let Some(p) = GOV_SAMPLES.get_ptr_mut(&key) {
             core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, 1);
         } else if GOV_SAMPLES.insert(&key, &1, 1 /* BPF_NOEXIST */).is_err() {

@@ -156,8 +156,8 @@ pub struct ProfileReport {
     pub keyspaces: Vec<ProfileKeyspace>,
     /// Every distinct stack with its samples.
     pub stacks: Vec<ProfileStack>,
-    /// Samples whose user or kernel stack the kernel could not keep (the
-    /// stack map full or a hash collision): counted, with `[lost]` frames.
+    /// Samples whose user or kernel stack was walked but not kept (the
+    /// stack table full, or the walk failed): counted, with `[lost]` frames.
     pub lost_stacks: u64,
     /// Samples of tagged work counted under no key: the kernel's table of
     /// (keyspace, process, stacks) was full (16 384 keys). Not in
@@ -180,6 +180,10 @@ pub struct ProfileKeyspace {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProfileStack {
     pub keyspace_id: u32,
+    /// The request kind the work was tagged with (`Demand::kind`,
+    /// `client::tag_with_kind`); 0: none given.
+    #[serde(default)]
+    pub kind: u8,
     pub pid: u32,
     pub frames: Vec<String>,
     pub samples: u64,

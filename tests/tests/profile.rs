@@ -19,8 +19,13 @@ const A: u32 = 7100;
 const B: u32 = 7200;
 
 fn rows(agent: &Agent, seconds: f64) -> Child {
+    rows_with(agent, seconds, &[])
+}
+
+fn rows_with(agent: &Agent, seconds: f64, extra: &[&str]) -> Child {
     Command::new(workload_bin())
         .args(["rows", "--threads", "2", "--a", &A.to_string(), "--b", &B.to_string()])
+        .args(extra)
         .args(["--seconds", &seconds.to_string(), "--socket"])
         .arg(&agent.socket)
         .stdout(Stdio::null())
@@ -180,7 +185,13 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
         assert!(text.contains(name), "the flame graph has no {name}");
     }
     let pprof = dir.0.join("profile.pb");
-    profile(&agent, &["--seconds", "1", "--format", "pprof", "--output", pprof.to_str().unwrap()]);
+    // 499 Hz: the lighter keyspace's leaves are a few hundred samples (at
+    // 99 Hz, 45 in an emulated aarch64 VM, where 5 of them in the loop's
+    // clock read read 88.9 % for its function).
+    profile(
+        &agent,
+        &["--seconds", "1", "--frequency", "499", "--format", "pprof", "--output", pprof.to_str().unwrap()],
+    );
     let p = pprof::decode(&std::fs::read(&pprof).expect("pprof written"));
     assert_eq!(p.sample_types, [("samples".to_string(), "count".to_string()), ("cpu".into(), "nanoseconds".into())]);
     let by_keyspace = p.leaf_shares();
@@ -275,6 +286,64 @@ fn a_rule_matched_process_shows_its_own_frames() {
     assert!(own as f64 >= 0.9 * total as f64 * (1.0 - gone), "{own} of {total}");
 }
 
+/// Request kinds of one keyspace, on the same threads (kind 1 tagged by
+/// hand, kind 2 under a ticket of `Demand::kind(2)`), each in its own
+/// function: the profile splits the keyspace's stacks by kind, in the
+/// folded output and the pprof labels too.
+#[test]
+fn request_kinds_of_one_keyspace_get_their_own_stacks() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").expect("agent");
+    let mut work = rows_with(&agent, 8.0, &["--kinds"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let r = profile_json(&agent, &["--seconds", "3", "--frequency", "499"]);
+    let of_kind = |kind: u8| r.stacks.iter().filter(move |s| s.keyspace_id == A && s.kind == kind && !lost(s));
+    let share = |kind: u8, name: &str| {
+        let (with, all) = of_kind(kind).fold((0, 0), |(w, a), s| {
+            (w + if s.frames.iter().any(|f| f.contains(name)) { s.samples } else { 0 }, a + s.samples)
+        });
+        (with as f64 / all.max(1) as f64, all)
+    };
+    let ((own1, n1), (other1, _)) = (share(1, "hash_rows"), share(1, "compress_rows"));
+    let ((own2, n2), (other2, _)) = (share(2, "compress_rows"), share(2, "hash_rows"));
+    let untagged_kind: u64 = r.stacks.iter().filter(|s| s.kind == 0).map(|s| s.samples).sum();
+    eprintln!(
+        "kind 1: {n1} samples, hash_rows {:.1} %, compress_rows {:.1} %; kind 2: {n2} samples, compress_rows {:.1} %, \
+         hash_rows {:.1} %; {untagged_kind} samples of no kind",
+        own1 * 100.0,
+        other1 * 100.0,
+        own2 * 100.0,
+        other2 * 100.0
+    );
+    assert!(r.keyspaces.iter().all(|k| k.keyspace_id == A), "one keyspace: {:?}", r.keyspaces);
+    // A kind changes nothing of the charge: the keyspace is charged the
+    // CPU of both kinds (one sample per 1/frequency of it).
+    let charged = r.keyspaces.iter().find(|k| k.keyspace_id == A).map_or(0.0, |k| k.cpu_seconds);
+    let expected = charged * f64::from(r.frequency_hz);
+    let all: u64 = r.keyspaces.iter().map(|k| k.samples).sum();
+    assert!((all as f64 - expected).abs() <= 0.1 * expected, "{all} samples for {expected:.0} from the CPU charged");
+    assert!(own1 >= 0.90 && other1 <= 0.05, "kind 1: hash_rows {own1:.3}, compress_rows {other1:.3}");
+    assert!(own2 >= 0.90 && other2 <= 0.05, "kind 2: compress_rows {own2:.3}, hash_rows {other2:.3}");
+    // 150 µs against 50 µs turns: kind 1 holds about three quarters.
+    let kind1 = n1 as f64 / (n1 + n2).max(1) as f64;
+    assert!((0.6..=0.9).contains(&kind1), "kind 1's share of the samples: {kind1:.3}");
+    // The admission work between the two (a ticket's acquire) is of no
+    // kind: a sliver at most.
+    assert!((untagged_kind as f64) <= 0.05 * (n1 + n2) as f64, "{untagged_kind} samples of no kind");
+    // Folded and pprof carry the kind.
+    let folded = String::from_utf8(profile(&agent, &["--seconds", "1", "--format", "folded"]).stdout).unwrap();
+    assert!(folded.lines().any(|l| l.starts_with(&format!("keyspace-{A};kind-1;workload;"))), "{folded}");
+    assert!(folded.lines().any(|l| l.starts_with(&format!("keyspace-{A};kind-2;workload;"))), "{folded}");
+    let dir = Scratch::new("profile-kinds");
+    let out = dir.0.join("kinds.pb");
+    profile(&agent, &["--seconds", "1", "--format", "pprof", "--output", out.to_str().unwrap()]);
+    let p = pprof::decode(&std::fs::read(&out).unwrap());
+    let kinds = p.label_values("kind");
+    assert!(kinds.contains(&1) && kinds.contains(&2), "pprof kind labels {kinds:?}");
+    let _ = work.kill();
+    let _ = work.wait();
+}
+
 /// A pprof decoder of the tests' own: the fields the profile writes.
 mod pprof {
     use std::collections::{BTreeMap, HashMap};
@@ -283,6 +352,8 @@ mod pprof {
         pub sample_types: Vec<(String, String)>,
         /// (location ids leaf first, values, keyspace label).
         pub samples: Vec<(Vec<u64>, Vec<i64>, u32)>,
+        /// Every numeric label of the samples, by key name.
+        labels: Vec<(String, i64)>,
         /// location id → function id
         locations: HashMap<u64, u64>,
         /// function id → name (string index)
@@ -291,6 +362,11 @@ mod pprof {
     }
 
     impl Profile {
+        /// The values numeric label `key` takes across the samples.
+        pub fn label_values(&self, key: &str) -> std::collections::BTreeSet<i64> {
+            self.labels.iter().filter(|(k, _)| k == key).map(|(_, v)| *v).collect()
+        }
+
         /// By (keyspace, leaf function): its share of the keyspace's
         /// samples that kept their stack.
         pub fn leaf_shares(&self) -> BTreeMap<(u32, String), f64> {
@@ -367,6 +443,7 @@ mod pprof {
             locations: HashMap::new(),
             functions: HashMap::new(),
             strings: strings.clone(),
+            labels: Vec::new(),
         };
         let keyspace = strings.iter().position(|x| x == "keyspace").expect("a keyspace label") as u64;
         for (f, v) in &top {
@@ -380,12 +457,13 @@ mod pprof {
                 2 => {
                     let locs = packed(m.iter().find(|(f, _)| *f == 1).unwrap().1.unwrap_err());
                     let values = packed(m.iter().find(|(f, _)| *f == 2).unwrap().1.unwrap_err());
-                    let ks = m
+                    let labels: Vec<_> =
+                        m.iter().filter(|(f, _)| *f == 3).map(|(_, l)| fields(l.unwrap_err())).collect();
+                    p.labels.extend(labels.iter().map(|l| (s(int(l, 1)), int(l, 3) as i64)));
+                    let ks = labels
                         .iter()
-                        .filter(|(f, _)| *f == 3)
-                        .map(|(_, l)| fields(l.unwrap_err()))
                         .find(|l| int(l, 1) == keyspace)
-                        .map(|l| int(&l, 3) as u32)
+                        .map(|l| int(l, 3) as u32)
                         .expect("a sample's keyspace");
                     p.samples.push((locs, values.into_iter().map(|v| v as i64).collect(), ks));
                 }

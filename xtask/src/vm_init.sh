@@ -242,7 +242,8 @@ esac
 # kernel and architecture.
 case ",${vm_test_only:-}," in
 *",profile,"*) step profile ./profile --test-threads 1 --nocapture --exact \
-    keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu ;;
+    keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu \
+    request_kinds_of_one_keyspace_get_their_own_stacks ;;
 esac
 
 if [ "$status" -ne 0 ]; then

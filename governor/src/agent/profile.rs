@@ -132,7 +132,7 @@ impl Session {
             &symbolizer,
             counts.iter().filter_map(|(k, _)| self.kernel.get(&k.kernel_stack)).flatten().copied(),
         );
-        let mut merged: BTreeMap<(u32, u32, Vec<String>), u64> = BTreeMap::new();
+        let mut merged: BTreeMap<(u32, u8, u32, Vec<String>), u64> = BTreeMap::new();
         let mut by_keyspace: BTreeMap<u32, u64> = BTreeMap::new();
         let mut lost = 0;
         for (key, n) in counts {
@@ -159,7 +159,8 @@ impl Session {
             {
                 lost += n;
             }
-            *merged.entry((ks, key.tgid, frames)).or_default() += n;
+            let kind = u8::try_from(key.kind).unwrap_or(0);
+            *merged.entry((ks, kind, key.tgid, frames)).or_default() += n;
         }
         let mut keyspaces: Vec<ProfileKeyspace> = by_keyspace
             .into_iter()
@@ -172,7 +173,7 @@ impl Session {
         keyspaces.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.keyspace_id.cmp(&b.keyspace_id)));
         let mut stacks: Vec<ProfileStack> = merged
             .into_iter()
-            .map(|((keyspace_id, pid, frames), samples)| ProfileStack { keyspace_id, pid, frames, samples })
+            .map(|((keyspace_id, kind, pid, frames), samples)| ProfileStack { keyspace_id, kind, pid, frames, samples })
             .collect();
         stacks.sort_by_key(|s| std::cmp::Reverse(s.samples));
         ProfileReport {
@@ -297,9 +298,12 @@ async fn run(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, pick: Pick) 
         return Err(ProfileError::Frequency { got: frequency_hz, max: MAX_FREQUENCY_HZ });
     }
     let s = shared.clone();
+    // The CPU charged is read right after sampling starts and right before
+    // it stops, so it spans what was sampled (not the attach, the last
+    // stacks' look-up or the clean-up around it).
     let before = off_runtime(move || {
-        let before = charged(&s);
-        s.lock_measurement().profile_start(u64::from(frequency_hz)).map(|()| before)
+        s.lock_measurement().profile_start(u64::from(frequency_hz))?;
+        Ok::<_, ProfileError>(charged(&s))
     })
     .await??;
     let started = Instant::now();
@@ -328,11 +332,11 @@ async fn run(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, pick: Pick) 
     }
     let s = shared.clone();
     off_runtime(move || {
+        let after = charged(&s);
         s.lock_measurement().profile_stop();
         let took = started.elapsed().as_secs_f64();
         session.collect(&s);
         s.lock_measurement().profile_clear();
-        let after = charged(&s);
         let cpu: BTreeMap<u32, f64> =
             after.iter().map(|(k, v)| (*k, v - before.get(k).copied().unwrap_or(0.0))).collect();
         session.report(took, frequency_hz, pick, &cpu)

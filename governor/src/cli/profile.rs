@@ -45,13 +45,16 @@ pub fn run(socket: &Path, ask: &Ask) -> Result<ProfileReport, CliError> {
     }
 }
 
-/// Folded stacks, one line each (`keyspace-ID;process;frame;… samples`):
-/// what `flamegraph.pl`, inferno, speedscope and Grafana's flame graph
-/// panel read.
+/// Folded stacks, one line each (`keyspace-ID;process;frame;… samples`,
+/// with `kind-K` after the keyspace for work of a request kind): what
+/// `flamegraph.pl`, inferno, speedscope and Grafana's flame graph panel
+/// read.
 pub fn folded(r: &ProfileReport) -> String {
     let mut out = String::new();
     for s in &r.stacks {
-        let _ = writeln!(out, "keyspace-{};{} {}", s.keyspace_id, s.frames.join(";").replace(' ', "_"), s.samples);
+        let kind = if s.kind == 0 { String::new() } else { format!("kind-{};", s.kind) };
+        let frames = s.frames.join(";").replace(' ', "_");
+        let _ = writeln!(out, "keyspace-{};{kind}{frames} {}", s.keyspace_id, s.samples);
     }
     out
 }
@@ -105,10 +108,22 @@ pub fn render(r: &ProfileReport) -> String {
             k.cpu_seconds
         );
         let mut leaves: std::collections::BTreeMap<&str, u64> = Default::default();
+        let mut kinds: std::collections::BTreeMap<u8, u64> = Default::default();
         for s in r.stacks.iter().filter(|s| s.keyspace_id == k.keyspace_id) {
             if let Some(leaf) = s.frames.last() {
                 *leaves.entry(leaf).or_default() += s.samples;
             }
+            *kinds.entry(s.kind).or_default() += s.samples;
+        }
+        if kinds.keys().any(|&kind| kind != 0) {
+            let shares: Vec<String> = kinds
+                .iter()
+                .map(|(kind, n)| {
+                    let share = *n as f64 * 100.0 / k.samples.max(1) as f64;
+                    if *kind == 0 { format!("no kind {share:.1} %") } else { format!("kind {kind} {share:.1} %") }
+                })
+                .collect();
+            let _ = writeln!(out, "  by request kind: {}", shares.join(", "));
         }
         let mut leaves: Vec<_> = leaves.into_iter().collect();
         leaves.sort_by_key(|l| std::cmp::Reverse(l.1));
@@ -122,7 +137,8 @@ pub fn render(r: &ProfileReport) -> String {
 /// The profile as pprof's protobuf (`profile.proto`, uncompressed): what
 /// `go tool pprof`, Pyroscope and Grafana read. Sample values are
 /// `samples/count` and `cpu/nanoseconds` (one sample is a period of
-/// 1/frequency); each sample carries `keyspace` and `pid` labels, and each
+/// 1/frequency); each sample carries `keyspace` and `pid` labels (and
+/// `kind`, for work of a request kind), and each
 /// frame is a function of its own (no addresses: the symbols were looked
 /// up on the node).
 pub fn pprof(r: &ProfileReport) -> Vec<u8> {
@@ -147,7 +163,7 @@ pub fn pprof(r: &ProfileReport) -> Vec<u8> {
     let (samples, count, cpu, ns) = (intern("samples"), intern("count"), intern("cpu"), intern("nanoseconds"));
     pb::bytes(&mut out, 1, &value_type(samples, count));
     pb::bytes(&mut out, 1, &value_type(cpu, ns));
-    let (keyspace, pid) = (intern("keyspace"), intern("pid"));
+    let (keyspace, pid, kind) = (intern("keyspace"), intern("pid"), intern("kind"));
     // Functions and locations: one each per distinct frame name (id = index + 1).
     let mut functions: Vec<i64> = Vec::new();
     let mut function_of: std::collections::HashMap<String, u64> = Default::default();
@@ -171,6 +187,12 @@ pub fn pprof(r: &ProfileReport) -> Vec<u8> {
         pb::int(&mut label, 1, pid);
         pb::int(&mut label, 3, i64::from(s.pid));
         pb::bytes(&mut m, 3, &label);
+        if s.kind != 0 {
+            let mut label = Vec::new();
+            pb::int(&mut label, 1, kind);
+            pb::int(&mut label, 3, i64::from(s.kind));
+            pb::bytes(&mut m, 3, &label);
+        }
         pb::bytes(&mut out, 2, &m);
     }
     for (i, &name) in functions.iter().enumerate() {

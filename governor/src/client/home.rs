@@ -49,6 +49,8 @@ thread_local! {
 static FORKED: AtomicBool = AtomicBool::new(false);
 
 impl Home {
+    #[cold]
+    #[inline(never)]
     fn new(att: &Arc<Attachment>) -> Option<Home> {
         let block = att.blocks.take()?;
         let home = Home {

@@ -52,7 +52,7 @@ pub use line::FAIL_OPEN_AFTER;
 pub use ticket::{Ticket, TicketGuard};
 pub use wait::{AcquireFuture, Checkpoint, DeadlineFuture, TicketFuture};
 
-use keyspace_governor_common::{TAG_NONE, tag_for_cell};
+use keyspace_governor_common::{TAG_NONE, tag_for};
 use std::cell::RefCell;
 
 thread_local! {
@@ -123,8 +123,15 @@ pub(crate) fn with_thread<R>(f: impl FnOnce(&Client, &conn::ThreadCtx) -> R) -> 
 /// On an unregistered thread it does nothing (that time is charged to no
 /// keyspace). While no agent answers it reports [`ClientError::AgentGone`].
 pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
+    tag_with_kind(keyspace_id, 0)
+}
+
+/// [`tag`] for a request of `kind` (the server's own numbering, as
+/// [`Demand::kind`]): charged exactly as [`tag`]; `governor profile` shows
+/// the kind's stacks apart under its keyspace.
+pub fn tag_with_kind(keyspace_id: u32, kind: u8) -> Result<TagGuard, ClientError> {
     // One visit to the thread's context: find the cell, switch to it.
-    let previous = with_ctx(|ctx| ctx.att.cell_of(keyspace_id).map(|cell| ctx.switch(tag_for_cell(cell.index))))?;
+    let previous = with_ctx(|ctx| ctx.att.cell_of(keyspace_id).map(|cell| ctx.switch(tag_for(cell.index, kind))))?;
     Ok(TagGuard::new(previous.transpose()?))
 }
 
@@ -133,6 +140,11 @@ pub fn tag(keyspace_id: u32) -> Result<TagGuard, ClientError> {
 /// previous tag.
 pub fn set_tag(keyspace_id: u32) -> Result<(), ClientError> {
     tag(keyspace_id).map(std::mem::forget)
+}
+
+/// [`set_tag`] for a request of `kind` (see [`tag_with_kind`]).
+pub fn set_tag_with_kind(keyspace_id: u32, kind: u8) -> Result<(), ClientError> {
+    tag_with_kind(keyspace_id, kind).map(std::mem::forget)
 }
 
 /// Switches the calling thread to no keyspace, with no guard.

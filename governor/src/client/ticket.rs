@@ -28,7 +28,7 @@ use crate::sys;
 use keyspace_governor_common::admission::{
     KNOB_RUNTIME_TOPUP, T_COUNTED, TICKET_CLAIMED, TICKET_FREE, TICKET_HELD, counter,
 };
-use keyspace_governor_common::tag_for_cell;
+use keyspace_governor_common::tag_for;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -169,7 +169,7 @@ impl Client {
         let (res, cpu) = charged(&att, cell, || wait_in_line(&att, &k, q, Some(deadline)));
         match res {
             (Waited::Granted(g), waited) => {
-                let mut t = granted(att, idx, g, demand.deadline);
+                let mut t = granted(att, idx, g, &demand);
                 t.set_waited(waited);
                 t.add_consumed(cpu);
                 Ok(t)
@@ -246,6 +246,7 @@ impl Client {
                     t.att = Some(home.as_deref_mut().map_or_else(|| att.clone(), |h| h.take_ref()));
                     t.record = idx;
                     t.grant = g;
+                    t.grant.kind = demand.kind;
                     t.deadline = demand.deadline;
                     None
                 }
@@ -276,8 +277,10 @@ impl Client {
 }
 
 /// A ticket for a grant that waited in line, in ledger record `idx`.
-pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket {
+pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, demand: &Demand) -> Ticket {
     write_record(&att, idx, &g);
+    let mut g = g;
+    g.kind = demand.kind;
     Ticket {
         att: Some(att),
         record: idx,
@@ -285,7 +288,7 @@ pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option
         consumed_ns: 0,
         checked_ns: 0,
         topup_due: false,
-        deadline,
+        deadline: demand.deadline,
         waited_us: 0,
         paced_us: 0,
     }
@@ -360,7 +363,7 @@ impl Ticket {
     /// Runs the ticket's work on this thread until the guard drops: the
     /// thread's CPU is charged to the keyspace (and to this ticket).
     pub fn enter(&mut self) -> TicketGuard<'_> {
-        let tag = self.grant.cell().map(tag_for_cell);
+        let tag = self.grant.cell().map(|c| tag_for(c, self.grant.kind));
         let epoch = self.att.as_ref().map(|a| a.epoch);
         // On this client's current registration, tag and read the thread
         // clock in one step; elsewhere (unregistered thread, fail-open

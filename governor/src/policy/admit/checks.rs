@@ -192,7 +192,10 @@ pub(super) enum Prep {
     Spared { g: Grant, est: u64 },
 }
 
-#[inline]
+/// The checks before any CPU token is taken: admission on, concurrency,
+/// pending writes, whether the keyspace is throttled, the estimate. Always
+/// inlined into the fast path (see `acquire_with`).
+#[inline(always)]
 pub(super) fn prepare(
     r: &AdmissionRegions,
     k: &Knobs,

@@ -23,6 +23,8 @@ pub(super) fn settle(b: &BucketView, p: &ParamsView, granted: u64, consumed: u64
 
 /// Charges an overrun of `us` as debt, within the bucket's bound. Returns
 /// the debt charged.
+#[cold]
+#[inline(never)]
 pub(super) fn charge_overrun(b: &BucketView, p: &ParamsView, us: u64) -> u64 {
     let (charged, forgiven) = b.charge_debt(us, p.max_debt_us.load(Ordering::Relaxed));
     b.count(c::DEBT_US, charged);

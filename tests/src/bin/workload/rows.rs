@@ -1,11 +1,13 @@
 //! `workload rows`: two keyspaces served by the same threads, in turns of
 //! about 100 µs, each in a function of its own (`hash_rows` for the first,
 //! `compress_rows` for the second): what a per-keyspace profile must tell
-//! apart.
+//! apart. With `--kinds`, the two are request kinds of the first keyspace
+//! instead: kind 1 tagged with `client::set_tag_with_kind`, kind 2 run
+//! under a ticket of `Demand::kind(2)`.
 
 use super::arg;
 use anyhow::Result;
-use keyspace_governor::client::{self, Client};
+use keyspace_governor::client::{self, Client, Demand};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -47,14 +49,15 @@ fn calibrate(f: fn(u64) -> u64, d: Duration) -> u64 {
     }
 }
 
-/// `--threads N --a ID --b ID --seconds S --a-us U --b-us U`: prints the
-/// turns each thread took.
+/// `--threads N --a ID --b ID --seconds S --a-us U --b-us U [--kinds]`:
+/// prints the turns each thread took.
 pub fn rows(args: &[String]) -> Result<serde_json::Value> {
     let threads: usize = arg(args, "--threads", 2);
     let (a, b): (u32, u32) = (arg(args, "--a", 7100), arg(args, "--b", 7200));
     let seconds: f64 = arg(args, "--seconds", 5.0);
     let a_rounds = calibrate(hash_rows, Duration::from_micros(arg(args, "--a-us", 150)));
     let b_rounds = calibrate(compress_rows, Duration::from_micros(arg(args, "--b-us", 50)));
+    let kinds = args.iter().any(|a| a == "--kinds");
     let client = Client::connect(super::socket(args))?;
     let handles: Vec<_> = (0..threads)
         .map(|_| {
@@ -64,10 +67,19 @@ pub fn rows(args: &[String]) -> Result<serde_json::Value> {
                 let end = Instant::now() + Duration::from_secs_f64(seconds);
                 let mut turns = 0;
                 while Instant::now() < end {
-                    client::set_tag(a)?;
-                    hash_rows(a_rounds);
-                    client::set_tag(b)?;
-                    compress_rows(b_rounds);
+                    if kinds {
+                        client::set_tag_with_kind(a, 1)?;
+                        hash_rows(a_rounds);
+                        client::clear_tag();
+                        let mut ticket = client.acquire(a, Demand::new().kind(2))?;
+                        let _work = ticket.enter();
+                        compress_rows(b_rounds);
+                    } else {
+                        client::set_tag(a)?;
+                        hash_rows(a_rounds);
+                        client::set_tag(b)?;
+                        compress_rows(b_rounds);
+                    }
                     turns += 1;
                 }
                 client::clear_tag();
