@@ -30,6 +30,11 @@ const PROFILE_ROUNDS: usize = 5;
 fn profile_keys(o: &mut serde_json::Map<String, serde_json::Value>, p: &profile::ProfileCost) {
     o.insert("profile_overhead_pct".into(), json!(round2(p.overhead_pct)));
     o.insert("profile_overhead_pct_runs".into(), json!(p.overhead_runs.iter().map(|v| round2(*v)).collect::<Vec<_>>()));
+    o.insert("profile_overhead_rows_pct".into(), json!(round2(p.rows_overhead_pct)));
+    o.insert(
+        "profile_overhead_rows_pct_runs".into(),
+        json!(p.rows_overhead_runs.iter().map(|v| round2(*v)).collect::<Vec<_>>()),
+    );
     o.insert("profile_ebpf_ns_per_sample".into(), json!(round(p.ebpf_ns_per_sample)));
     o.insert("profile_samples_per_cpu_second".into(), json!(round2(p.samples_per_cpu_second)));
     o.insert("profile_render_ms".into(), json!(round(p.render_ms)));

@@ -1,8 +1,9 @@
-//! What a profile costs: the noisy tenant's throughput with a 99 Hz
-//! profile running against without (the `rows` workload, two threads
-//! switching keyspaces every turn, rounds alternating), the profile
-//! program's own run time per sample from the kernel's BPF statistics, and
-//! how long the CLI takes from the end of 10 s of sampling to an SVG.
+//! What a profile costs: the demo's noisy tenant's throughput with a 99 Hz
+//! profile running against without (`demo --profile-overhead`: the reader
+//! server's scans, rounds alternating), the same for the `rows` workload
+//! (two threads switching keyspaces every turn), the profile program's own
+//! run time per sample from the kernel's BPF statistics, and how long the
+//! CLI takes from the end of 10 s of sampling to an SVG.
 
 use anyhow::{Context, Result, bail};
 use governor_tests::{Agent, Scratch, governor_bin, workload_bin};
@@ -10,9 +11,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct ProfileCost {
-    /// Median over rounds of the throughput lost with the profile running, %.
+    /// The demo's noisy tenant: median over rounds of the scans per second
+    /// lost with the profile running, %.
     pub overhead_pct: f64,
     pub overhead_runs: Vec<f64>,
+    /// The same for the `rows` workload's turns per second.
+    pub rows_overhead_pct: f64,
+    pub rows_overhead_runs: Vec<f64>,
     /// `gov_profile`'s run time per sample (statistics' floor included).
     pub ebpf_ns_per_sample: f64,
     /// Samples per second per CPU seen.
@@ -91,11 +96,36 @@ pub fn cost(rounds: usize) -> Result<ProfileCost> {
     if !status.success() || !svg.exists() {
         bail!("governor profile --format svg failed");
     }
+    drop(agent);
+    let (overhead_pct, overhead_runs) = demo_overhead(rounds)?;
     Ok(ProfileCost {
-        overhead_pct: crate::switch::median(runs.clone()),
-        overhead_runs: runs,
+        overhead_pct,
+        overhead_runs,
+        rows_overhead_pct: crate::switch::median(runs.clone()),
+        rows_overhead_runs: runs,
         ebpf_ns_per_sample: run_ns as f64 / samples.max(1) as f64,
         samples_per_cpu_second: samples as f64 / profiled_s / cpus,
         render_ms,
     })
+}
+
+/// `demo --profile-overhead ROUNDS --json`: the demo's noisy tenant with
+/// and without a profile (its own agent and reader server).
+fn demo_overhead(rounds: usize) -> Result<(f64, Vec<f64>)> {
+    let out = Command::new(governor_tests::demo_bin())
+        .args(["--profile-overhead", &rounds.to_string(), "--json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("demo --profile-overhead")?;
+    if !out.status.success() {
+        bail!("demo --profile-overhead failed: {}", out.status);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("demo --profile-overhead output")?;
+    let runs: Vec<f64> = v["profile_overhead_pct_runs"]
+        .as_array()
+        .context("profile_overhead_pct_runs")?
+        .iter()
+        .filter_map(serde_json::Value::as_f64)
+        .collect();
+    Ok((v["profile_overhead_pct"].as_f64().context("profile_overhead_pct")?, runs))
 }

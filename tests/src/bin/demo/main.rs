@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! demo [--json] [--short] [--phase-seconds N] [--svg PATH] [--guard] [--guard-target-us N]
+//! demo --profile-overhead ROUNDS [--json]
 //! ```
 //!
 //! Starts the governor agent on its embedded default configuration (it
@@ -39,8 +40,11 @@
 //! - `phase`: one phase: load, samples, numbers.
 //! - `report`: the tables.
 //! - `plot`: the SVG.
+//! - `overhead`: `--profile-overhead`, what a running profile costs the
+//!   noisy tenant (no phases; the benchmark's `profile_overhead_pct`).
 
 mod load;
+mod overhead;
 mod phase;
 mod plot;
 mod report;
@@ -74,6 +78,8 @@ struct Opts {
     levels: String,
     /// The latency guard's target in the enforcing phase, µs (`None`: off).
     guard_target_us: Option<u64>,
+    /// `--profile-overhead`: rounds of the profile's cost instead of the phases.
+    profile_overhead_rounds: Option<usize>,
 }
 
 fn parse_opts() -> Result<Opts> {
@@ -89,6 +95,7 @@ fn parse_opts() -> Result<Opts> {
         worker_slice_us: 100,
         levels: "on".into(),
         guard_target_us: None,
+        profile_overhead_rounds: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -107,6 +114,9 @@ fn parse_opts() -> Result<Opts> {
             "--levels" => o.levels = value()?,
             "--guard" => o.guard_target_us = Some(o.guard_target_us.unwrap_or(500)),
             "--guard-target-us" => o.guard_target_us = Some(value()?.parse().context("--guard-target-us")?),
+            "--profile-overhead" => {
+                o.profile_overhead_rounds = Some(value()?.parse().context("--profile-overhead")?);
+            }
             other => bail!("unknown argument {other:?} (see the doc comment of the demo)"),
         }
     }
@@ -206,6 +216,9 @@ fn main() -> Result<()> {
         status.backend.as_str(),
         status.thread_clock_source
     ));
+    if let Some(rounds) = o.profile_overhead_rounds {
+        return overhead::run(&agent, server.addr, &noisy, rounds.max(1), o.json);
+    }
     let workers = server.stats()?.workers;
     progress.say(&format!(
         "reader server at {}: {workers} tokio workers registered with the agent (scheduler slice {} µs, levels {}), keyspaces {keyspaces:?}, {ROWS} rows each",
