@@ -4,7 +4,9 @@
 //! was charged; a process that exits mid-profile still shows what it ran; a
 //! rule-matched unmodified process (stress-ng) shows its own binary's
 //! frames; the SVG is a flame graph of the expected frames and the pprof
-//! protobuf decodes (with a decoder of the tests' own) to the same picture.
+//! protobuf decodes (with a decoder of the tests' own, and with `go tool
+//! pprof`) to the same picture; request kinds of one keyspace get their own
+//! stacks.
 
 use governor_tests::{Agent, Scratch, governor_bin, output_text, workload_bin};
 use keyspace_governor::proto::ProfileReport;
@@ -342,6 +344,61 @@ fn request_kinds_of_one_keyspace_get_their_own_stacks() {
     assert!(kinds.contains(&1) && kinds.contains(&2), "pprof kind labels {kinds:?}");
     let _ = work.kill();
     let _ = work.wait();
+}
+
+/// The pprof output as pprof's own reader sees it (`go tool pprof`, from
+/// Debian's golang-go, which `cargo xtask setup` installs): its functions
+/// and its labels, keyspace and kind. Host only (the VMs have no Go).
+#[test]
+fn go_tool_pprof_reads_the_profile() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").expect("agent");
+    let mut work = rows_with(&agent, 5.0, &["--kinds"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let dir = Scratch::new("profile-go");
+    let pb = dir.0.join("p.pb");
+    profile(&agent, &["--seconds", "2", "--frequency", "499", "--format", "pprof", "--output", pb.to_str().unwrap()]);
+    let _ = work.kill();
+    let _ = work.wait();
+    let go = |args: &[&str]| {
+        let out = Command::new("go")
+            .args(["tool", "pprof"])
+            .args(args)
+            .arg(&pb)
+            .output()
+            .expect("go tool pprof (cargo xtask setup installs golang-go)");
+        assert!(out.status.success(), "go tool pprof {args:?}: {}", output_text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // `-top`: flat % by function; the two functions hold nearly all of it.
+    let top = go(&["-top"]);
+    eprintln!("{top}");
+    let flat = |name: &str| -> f64 {
+        top.lines()
+            .find(|l| l.trim_end().ends_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|p| p.trim_end_matches('%').parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in go tool pprof -top:\n{top}"))
+    };
+    let (hash, compress) = (flat("workload::rows::hash_rows"), flat("workload::rows::compress_rows"));
+    assert!((60.0..=90.0).contains(&hash) && hash + compress >= 95.0, "hash_rows {hash} %, compress_rows {compress} %");
+    // `-tags`: the keyspace and both kinds, kind 1 the larger.
+    let tags = go(&["-tags"]);
+    eprintln!("{tags}");
+    let share = |section: &str, value: &str| -> f64 {
+        let body =
+            tags.split(&format!("{section}: Total")).nth(1).unwrap_or_else(|| panic!("no {section} tag:\n{tags}"));
+        body.lines()
+            .take_while(|l| !l.trim().is_empty())
+            .find(|l| l.trim_end().ends_with(&format!(": {value}")))
+            .and_then(|l| l.split('(').nth(1))
+            .and_then(|p| p.split('%').next())
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {section} {value} in go tool pprof -tags:\n{tags}"))
+    };
+    assert!(share("keyspace", &A.to_string()) >= 99.0, "{tags}");
+    let (k1, k2) = (share("kind", "1"), share("kind", "2"));
+    assert!(k1 > k2 && k1 + k2 >= 99.0, "kinds {k1} / {k2} %");
 }
 
 /// A pprof decoder of the tests' own: the fields the profile writes.

@@ -35,6 +35,8 @@ pub fn setup(cross: bool) -> Result<()> {
         // unit is checked with systemd-analyze.
         ("adduser", "/usr/sbin/adduser"),
         ("systemd", "/usr/bin/systemd-analyze"),
+        // `go tool pprof`, the reference reader of the profiles' pprof.
+        ("golang-go", "/usr/bin/go"),
     ];
     if cross {
         packages.extend([
