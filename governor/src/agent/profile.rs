@@ -65,21 +65,32 @@ struct Session {
 }
 
 impl Session {
-    /// Reads the kernel's counts and readies every stack not seen before.
-    fn collect(&mut self, shared: &Shared) {
+    /// Readies every stack not seen before; with `counts` (the last read,
+    /// once sampling stopped) also reads the kernel's counts. The reads
+    /// while sampling take the keys alone: one system call a key, not two.
+    fn collect(&mut self, shared: &Shared, counts: bool) {
         let ids: HashMap<u32, u32> =
             shared.policy.regions().directory().live().map(|(id, cell)| (cell + 1, id)).collect();
         let mut new_user = Vec::new();
+        let mut pending = std::collections::HashSet::new();
         {
             let m = shared.lock_measurement();
             self.dropped = m.profile_dropped();
-            for (key, n) in m.profile_counts() {
-                self.counts.insert(key, n);
+            let keys: Vec<(ProfileKey, Option<u64>)> = if counts {
+                m.profile_counts().into_iter().map(|(k, n)| (k, Some(n))).collect()
+            } else {
+                m.profile_keys().into_iter().map(|k| (k, None)).collect()
+            };
+            for (key, n) in keys {
+                if let Some(n) = n {
+                    self.counts.insert(key, n);
+                }
                 if let Some(&id) = ids.get(&key.tag) {
                     self.keyspaces.entry(key.tag).or_insert(id);
                 }
                 if key.user_stack > LOST_STACK
                     && !self.user.contains_key(&(key.tgid, key.user_stack))
+                    && pending.insert((key.tgid, key.user_stack))
                     && let Some(ips) = m.profile_stack(key.user_stack)
                 {
                     new_user.push((key.tgid, key.user_stack, ips));
@@ -317,7 +328,7 @@ async fn run(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, pick: Pick) 
         tokio::time::sleep((end - now).min(Duration::from_millis(250))).await;
         let s = shared.clone();
         session = match off_runtime(move || {
-            session.collect(&s);
+            session.collect(&s, false);
             session
         })
         .await
@@ -335,7 +346,7 @@ async fn run(shared: &Arc<Shared>, seconds: f64, frequency_hz: u32, pick: Pick) 
         let after = charged(&s);
         s.lock_measurement().profile_stop();
         let took = started.elapsed().as_secs_f64();
-        session.collect(&s);
+        session.collect(&s, true);
         s.lock_measurement().profile_clear();
         let cpu: BTreeMap<u32, f64> =
             after.iter().map(|(k, v)| (*k, v - before.get(k).copied().unwrap_or(0.0))).collect();

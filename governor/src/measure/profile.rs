@@ -120,6 +120,14 @@ impl Measurement {
         }
     }
 
+    /// The keys counted so far, without their counts.
+    pub fn profile_keys(&self) -> Vec<ProfileKey> {
+        match self.profile_probe() {
+            Some(probe) => probe.samples.keys().filter_map(Result::ok).collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// Samples counted nowhere so far: the hash of keys was full.
     pub fn profile_dropped(&self) -> u64 {
         self.profile_probe().and_then(|p| p.dropped.get(&0, 0).ok()).unwrap_or(0)

@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// One window of the noisy tenant's load, seconds.
-const WINDOW_SECONDS: f64 = 3.0;
+const WINDOW_SECONDS: f64 = 5.0;
 
 /// Scans per second the noisy tenant completed over one window, with a
 /// profile running over it or not.
