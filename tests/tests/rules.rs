@@ -640,7 +640,9 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     for p in tree(root) {
         assert_eq!(cpu_cgroup(p).as_deref(), Some(rel.as_str()), "process {p} stays in the operator's cgroup");
     }
-    assert_held_to_half_a_core(&held_for(&agent, 981, root, &dir, 3.0), "capped in place");
+    // 6 s, as for the agent's own cgroups: over the 250 ms period a stretch
+    // may get one period's quota more at its edges (4 % of 3 s, 2 % of 6 s).
+    assert_held_to_half_a_core(&held_for(&agent, 981, root, &dir, 6.0), "capped in place");
     agent.restart_with_config("").unwrap();
     assert_eq!(bandwidth(&dir), before, "put back when the agent stopped");
     // SIGKILLed while capping: the next agent on the socket puts it back.

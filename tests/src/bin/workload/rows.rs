@@ -3,12 +3,17 @@
 //! `compress_rows` for the second): what a per-keyspace profile must tell
 //! apart. With `--kinds`, the two are request kinds of the first keyspace
 //! instead: kind 1 tagged with `client::set_tag_with_kind`, kind 2 run
-//! under a ticket of `Demand::kind(2)`.
+//! under a ticket of `Demand::kind(2)`; `--totals FILE` then keeps in FILE
+//! the time the threads spent in each kind so far (`KIND1_NS KIND2_NS`,
+//! rewritten every 100 ms), the truth a profile's kind shares are checked
+//! against.
 
 use super::arg;
 use anyhow::Result;
 use keyspace_governor::client::{self, Client, Demand};
 use serde_json::json;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Keyspace A's work: integer mixing, no calls.
@@ -49,8 +54,17 @@ fn calibrate(f: fn(u64) -> u64, d: Duration) -> u64 {
     }
 }
 
-/// `--threads N --a ID --b ID --seconds S --a-us U --b-us U [--kinds]`:
-/// prints the turns each thread took.
+/// Writes the time spent in each kind to `path`, whole (through a rename).
+fn write_totals(path: &str, spent: &[AtomicU64; 2]) -> Result<()> {
+    let tmp = format!("{path}.tmp");
+    let [k1, k2] = spent.each_ref().map(|n| n.load(Ordering::Relaxed));
+    std::fs::write(&tmp, format!("{k1} {k2}\n"))?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// `--threads N --a ID --b ID --seconds S --a-us U --b-us U [--kinds
+/// [--totals FILE]]`: prints the turns each thread took.
 pub fn rows(args: &[String]) -> Result<serde_json::Value> {
     let threads: usize = arg(args, "--threads", 2);
     let (a, b): (u32, u32) = (arg(args, "--a", 7100), arg(args, "--b", 7200));
@@ -58,22 +72,30 @@ pub fn rows(args: &[String]) -> Result<serde_json::Value> {
     let a_rounds = calibrate(hash_rows, Duration::from_micros(arg(args, "--a-us", 150)));
     let b_rounds = calibrate(compress_rows, Duration::from_micros(arg(args, "--b-us", 50)));
     let kinds = args.iter().any(|a| a == "--kinds");
+    let totals: Option<String> = args.windows(2).find(|w| w[0] == "--totals").map(|w| w[1].clone());
+    let spent = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
     let client = Client::connect(super::socket(args))?;
     let handles: Vec<_> = (0..threads)
         .map(|_| {
-            let client = client.clone();
+            let (client, spent) = (client.clone(), spent.clone());
             std::thread::spawn(move || -> Result<u64> {
                 client.register_current_thread()?;
                 let end = Instant::now() + Duration::from_secs_f64(seconds);
                 let mut turns = 0;
                 while Instant::now() < end {
                     if kinds {
+                        let t0 = Instant::now();
                         client::set_tag_with_kind(a, 1)?;
                         hash_rows(a_rounds);
                         client::clear_tag();
+                        let t1 = Instant::now();
                         let mut ticket = client.acquire(a, Demand::new().kind(2))?;
-                        let _work = ticket.enter();
+                        let work = ticket.enter();
                         compress_rows(b_rounds);
+                        drop(work);
+                        let t2 = Instant::now();
+                        spent[0].fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
+                        spent[1].fetch_add((t2 - t1).as_nanos() as u64, Ordering::Relaxed);
                     } else {
                         client::set_tag(a)?;
                         hash_rows(a_rounds);
@@ -87,6 +109,13 @@ pub fn rows(args: &[String]) -> Result<serde_json::Value> {
             })
         })
         .collect();
+    if let Some(path) = &totals {
+        while !handles.iter().all(|h| h.is_finished()) {
+            write_totals(path, &spent)?;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        write_totals(path, &spent)?;
+    }
     let mut turns = 0;
     for h in handles {
         turns += h.join().map_err(|_| anyhow::anyhow!("worker panicked"))??;
