@@ -20,6 +20,12 @@
 //!   guest kernel counted with what the agent charged over the same span
 //!   (read with the processes stopped, or bracketing the tagged span from
 //!   both sides), so an emulated vCPU's lost milliseconds fall inside both.
+//!   One exception: a guest whose kernel stops altogether (its heartbeat,
+//!   a line every 10 s, silent for [`SILENCE`]; seen a few times in x86_64
+//!   TCG guests, both vCPUs spinning and no RCU stall printed) is stopped
+//!   and booted again once, for the step it stopped in and those after. A
+//!   step that failed, or a test that hangs while the kernel still beats,
+//!   is never run again.
 
 use crate::dist::Arch;
 use crate::{cargo, cross_env, root, run};
@@ -34,6 +40,11 @@ use std::time::{Duration, Instant};
 const TESTS: &[&str] = &["measurement", "kernel_exact", "client_api", "cpu_wait", "profile"];
 const INIT: &str = include_str!("vm_init.sh");
 const MARKER: &str = "VM-TEST-EXIT=";
+/// The guest's heartbeat line (`vm_init.sh`), read but not echoed.
+const ALIVE: &str = "VM-TEST-ALIVE";
+/// How long a guest may print nothing, heartbeat included, before its
+/// kernel counts as stopped: 9 heartbeats, and 3 times the longest step.
+const SILENCE: Duration = Duration::from_secs(90);
 
 pub fn vm_test(arch: Arch, kernel: &str, only: Option<&str>) -> Result<()> {
     let t0 = Instant::now();
@@ -67,10 +78,28 @@ pub fn vm_test(arch: Arch, kernel: &str, only: Option<&str>) -> Result<()> {
     let built = t0.elapsed();
     eprintln!("initramfs {} ({} MiB)", initramfs.display(), std::fs::metadata(&initramfs)?.len() >> 20);
 
-    let run = boot(arch, &vmlinuz, &initramfs, only)?;
+    let mut run = boot(arch, &vmlinuz, &initramfs, only)?;
+    let mut restarts = 0;
+    if let Some(step) = run.stopped_in.clone()
+        && run.failed.is_none()
+    {
+        // Again from the step it stopped in; `None` (every default step)
+        // runs them all again.
+        let rest: Option<String> =
+            only.map(|o| o.split(',').filter(|s| !run.done.iter().any(|d| d == s)).collect::<Vec<_>>().join(","));
+        eprintln!(
+            "the guest's kernel stopped in step {step} (no line, heartbeat included, for {} s): booting it again \
+             for {}",
+            SILENCE.as_secs(),
+            rest.as_deref().unwrap_or("every step")
+        );
+        restarts = 1;
+        run = boot(arch, &vmlinuz, &initramfs, rest.as_deref())?;
+    }
     let total = t0.elapsed();
     eprintln!(
-        "vm_test_seconds arch={} kernel={package} accel={} build={:.0} boot={:.1} tests={:.0} total={:.0} exit={}",
+        "vm_test_seconds arch={} kernel={package} accel={} build={:.0} boot={:.1} tests={:.0} total={:.0} \
+         restarts={restarts} exit={}",
         arch.name(),
         run.accel,
         built.as_secs_f64(),
@@ -323,6 +352,12 @@ struct Run {
     /// The guest's /init to its exit code.
     tests: Duration,
     code: Option<i32>,
+    /// The steps that finished, in order.
+    done: Vec<String>,
+    /// The first failed step's code.
+    failed: Option<i32>,
+    /// The step the guest fell silent in (its kernel stopped), if it did.
+    stopped_in: Option<String>,
 }
 
 /// Hardware virtualisation: /dev/kvm and a CPU with VMX or SVM (a /dev/kvm
@@ -382,13 +417,36 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
             }
         }
     });
-    let mut run =
-        Run { accel: if kvm { "kvm" } else { "tcg" }, boot: Duration::ZERO, tests: Duration::ZERO, code: None };
+    let mut run = Run {
+        accel: if kvm { "kvm" } else { "tcg" },
+        boot: Duration::ZERO,
+        tests: Duration::ZERO,
+        code: None,
+        done: Vec::new(),
+        failed: None,
+        stopped_in: None,
+    };
+    let mut current = String::from("boot");
     loop {
         let left = limit.checked_sub(start.elapsed()).unwrap_or_default();
-        match rx.recv_timeout(left) {
+        match rx.recv_timeout(left.min(SILENCE)) {
+            Ok(line) if line.trim() == ALIVE => {}
             Ok(line) => {
                 println!("{line}");
+                // `VM-TEST-STEP name: command` at its start, `VM-TEST-STEP
+                // name rc=N seconds=S` at its end.
+                if let Some(step) = line.strip_prefix("VM-TEST-STEP ") {
+                    match step.split_once(" rc=") {
+                        Some((name, rest)) => {
+                            run.done.push(name.to_string());
+                            let rc = rest.split_whitespace().next().and_then(|c| c.parse::<i32>().ok());
+                            if rc != Some(0) && run.failed.is_none() {
+                                run.failed = Some(rc.unwrap_or(1));
+                            }
+                        }
+                        None => current = step.split(':').next().unwrap_or(step).to_string(),
+                    }
+                }
                 if line.starts_with("VM-TEST-INIT") {
                     run.boot = start.elapsed();
                 }
@@ -398,8 +456,17 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
                 }
             }
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) if start.elapsed() >= limit => {
                 eprintln!("the guest did not finish in {} s: stopping qemu", limit.as_secs());
+                let _ = child.kill();
+                break;
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                eprintln!(
+                    "the guest printed nothing for {} s, not even its heartbeat: stopping qemu",
+                    SILENCE.as_secs()
+                );
+                run.stopped_in = Some(current.clone());
                 let _ = child.kill();
                 break;
             }

@@ -27,6 +27,9 @@ echo "VM-TEST-INIT kernel $(uname -r) $(uname -m), $(nproc) CPUs, $(awk '/MemTot
 
 status=0
 uptime_s() { cut -d' ' -f1 /proc/uptime; }
+# A heartbeat the host reads: a guest whose kernel stops (as an emulated
+# x86 guest's rarely does) falls silent, while a test that hangs does not.
+(while sleep 10; do echo VM-TEST-ALIVE; done) &
 
 # step NAME COMMAND...: runs it, prints its code and time, keeps the first
 # failure. vm_test_only=NAME,NAME on the kernel command line (`cargo xtask
