@@ -6,6 +6,7 @@
 use super::attachment::Attachment;
 use super::error::Refused;
 use crate::policy::{Grant, Knobs, Progress, Queued};
+use crate::region::AdmissionRegions;
 use crate::sys;
 use keyspace_governor_common::admission::counter;
 use keyspace_governor_common::tag_for_cell;
@@ -22,10 +23,13 @@ pub(crate) const LIVENESS_CHECK: Duration = Duration::from_millis(100);
 /// Whether the agent behind `att` runs its policy loop: attached, and its
 /// heartbeat fresh. Reads a clock: only on slow paths.
 pub(crate) fn agent_alive(att: &Attachment) -> bool {
-    if !att.alive() {
-        return false;
-    }
-    let hb = att.admission.header().agent.heartbeat_ns.load(Ordering::Relaxed);
+    att.alive() && heartbeat_fresh(&att.admission)
+}
+
+/// Whether the agent publishing `r` beat its heart within
+/// [`FAIL_OPEN_AFTER`].
+fn heartbeat_fresh(r: &AdmissionRegions) -> bool {
+    let hb = r.header().agent.heartbeat_ns.load(Ordering::Relaxed);
     sys::monotonic_ns().saturating_sub(hb) < FAIL_OPEN_AFTER.as_nanos() as u64
 }
 
@@ -39,13 +43,19 @@ pub(crate) enum Waited {
 
 /// Waits on the buckets' futex words until `q` is served, `deadline` (if
 /// any) passes, or the agent is found gone. Also returns how long it waited.
-pub(crate) fn wait_in_line(
-    att: &Attachment,
+pub(crate) fn wait_in_line(att: &Attachment, k: &Knobs, q: Queued, deadline: Option<Instant>) -> (Waited, Duration) {
+    wait_on(&att.admission, &|| att.alive(), k, q, deadline)
+}
+
+/// [`wait_in_line`] on the regions `r` of an agent that `attached` says is
+/// still the one they came from.
+fn wait_on(
+    r: &AdmissionRegions,
+    attached: &dyn Fn() -> bool,
     k: &Knobs,
     mut q: Queued,
     deadline: Option<Instant>,
 ) -> (Waited, Duration) {
-    let r = &att.admission;
     let start = Instant::now();
     let mut waited_at_all = false;
     let (cell, granted_hist, refused_hist) = (q.cell(), q.wait_hist(true), q.wait_hist(false));
@@ -54,7 +64,7 @@ pub(crate) fn wait_in_line(
             Progress::Ready(g) => {
                 let waited = if waited_at_all { start.elapsed() } else { Duration::ZERO };
                 if waited_at_all {
-                    count_wait(att, &g, waited);
+                    count_wait(r, &g, waited);
                     r.counted_on(cell).observe_wait(granted_hist, waited);
                 }
                 return (Waited::Granted(g), waited);
@@ -66,7 +76,7 @@ pub(crate) fn wait_in_line(
                     let reason = q.cancel(r);
                     return (Waited::Refused(Refused { reason, waited: now - start }), now - start);
                 }
-                if !agent_alive(att) {
+                if !(attached() && heartbeat_fresh(r)) {
                     let _ = q.cancel(r);
                     return (Waited::FailOpen, now - start);
                 }
@@ -109,8 +119,144 @@ pub(crate) fn charged<R>(att: &Attachment, cell: Option<u32>, f: impl FnOnce() -
     (out, t1.saturating_sub(t0))
 }
 
-fn count_wait(att: &Attachment, g: &Grant, waited: Duration) {
-    let b = att.admission.counted_on(g.cell());
+fn count_wait(r: &AdmissionRegions, g: &Grant, waited: Duration) {
+    let b = r.counted_on(g.cell());
     b.count(counter::WAITED, 1);
     b.count(counter::WAIT_US, waited.as_micros() as u64);
+}
+
+/// Waiting in line through the seam's double: the futex sleeps are the
+/// test's (it plays the agent's refills and the clock while the thread
+/// would sleep), the regions plain memory with no agent behind them.
+#[cfg(test)]
+mod tests {
+    use super::{FAIL_OPEN_AFTER, LIVENESS_CHECK, Waited, wait_on};
+    use crate::policy::{Demand, Knobs, Refusal, WAIT_GRANULE_US, acquire_queued, place_bit};
+    use crate::region::{AdmissionMemory, CellRef, GLOBAL};
+    use crate::sys::fake::{self, Fake};
+    use keyspace_governor_common::admission::{KNOB_ENABLED, KNOB_THROTTLE, P_CAP, P_THROTTLED, counter};
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    /// CLOCK_MONOTONIC as the double reads it, and the agent's last beat.
+    const NOW: u64 = 5_000_000_000;
+    /// Keyspace cell 0 as given to the keyspace (generation 0 is no cell's).
+    const CELL: CellRef = CellRef { index: 0, generation: 1 };
+    const EST: u64 = 1000;
+    /// Where the request's place ends: behind 3 granules of another's.
+    const PLACE: u64 = 3 * WAIT_GRANULE_US + EST;
+
+    /// Regions with keyspace cell 0 capped and empty, 3 granules of
+    /// another request in line ahead, the global bucket full, the agent's
+    /// heart beating at `NOW`; knobs that throttle; and the request in line.
+    fn in_line() -> (Arc<AdmissionMemory>, Knobs, crate::policy::Queued) {
+        let m = Arc::new(AdmissionMemory::create(16).unwrap());
+        let (tenant, params) = m.regions.keyspace_cell(0).unwrap();
+        params.generation.store(CELL.generation, Ordering::Relaxed);
+        params.flags.store(P_THROTTLED | P_CAP, Ordering::Relaxed);
+        params.capacity_us.store(100_000, Ordering::Relaxed);
+        let _ahead = tenant.reserve(3 * WAIT_GRANULE_US);
+        m.regions.bucket(GLOBAL).give(1_000_000, 1_000_000);
+        m.regions.header().agent.heartbeat_ns.store(NOW, Ordering::Relaxed);
+        let k = Knobs { flags: KNOB_ENABLED | KNOB_THROTTLE, default_estimate_us: EST, ..Default::default() };
+        let q = acquire_queued(&m.regions, &k, 7, Some(CELL), &Demand::new(), None).unwrap();
+        assert_eq!(tenant.available_us(), -(PLACE as i64));
+        (m, k, q)
+    }
+
+    /// Each sleep the waiter asked for: (its place's bits, its timeout, ns).
+    type Sleeps = Rc<RefCell<Vec<(u32, u64)>>>;
+
+    /// Installs the double: `on_sleep(n, timeout)` runs at the waiter's
+    /// n-th sleep, instead of the sleep.
+    fn installed(mut on_sleep: impl FnMut(usize, Duration) + 'static) -> (fake::Installed, Sleeps) {
+        let sleeps: Sleeps = Rc::default();
+        let log = sleeps.clone();
+        let wait = move |bits: u32, deadline: u64| {
+            let timeout = deadline - crate::sys::monotonic_ns();
+            log.borrow_mut().push((bits, timeout));
+            let n = log.borrow().len();
+            on_sleep(n, Duration::from_nanos(timeout));
+        };
+        let f = Fake {
+            monotonic_ns: Some(NOW),
+            futex_wait: Some(Box::new(wait)),
+            wakes: Some(Vec::new()),
+            ..Default::default()
+        };
+        (fake::install(f), sleeps)
+    }
+
+    #[test]
+    fn a_request_sleeps_on_its_granule_until_a_refill_reaches_its_place() {
+        let (m, k, q) = in_line();
+        let m2 = m.clone();
+        let (_f, sleeps) = installed(move |n, _| {
+            // The agent's refills: the first serves those ahead only, the
+            // second reaches this place.
+            let tenant = m2.regions.keyspace_cell(0).unwrap().0;
+            tenant.give(if n == 1 { 2 * WAIT_GRANULE_US } else { 3 * WAIT_GRANULE_US }, 100_000);
+        });
+        let (done, waited) = wait_on(&m.regions, &|| true, &k, q, None);
+        let Waited::Granted(g) = done else { panic!("not granted") };
+        assert_eq!((g.tenant_us(), g.global_us()), (EST, EST));
+        assert!(waited > Duration::ZERO && waited < Duration::from_secs(1), "{waited:?}");
+        // Two sleeps, each on its place's granule's bit alone, each a
+        // liveness check long (no deadline was given).
+        let place = place_bit(PLACE);
+        assert_eq!(*sleeps.borrow(), vec![(place, LIVENESS_CHECK.as_nanos() as u64); 2]);
+        // The first refill woke the granules it served, not this one (a
+        // real futex leaves the waiter asleep); the second woke it.
+        let wakes = fake::take_wakes();
+        assert_eq!(wakes.len(), 2, "{wakes:x?}");
+        assert!(wakes[0] & place == 0 && wakes[1] & place != 0, "{wakes:x?} against {place:x}");
+        let tenant = m.regions.keyspace_cell(0).unwrap().0;
+        assert_eq!((tenant.counter(counter::WAITED), tenant.sleepers.load(Ordering::Relaxed)), (1, 0));
+    }
+
+    #[test]
+    fn a_deadline_that_passes_in_line_refuses_and_gives_the_place_back() {
+        let (m, k, q) = in_line();
+        // No refill comes: each sleep runs to its timeout, as the kernel's.
+        let (_f, sleeps) = installed(|_, timeout| std::thread::sleep(timeout));
+        let deadline = Instant::now() + Duration::from_millis(30);
+        let (done, waited) = wait_on(&m.regions, &|| true, &k, q, Some(deadline));
+        let Waited::Refused(refused) = done else { panic!("not refused") };
+        assert_eq!(refused.reason, Refusal::TenantCpuExhausted { keyspace: 7 });
+        assert!(waited >= Duration::from_millis(30) && waited < Duration::from_secs(1), "{waited:?}");
+        // One sleep, to the deadline rather than a liveness check.
+        let first = sleeps.borrow().first().map(|s| s.1).unwrap_or(0);
+        assert!((20_000_000..=30_000_000).contains(&first), "{:?}", sleeps.borrow());
+        // Its place left the line: only the request ahead is left in it.
+        let tenant = m.regions.keyspace_cell(0).unwrap().0;
+        assert_eq!(tenant.available_us(), -((3 * WAIT_GRANULE_US) as i64));
+        assert_eq!((tenant.counter(counter::WAITED), tenant.sleepers.load(Ordering::Relaxed)), (0, 0));
+    }
+
+    #[test]
+    fn an_agent_whose_heart_stops_while_one_waits_admits_fail_open() {
+        let (m, k, q) = in_line();
+        // While the request sleeps, the agent misses its beats.
+        let stale = NOW + FAIL_OPEN_AFTER.as_nanos() as u64 + 1_000_000;
+        let (_f, sleeps) = installed(move |_, _| fake::set(|f| f.monotonic_ns = Some(stale)));
+        let (done, _) = wait_on(&m.regions, &|| true, &k, q, None);
+        assert!(matches!(done, Waited::FailOpen), "not fail-open");
+        assert_eq!(sleeps.borrow().len(), 1);
+        let tenant = m.regions.keyspace_cell(0).unwrap().0;
+        assert_eq!(tenant.available_us(), -((3 * WAIT_GRANULE_US) as i64), "its place left the line");
+    }
+
+    #[test]
+    fn a_detached_agent_admits_fail_open_without_a_sleep() {
+        let (m, k, q) = in_line();
+        let (_f, sleeps) = installed(|_, _| panic!("slept on a detached agent's bucket"));
+        let (done, _) = wait_on(&m.regions, &|| false, &k, q, None);
+        assert!(matches!(done, Waited::FailOpen), "not fail-open");
+        assert!(sleeps.borrow().is_empty());
+        let tenant = m.regions.keyspace_cell(0).unwrap().0;
+        assert_eq!(tenant.available_us(), -((3 * WAIT_GRANULE_US) as i64), "its place left the line");
+    }
 }

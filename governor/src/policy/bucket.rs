@@ -21,12 +21,12 @@ const ATTEMPTS: u32 = 64;
 /// wakeups: a blocked waiter sleeps under its granule's bit (of 32), and a
 /// move of the head wakes the bits of the granules it crossed. 1 ms: a
 /// refill tick crosses a few, and a line aliases only past 32 ms of tokens.
-const WAIT_GRANULE_US: u64 = 1024;
+pub(crate) const WAIT_GRANULE_US: u64 = 1024;
 const WAIT_GRANULE_SHIFT: u32 = WAIT_GRANULE_US.trailing_zeros();
 
 /// The wake bit of a place in line.
 #[inline]
-fn place_bit(pos: u64) -> u32 {
+pub(crate) fn place_bit(pos: u64) -> u32 {
     1 << ((pos >> WAIT_GRANULE_SHIFT) & 31)
 }
 

@@ -24,6 +24,8 @@
 
 mod admit;
 mod bucket;
+#[cfg(test)]
+pub(crate) use bucket::{WAIT_GRANULE_US, place_bit};
 #[cfg(feature = "agent")]
 mod dynamic;
 mod error;

@@ -19,6 +19,10 @@ pub fn futex_wait(word: &std::sync::atomic::AtomicU32, expected: u32, timeout: s
 /// concerns (`FUTEX_WAIT_BITSET`): [`futex_wake_bits`] with other bits
 /// leaves it asleep. `deadline_ns` is absolute, CLOCK_MONOTONIC.
 pub fn futex_wait_bits(word: &std::sync::atomic::AtomicU32, expected: u32, deadline_ns: u64, bits: u32) {
+    #[cfg(test)]
+    if super::fake::futex_wait(bits, deadline_ns).is_some() {
+        return;
+    }
     let ts = libc::timespec {
         tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
@@ -42,6 +46,10 @@ pub fn futex_wait_bits(word: &std::sync::atomic::AtomicU32, expected: u32, deadl
 /// Wakes the waiters of the shared word at `word` whose bits meet `bits`
 /// (`FUTEX_WAKE_BITSET`; plain and `futex_waitv` waiters match any bits).
 pub fn futex_wake_bits(word: &std::sync::atomic::AtomicU32, bits: u32) {
+    #[cfg(test)]
+    if super::fake::futex_wake(bits).is_some() {
+        return;
+    }
     // SAFETY: word is a valid, aligned u32; the op only reads its address;
     // the timeout and second address are unused by it.
     unsafe {
@@ -59,6 +67,10 @@ pub fn futex_wake_bits(word: &std::sync::atomic::AtomicU32, bits: u32) {
 
 /// Wakes up to `n` waiters of the shared word at `word`.
 pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
+    #[cfg(test)]
+    if super::fake::futex_wake(u32::MAX).is_some() {
+        return;
+    }
     // SAFETY: word is a valid, aligned u32; FUTEX_WAKE only reads its address.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, n);

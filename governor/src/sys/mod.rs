@@ -12,9 +12,10 @@
 //! (Cgroups are read and written through their files; they need no raw call.)
 //!
 //! In the library's unit tests the calls that make time and place — the
-//! CPU, both clocks, the TSC — go first to `fake`, a per-thread double a
-//! test sets, so the thread clock, the TSC mapping and the charging
-//! protocol are tested on plain memory without eBPF or a scheduler's help.
+//! CPU, both clocks, the TSC — and the token lines' futex waits and wakes
+//! go first to `fake`, a per-thread double a test sets, so the thread
+//! clock, the TSC mapping, the charging protocol and waiting in line are
+//! tested on plain memory without eBPF, an agent or a scheduler's help.
 #![allow(unsafe_code)]
 
 mod clock;
