@@ -616,7 +616,14 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     struct Rmdir(std::path::PathBuf);
     impl Drop for Rmdir {
         fn drop(&mut self) {
-            let _ = std::fs::remove_dir(&self.0);
+            // Its last processes may still be exiting: the cgroup is busy
+            // until they have.
+            for _ in 0..200 {
+                if std::fs::remove_dir(&self.0).is_ok() || !self.0.exists() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     }
     let _rmdir = Rmdir(dir.clone());
