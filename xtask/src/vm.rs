@@ -430,8 +430,12 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
     loop {
         let left = limit.checked_sub(start.elapsed()).unwrap_or_default();
         match rx.recv_timeout(left.min(SILENCE)) {
-            Ok(line) if line.trim() == ALIVE => {}
             Ok(line) => {
+                // The heartbeat may land inside a test's line: taken out.
+                let line = if line.contains(ALIVE) { line.replace(ALIVE, "") } else { line };
+                if line.trim().is_empty() {
+                    continue;
+                }
                 println!("{line}");
                 // `VM-TEST-STEP name: command` at its start, `VM-TEST-STEP
                 // name rc=N seconds=S` at its end.
@@ -466,6 +470,13 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
                     "the guest printed nothing for {} s, not even its heartbeat: stopping qemu",
                     SILENCE.as_secs()
                 );
+                // What the host ran meanwhile (a host process starving the
+                // niced qemu would look the same from here).
+                if let Ok(ps) = Command::new("ps").args(["-eo", "pid,ni,pcpu,etime,time,comm", "--sort=-pcpu"]).output()
+                {
+                    let text = String::from_utf8_lossy(&ps.stdout);
+                    eprintln!("host processes by CPU:\n{}", text.lines().take(8).collect::<Vec<_>>().join("\n"));
+                }
                 run.stopped_in = Some(current.clone());
                 let _ = child.kill();
                 break;
