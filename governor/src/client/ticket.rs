@@ -169,7 +169,7 @@ impl Client {
         let (res, cpu) = charged(&att, cell, || wait_in_line(&att, &k, q, Some(deadline)));
         match res {
             (Waited::Granted(g), waited) => {
-                let mut t = granted(att, idx, g, &demand);
+                let mut t = granted(att, idx, g, demand.deadline);
                 t.set_waited(waited);
                 t.add_consumed(cpu);
                 Ok(t)
@@ -246,7 +246,6 @@ impl Client {
                     t.att = Some(home.as_deref_mut().map_or_else(|| att.clone(), |h| h.take_ref()));
                     t.record = idx;
                     t.grant = g;
-                    t.grant.kind = demand.kind;
                     t.deadline = demand.deadline;
                     None
                 }
@@ -277,10 +276,8 @@ impl Client {
 }
 
 /// A ticket for a grant that waited in line, in ledger record `idx`.
-pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, demand: &Demand) -> Ticket {
+pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, deadline: Option<Instant>) -> Ticket {
     write_record(&att, idx, &g);
-    let mut g = g;
-    g.kind = demand.kind;
     Ticket {
         att: Some(att),
         record: idx,
@@ -288,7 +285,7 @@ pub(crate) fn granted(att: Arc<Attachment>, idx: u32, g: Grant, demand: &Demand)
         consumed_ns: 0,
         checked_ns: 0,
         topup_due: false,
-        deadline: demand.deadline,
+        deadline,
         waited_us: 0,
         paced_us: 0,
     }

@@ -275,7 +275,7 @@ enum AcquireState {
     Waiting {
         client: Client,
         keyspace: u32,
-        demand: Demand,
+        deadline: Option<Instant>,
         line: Line,
         record: u32,
     },
@@ -305,7 +305,7 @@ impl Client {
                 AcquireState::Waiting {
                     client: self.clone(),
                     keyspace,
-                    demand,
+                    deadline: demand.deadline,
                     line: Line::new(att, q, k, Some(deadline)),
                     record,
                 }
@@ -339,7 +339,7 @@ impl Future for AcquireFuture {
         match &mut this.state {
             AcquireState::Cell { .. } => unreachable!("resolved above"),
             AcquireState::Ready(r) => Poll::Ready(r.take().expect("polled after completion")),
-            AcquireState::Waiting { client, keyspace, demand, line, record } => {
+            AcquireState::Waiting { client, keyspace, deadline, line, record } => {
                 let res = std::task::ready!(line.poll(cx));
                 let (att, idx) = (line.att.clone(), *record);
                 let free = || {
@@ -350,7 +350,7 @@ impl Future for AcquireFuture {
                 let out = match res {
                     LineResult::Granted(g) => {
                         let waited = line.waited();
-                        let mut t = granted(att.clone(), idx, g, demand);
+                        let mut t = granted(att.clone(), idx, g, *deadline);
                         t.set_waited(waited);
                         t.add_consumed(line.cpu_ns);
                         Ok(t)

@@ -205,7 +205,8 @@ pub(super) fn prepare(
     demand: &Demand,
     spare: Option<&mut Spare>,
 ) -> Result<Prep, Refusal> {
-    let mut g = Grant::unchecked(keyspace, cell);
+    // The kind rides on the grant to whatever runs its work (the tag).
+    let mut g = Grant { kind: demand.kind, ..Grant::unchecked(keyspace, cell) };
     if !k.has(KNOB_ENABLED) {
         buckets.global.count(c::SKIPPED, 1);
         buckets.global.count(c::GRANTED, 1);
