@@ -315,7 +315,8 @@ fn request_kinds_of_one_keyspace_get_their_own_stacks() {
     let dir = Scratch::new("profile-kinds");
     let totals = dir.0.join("totals");
     let work = rows_with(&agent, 30.0, &["--kinds", "--totals", totals.to_str().unwrap()]);
-    // The time the workload spent in each kind so far, by its own clock.
+    // The CPU the workload spent in each kind so far, by the kernel's
+    // thread CPU clock.
     let spent = || -> [f64; 2] {
         let text = std::fs::read_to_string(&totals).unwrap_or_default();
         let v: Vec<f64> = text.split_whitespace().filter_map(|n| n.parse().ok()).collect();
@@ -347,15 +348,15 @@ fn request_kinds_of_one_keyspace_get_their_own_stacks() {
     assert!((all as f64 - expected).abs() <= 0.1 * expected, "{all} samples for {expected:.0} from the CPU charged");
     assert!(own1 >= 0.90 && other1 <= 0.05, "kind 1: hash_rows {own1:.3}, compress_rows {other1:.3}");
     assert!(own2 >= 0.90 && other2 <= 0.05, "kind 2: compress_rows {own2:.3}, hash_rows {other2:.3}");
-    // Each kind holds the share of the samples it held of the time, by the
-    // workload's clock (turns of about 150 µs and 50 µs, calibrated at its
-    // start; under emulation their ratio drifts from 3:1).
+    // Each kind holds the share of the samples it held of the CPU, by the
+    // kernel's thread CPU clock (turns of about 150 µs and 50 µs, calibrated
+    // at the workload's start; under emulation their ratio drifts from 3:1).
     let kind1 = n1 as f64 / (n1 + n2).max(1) as f64;
     let (t1, t2) = (after[0] - before[0], after[1] - before[1]);
     let truth = t1 / (t1 + t2).max(1.0);
-    eprintln!("kind 1: {:.1} % of the samples, {:.1} % of the time", kind1 * 100.0, truth * 100.0);
+    eprintln!("kind 1: {:.1} % of the samples, {:.1} % of the CPU", kind1 * 100.0, truth * 100.0);
     assert!(t1 + t2 > 1e9, "the workload spent {:.3} s in its kinds while profiled", (t1 + t2) / 1e9);
-    assert!((kind1 - truth).abs() <= 0.05, "kind 1: {kind1:.3} of the samples, {truth:.3} of the time");
+    assert!((kind1 - truth).abs() <= 0.05, "kind 1: {kind1:.3} of the samples, {truth:.3} of the CPU");
     // The admission work between the two (a ticket's acquire) is of no
     // kind: a sliver at most.
     assert!((untagged_kind as f64) <= 0.05 * (n1 + n2) as f64, "{untagged_kind} samples of no kind");

@@ -4,13 +4,14 @@
 //! apart. With `--kinds`, the two are request kinds of the first keyspace
 //! instead: kind 1 tagged with `client::set_tag_with_kind`, kind 2 run
 //! under a ticket of `Demand::kind(2)`; `--totals FILE` then keeps in FILE
-//! the time the threads spent in each kind so far (`KIND1_NS KIND2_NS`,
-//! rewritten every 100 ms), the truth a profile's kind shares are checked
-//! against.
+//! the CPU time the threads spent in each kind so far, by the kernel's
+//! thread CPU clock (`KIND1_NS KIND2_NS`, rewritten every 100 ms): the
+//! truth a profile's kind shares are checked against.
 
 use super::arg;
 use anyhow::Result;
 use keyspace_governor::client::{self, Client, Demand};
+use keyspace_governor::sys::thread_cputime_ns;
 use serde_json::json;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,18 +85,18 @@ pub fn rows(args: &[String]) -> Result<serde_json::Value> {
                 let mut turns = 0;
                 while Instant::now() < end {
                     if kinds {
-                        let t0 = Instant::now();
+                        let t0 = thread_cputime_ns();
                         client::set_tag_with_kind(a, 1)?;
                         hash_rows(a_rounds);
                         client::clear_tag();
-                        let t1 = Instant::now();
+                        let t1 = thread_cputime_ns();
                         let mut ticket = client.acquire(a, Demand::new().kind(2))?;
                         let work = ticket.enter();
                         compress_rows(b_rounds);
                         drop(work);
-                        let t2 = Instant::now();
-                        spent[0].fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
-                        spent[1].fetch_add((t2 - t1).as_nanos() as u64, Ordering::Relaxed);
+                        let t2 = thread_cputime_ns();
+                        spent[0].fetch_add(t1 - t0, Ordering::Relaxed);
+                        spent[1].fetch_add(t2 - t1, Ordering::Relaxed);
                     } else {
                         client::set_tag(a)?;
                         hash_rows(a_rounds);
