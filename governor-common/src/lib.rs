@@ -105,6 +105,8 @@ pub struct RuleCpu {
     /// tid + 1 of the task, 0 when none.
     pub tid: u64,
     pub base_ns: u64,
+    /// Whom it took the CPU from (a keyspace cell + 1 or a `BEHIND_*` code).
+    pub runner: u64,
 }
 
 /// Name of the `tid → run-queue delay at its last switch-out` hash of
@@ -299,7 +301,11 @@ pub struct CpuCell {
     pub fresh_task_ns: u64,
     /// Non-zero once `mono_offset_ns` has been measured.
     pub offset_valid: u64,
-    pub _pad: [u64; 1],
+    /// `(tid + 1) | runner << 32` of the registered thread switched in
+    /// last: whom it took the CPU from (a keyspace cell + 1 or a `BEHIND_*`
+    /// code), what its wait, charged at its switch-out, was behind. Kernel
+    /// only.
+    pub behind: u64,
 }
 
 /// `CpuCell::owner` of slot `index` at `generation`.
@@ -377,11 +383,34 @@ pub const WAIT_BUCKET_SHIFT: u32 = 10;
 pub struct KeyspaceWait {
     /// Total ns waited (monotonic).
     pub wait_ns: u64,
-    /// Waits counted.
-    pub waits: u64,
-    /// `hist[k]`: waits of `wait_bucket(ns) == k`.
+    /// `hist[k]`: waits of `wait_bucket(ns) == k` (their sum is the count).
     pub hist: [u64; WAIT_BUCKETS],
+    /// What the waits were behind: the task a waiting thread took its CPU
+    /// from when its wait ended, as `behind_runner[i]` (0: a free slot;
+    /// a keyspace cell + 1, or one of the `BEHIND_*` codes) with the ns
+    /// waited behind it in `behind_ns[i]` (monotonic, whoever holds the
+    /// slot). The kernel claims a free slot for a runner it has no slot
+    /// for; the agent frees slots that stopped growing; waits behind a
+    /// runner with no slot free go to `behind_other_ns`.
+    pub behind_runner: [u32; BEHIND_SLOTS],
+    pub behind_ns: [u64; BEHIND_SLOTS],
+    pub behind_other_ns: u64,
+    pub _pad: [u64; 4],
 }
+
+/// Slots of [`KeyspaceWait::behind_runner`].
+pub const BEHIND_SLOTS: usize = 8;
+/// A waiter took its CPU from a registered thread that had no tag (the
+/// server's own work).
+pub const BEHIND_UNTAGGED: u32 = u32::MAX - 3;
+/// ... from a task governor does not measure (another process, a kernel
+/// thread, a process no rule matched or whose rule is being decided).
+pub const BEHIND_UNMEASURED: u32 = u32::MAX - 2;
+/// ... from the idle task: the CPU was free, the wait was the wakeup's own.
+pub const BEHIND_IDLE: u32 = u32::MAX - 1;
+/// Not known: the thread's switch-in was not seen (it was registered, or
+/// the agent started, while it ran).
+pub const BEHIND_UNKNOWN: u32 = u32::MAX;
 
 /// The bucket of a wait of `ns`: the bit length of `ns >> WAIT_BUCKET_SHIFT`,
 /// at most `WAIT_BUCKETS - 1`. Bucket `k < WAIT_BUCKETS - 1` holds waits
@@ -475,8 +504,8 @@ const _: () = assert!(align_of::<CpuCell>() == 8);
 const _: () = assert!(align_of::<ThreadSlot>() == 8);
 const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
-const _: () = assert!(size_of::<RuleCpu>() == 16);
-const _: () = assert!(size_of::<KeyspaceWait>() == 192);
+const _: () = assert!(size_of::<RuleCpu>() == 24);
+const _: () = assert!(size_of::<KeyspaceWait>() == 320);
 const _: () = assert!(size_of::<ProfileKey>() == 32);
 const _: () = assert!(size_of::<StackFrames>() == 8 * MAX_FRAMES);
 

@@ -79,11 +79,12 @@ use aya_ebpf::{
 use core::ffi::c_void;
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
-    CpuCell, DEFAULT_MAX_KEYSPACES, DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME,
-    FRESH_OFFSET_NS, KeyspaceCell, KeyspaceWait, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS,
-    MAX_RULE_TASKS, MAX_STACKS, NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME,
-    RuleCpu, RuleEvent, SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner,
-    kind_of_tag, wait_bucket,
+    BEHIND_IDLE, BEHIND_SLOTS, BEHIND_UNKNOWN, BEHIND_UNMEASURED, BEHIND_UNTAGGED, CpuCell, DEFAULT_MAX_KEYSPACES,
+    DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, FRESH_OFFSET_NS, KeyspaceCell,
+    KeyspaceWait, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS, MAX_RULE_TASKS, MAX_STACKS,
+    NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent,
+    SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner, kind_of_tag,
+    wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -256,7 +257,8 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
             charge_rule(task, tag, runtime - base);
         }
         if !keep {
-            rule_waited(task, tid, tag);
+            let runner = if seen { read_volatile(addr_of_mut!((*cell).runner)) as u32 } else { BEHIND_UNKNOWN };
+            rule_waited(task, tid, tag, runner);
         }
         write_volatile(addr_of_mut!((*cell).tid), if keep { tid as u64 + 1 } else { 0 });
         write_volatile(addr_of_mut!((*cell).base_ns), runtime);
@@ -264,14 +266,14 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
 }
 
 /// At a rule-measured task's switch-out: charges what its run-queue delay
-/// gained since its last switch-out to its rule's keyspace (a task first
-/// seen now only leaves its base; one whose rule is being decided charges
-/// nothing).
+/// gained since its last switch-out to its rule's keyspace, behind
+/// `runner` (a task first seen now only leaves its base; one whose rule is
+/// being decided charges nothing).
 ///
 /// # Safety
 /// `task` is a trusted task pointer being switched out.
 #[inline(always)]
-unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32) {
+unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32, runner: u32) {
     if !wait_on() {
         return;
     }
@@ -283,7 +285,7 @@ unsafe fn rule_waited(task: *const u8, tid: u32, tag: u32) {
             let seen = read_volatile(p);
             if delay > seen {
                 if tag != TAG_PENDING {
-                    charge_wait(tag as u64, delay - seen);
+                    charge_wait(tag as u64, delay - seen, runner);
                 }
                 write_volatile(p, delay);
             }
@@ -337,9 +339,56 @@ fn wait_on() -> bool {
     unsafe { read_volatile(&GOV_WAIT_ON) != 0 }
 }
 
-/// Charges one run-queue wait of `delta` ns to the keyspace of `tag`.
+/// Whom the registered thread `tid`, being switched out, took this CPU
+/// from at its switch-in (`CpuCell::behind`).
 #[inline(always)]
-fn charge_wait(tag: u64, delta: u64) {
+fn waited_behind(tid: u32) -> u32 {
+    // SAFETY: the helper reads this CPU's number.
+    let cpu = unsafe { bpf_get_smp_processor_id() };
+    let Some(cell) = GOV_CPUS.get_ptr_mut(cpu) else { return BEHIND_UNKNOWN };
+    // SAFETY: a map value pointer; only this CPU's switches write it.
+    let behind = unsafe { read_volatile(addr_of_mut!((*cell).behind)) };
+    if behind as u32 == tid.wrapping_add(1) { (behind >> 32) as u32 } else { BEHIND_UNKNOWN }
+}
+
+/// Adds `delta` ns waited behind `runner` to `w`'s slot for it, claiming a
+/// free one if it has none (two CPUs claiming one slot at once for two
+/// runners leave it to one of them, with both waits).
+///
+/// # Safety
+/// `w` is a map value pointer, valid for the program's run.
+#[inline(always)]
+unsafe fn charge_behind(w: *mut KeyspaceWait, runner: u32, delta: u64) {
+    // SAFETY: as the caller promises; indices below the arrays' length.
+    unsafe {
+        let runners = addr_of_mut!((*w).behind_runner) as *mut u32;
+        let ns = addr_of_mut!((*w).behind_ns) as *mut u64;
+        let mut i = 0;
+        while i < BEHIND_SLOTS {
+            let r = read_volatile(runners.add(i));
+            if r == runner || r == 0 {
+                if r == 0 {
+                    write_volatile(runners.add(i), runner);
+                }
+                core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                    ns.add(i),
+                    delta,
+                );
+                return;
+            }
+            i += 1;
+        }
+        core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            addr_of_mut!((*w).behind_other_ns),
+            delta,
+        );
+    }
+}
+
+/// Charges one run-queue wait of `delta` ns, behind `runner`, to the
+/// keyspace of `tag`.
+#[inline(always)]
+fn charge_wait(tag: u64, delta: u64, runner: u32) {
     let Some(index) = cell_of_tag(tag) else { return };
     if let Some(w) = GOV_WAITS.get_ptr_mut(index) {
         let k = wait_bucket(delta);
@@ -351,13 +400,10 @@ fn charge_wait(tag: u64, delta: u64) {
                 addr_of_mut!((*w).wait_ns),
                 delta,
             );
-            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
-                addr_of_mut!((*w).waits),
-                1,
-            );
             if let Some(bucket) = (*w).hist.get_mut(k) {
                 core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(bucket, 1);
             }
+            charge_behind(w, runner, delta);
         }
     }
 }
@@ -370,7 +416,7 @@ fn charge_wait(tag: u64, delta: u64) {
 /// `task` is the thread's trusted task pointer, `slot` its map value
 /// pointer; the thread cannot run now.
 #[inline(always)]
-unsafe fn slot_waited(task: *const u8, slot: *mut ThreadSlot) {
+unsafe fn slot_waited(task: *const u8, tid: u32, slot: *mut ThreadSlot) {
     if !wait_on() {
         return;
     }
@@ -379,7 +425,7 @@ unsafe fn slot_waited(task: *const u8, slot: *mut ThreadSlot) {
         let delay = task_field::<u64>(task, &GOV_OFF_RUN_DELAY);
         let seen = read_volatile(addr_of_mut!((*slot).delay_ns));
         if delay > seen {
-            charge_wait(read_volatile(addr_of_mut!((*slot).wait_tag)) as u64, delay - seen);
+            charge_wait(read_volatile(addr_of_mut!((*slot).wait_tag)) as u64, delay - seen, waited_behind(tid));
             write_volatile(addr_of_mut!((*slot).delay_ns), delay);
         }
         write_volatile(addr_of_mut!((*slot).wait_tag), read_volatile(addr_of_mut!((*slot).tag)) as u32);
@@ -427,13 +473,16 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         let prev: *const u8 = ctx.arg(1);
         let next: *const u8 = ctx.arg(2);
         let prev_tid = task_field::<u32>(prev, &GOV_OFF_PID);
+        // Whom next takes the CPU from, if next is measured.
+        let mut runner = if prev_tid == 0 { BEHIND_IDLE } else { BEHIND_UNMEASURED };
         if let Some(entry) = tid_entry(prev_tid) {
             if let Some((slot, _)) = registered(prev_tid, entry) {
                 // The kernel brought prev's runtime up to date before the switch.
                 let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
                 charge_up_to(slot, runtime);
                 write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
-                slot_waited(prev, slot);
+                runner = cell_of_tag(read_volatile(addr_of_mut!((*slot).tag))).map_or(BEHIND_UNTAGGED, |c| c + 1);
+                slot_waited(prev, prev_tid, slot);
                 if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
                     // Its final switch: the slot is dead before the tid entry
                     // clears, so the agent never sees a live slot without a tid.
@@ -445,6 +494,9 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 let tag = rule_tag(entry);
                 if tag != 0 && prev_tid != 0 {
                     charge_rule_slice(prev, prev_tid, tag, false);
+                    if tag != TAG_PENDING {
+                        runner = cell_of_tag(tag as u64).map_or(BEHIND_UNMEASURED, |c| c + 1);
+                    }
                 }
             }
         }
@@ -452,6 +504,9 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         let Some(entry) = tid_entry(next_tid) else { return 0 };
         if let Some((slot, index)) = registered(next_tid, entry) {
             if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
+                if wait_on() {
+                    write_volatile(addr_of_mut!((*cell).behind), (next_tid as u64 + 1) | (runner as u64) << 32);
+                }
                 let (start, runtime) =
                     (task_field::<u64>(next, &GOV_OFF_EXEC_START), task_field::<u64>(next, &GOV_OFF_RUNTIME));
                 // The run queue's clock was brought up to date for this
@@ -464,7 +519,8 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
             && next_tid != 0
             && let Some(cell) = GOV_RULE_CPUS.get_ptr_mut(bpf_get_smp_processor_id())
         {
-            // Its slice starts at its runtime now.
+            // Its slice starts at its runtime now, behind `runner`.
+            write_volatile(addr_of_mut!((*cell).runner), runner as u64);
             write_volatile(addr_of_mut!((*cell).tid), next_tid as u64 + 1);
             write_volatile(addr_of_mut!((*cell).base_ns), task_field::<u64>(next, &GOV_OFF_RUNTIME));
         }

@@ -503,6 +503,22 @@ pub struct BucketStatus {
     pub debt_us: u64,
 }
 
+/// What a keyspace's threads waited behind: what held the CPU each of them
+/// got when its wait ended (the kernel's count, eBPF backend only).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WaitBehind {
+    /// `keyspace` (with `keyspace_id`: that keyspace's work), `untagged` (a
+    /// registered thread with no tag), `unmeasured` (a task governor does
+    /// not measure), `idle` (the CPU was free: the wakeup's own latency),
+    /// `unknown` (the switch-in was not seen) or `other` (a runner the
+    /// kernel kept no slot for, or a keyspace gone since).
+    pub behind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keyspace_id: Option<u32>,
+    /// Seconds waited behind it over the monitor window.
+    pub seconds: f64,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KeyspaceStatus {
     pub keyspace_id: u32,
@@ -526,6 +542,9 @@ pub struct KeyspaceStatus {
     /// `2^(10 + k)` ns, the last the rest (`governor-common::wait_bucket`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cpu_wait_buckets: Vec<u64>,
+    /// Whom its waits over the monitor window were behind, the most first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cpu_wait_behind: Vec<WaitBehind>,
     /// Its token bucket, when it has one.
     pub bucket: Option<BucketStatus>,
     pub estimate_us: u64,

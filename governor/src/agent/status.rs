@@ -2,8 +2,9 @@
 //! policy and the slot table.
 
 use super::Shared;
+use super::waits::Behind;
 use crate::policy::{KeyspaceCounters, QuotaSource};
-use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, OverflowStatus, StatusReport};
+use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, OverflowStatus, StatusReport, WaitBehind};
 use std::sync::atomic::Ordering;
 
 fn source_name(s: QuotaSource) -> &'static str {
@@ -94,6 +95,19 @@ impl Shared {
                     cpu_wait_p50_us: us(0.5),
                     cpu_wait_p99_us: us(0.99),
                     cpu_wait_buckets: if waits.waits == 0 { Vec::new() } else { waits.hist.to_vec() },
+                    cpu_wait_behind: usage
+                        .waits
+                        .behind(cell, id, generation)
+                        .into_iter()
+                        .map(|(b, ns)| WaitBehind {
+                            behind: b.name().into(),
+                            keyspace_id: match b {
+                                Behind::Keyspace(k) => Some(k),
+                                _ => None,
+                            },
+                            seconds: ns as f64 / 1e9,
+                        })
+                        .collect(),
                     window_ratio: if span_us == 0 {
                         0.0
                     } else {

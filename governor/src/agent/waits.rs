@@ -1,7 +1,9 @@
 //! Per-keyspace run-queue wait as the kernel charges it (`GOV_WAITS`, one
 //! entry per keyspace cell): each holder's totals and log-2 histogram of
-//! waits since it got the cell, and the histogram over the monitor window
-//! for the percentiles status shows.
+//! waits since it got the cell, the histogram over the monitor window
+//! for the percentiles status shows, and whom the waits were behind over
+//! the window (the kernel's slots of runners, which the agent frees when
+//! they stop growing).
 //!
 //! The wait table is the agent's alone (no client maps it), so its
 //! counters only move forward; a cell given to another keyspace keeps
@@ -13,7 +15,9 @@ use crate::policy::Policy;
 use crate::region::WaitView;
 #[cfg(test)]
 use keyspace_governor_common::wait_bucket_le_ns;
-use keyspace_governor_common::{WAIT_BUCKETS, wait_quantile_ns};
+use keyspace_governor_common::{
+    BEHIND_IDLE, BEHIND_SLOTS, BEHIND_UNKNOWN, BEHIND_UNMEASURED, BEHIND_UNTAGGED, WAIT_BUCKETS, wait_quantile_ns,
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 
@@ -27,11 +31,8 @@ pub(crate) struct WaitCounts {
 
 impl WaitCounts {
     fn read(v: &WaitView) -> WaitCounts {
-        WaitCounts {
-            wait_ns: v.wait_ns.load(Ordering::Relaxed),
-            waits: v.waits.load(Ordering::Relaxed),
-            hist: std::array::from_fn(|k| v.hist[k].load(Ordering::Relaxed)),
-        }
+        let hist: [u64; WAIT_BUCKETS] = std::array::from_fn(|k| v.hist[k].load(Ordering::Relaxed));
+        WaitCounts { wait_ns: v.wait_ns.load(Ordering::Relaxed), waits: hist.iter().sum(), hist }
     }
 
     /// `self − earlier`, field by field (never below zero).
@@ -49,6 +50,107 @@ impl WaitCounts {
     }
 }
 
+/// Whom a wait was behind: what held the CPU the waiting thread got when
+/// its wait ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Behind {
+    /// A keyspace's work (its registered threads or its rule's processes).
+    Keyspace(u32),
+    /// A registered thread with no tag.
+    Untagged,
+    /// A task governor does not measure.
+    Unmeasured,
+    /// The idle task: the CPU was free, the wait the wakeup's own.
+    Idle,
+    /// The thread's switch-in was not seen.
+    Unknown,
+    /// A runner the kernel had no slot left for, or a keyspace that has
+    /// since given its cell up.
+    Other,
+}
+
+impl Behind {
+    /// The kernel's code `runner`, with the keyspaces holding cells now.
+    fn of(runner: u32, holders: &HashMap<u32, u32>) -> Behind {
+        match runner {
+            BEHIND_UNTAGGED => Behind::Untagged,
+            BEHIND_UNMEASURED => Behind::Unmeasured,
+            BEHIND_IDLE => Behind::Idle,
+            BEHIND_UNKNOWN => Behind::Unknown,
+            0 => Behind::Other,
+            cell => holders.get(&(cell - 1)).map_or(Behind::Other, |&id| Behind::Keyspace(id)),
+        }
+    }
+
+    /// The word status uses for it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Behind::Keyspace(_) => "keyspace",
+            Behind::Untagged => "untagged",
+            Behind::Unmeasured => "unmeasured",
+            Behind::Idle => "idle",
+            Behind::Unknown => "unknown",
+            Behind::Other => "other",
+        }
+    }
+}
+
+/// The agent's view of one cell's runner slots: what it read last, and
+/// when each slot last grew or changed hands.
+#[derive(Debug, Default)]
+struct Slots {
+    runner: [u32; BEHIND_SLOTS],
+    ns: [u64; BEHIND_SLOTS],
+    other_ns: u64,
+    moved_ns: [u64; BEHIND_SLOTS],
+}
+
+impl Slots {
+    /// What the waits of the cell were behind since the last read, and
+    /// frees (in the kernel's table) the slots idle for `idle_ns`.
+    fn step(&mut self, v: &WaitView, holders: &HashMap<u32, u32>, now_ns: u64, idle_ns: u64) -> Vec<(Behind, u64)> {
+        let mut out = Vec::new();
+        for i in 0..BEHIND_SLOTS {
+            let runner = v.behind_runner[i].load(Ordering::Relaxed);
+            let ns = v.behind_ns[i].load(Ordering::Relaxed);
+            if runner != self.runner[i] {
+                self.runner[i] = runner;
+                self.moved_ns[i] = now_ns;
+            }
+            let grew = ns.saturating_sub(self.ns[i]);
+            self.ns[i] = ns;
+            if grew > 0 {
+                out.push((Behind::of(runner, holders), grew));
+                self.moved_ns[i] = now_ns;
+            } else if runner != 0 && now_ns.saturating_sub(self.moved_ns[i]) >= idle_ns {
+                // Whatever the kernel adds before it claims the slot again
+                // goes to the next holder's first read: nothing, as the
+                // slot stood still for a whole window.
+                v.behind_runner[i].store(0, Ordering::Relaxed);
+                self.runner[i] = 0;
+                self.moved_ns[i] = now_ns;
+            }
+        }
+        let other = v.behind_other_ns.load(Ordering::Relaxed);
+        if other > self.other_ns {
+            out.push((Behind::Other, other - self.other_ns));
+        }
+        self.other_ns = other;
+        out
+    }
+}
+
+/// Sums `(whom, ns)` pairs by whom, the largest first.
+pub(crate) fn by_behind(parts: impl IntoIterator<Item = (Behind, u64)>) -> Vec<(Behind, u64)> {
+    let mut sums: HashMap<Behind, u64> = HashMap::new();
+    for (b, ns) in parts {
+        *sums.entry(b).or_default() += ns;
+    }
+    let mut v: Vec<(Behind, u64)> = sums.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    v
+}
+
 #[derive(Debug)]
 struct Holder {
     id: u32,
@@ -59,11 +161,15 @@ struct Holder {
     /// oldest first: one at or before the window's start, then every
     /// sample since at which they moved.
     history: VecDeque<(u64, WaitCounts)>,
+    /// Whom its waits were behind, by sample (ns of the sample, what moved
+    /// since the one before), over the monitor window.
+    behind: VecDeque<(u64, Vec<(Behind, u64)>)>,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Waits {
     holders: HashMap<u32, Holder>,
+    slots: HashMap<u32, Slots>,
 }
 
 impl Waits {
@@ -79,6 +185,7 @@ impl Waits {
             generation,
             base: if generation == 1 { WaitCounts::default() } else { Self::cell(m, cell) },
             history: VecDeque::new(),
+            behind: VecDeque::new(),
         };
         let h = self.holders.entry(cell).or_insert_with(fresh);
         if h.id != id || h.generation != generation {
@@ -103,10 +210,21 @@ impl Waits {
         let start = now_ns.saturating_sub(window_ns);
         let mut seen = Vec::new();
         let mut p99s = Vec::new();
+        let holders: HashMap<u32, u32> = r.directory().live().map(|(id, c)| (c, id)).collect();
         for (id, c) in r.directory().live() {
             let generation = r.keyspace_cell(c).map_or(0, |(_, p)| p.generation.load(Ordering::Acquire));
             let value = Self::cell(m, c);
+            let moved = match m.waits.get(c) {
+                Some(v) => self.slots.entry(c).or_default().step(v, &holders, now_ns, window_ns),
+                None => Vec::new(),
+            };
             let h = self.holder(m, c, id, generation);
+            if !moved.is_empty() {
+                h.behind.push_back((now_ns, moved));
+            }
+            while h.behind.front().is_some_and(|(t, _)| *t <= start) {
+                h.behind.pop_front();
+            }
             let totals = value.since(&h.base);
             let since_last = h.history.back().map_or(totals, |(_, last)| totals.since(last));
             if let Some(ns) = since_last.quantile_ns(0.99) {
@@ -123,6 +241,15 @@ impl Waits {
         }
         self.holders.retain(|c, _| seen.contains(c));
         p99s
+    }
+
+    /// Whom keyspace `id`'s waits were behind over the monitor window, the
+    /// largest first (ns).
+    pub(crate) fn behind(&self, cell: u32, id: u32, generation: u64) -> Vec<(Behind, u64)> {
+        match self.holders.get(&cell).filter(|h| h.id == id && h.generation == generation) {
+            Some(h) => by_behind(h.behind.iter().flat_map(|(_, parts)| parts.iter().copied())),
+            None => Vec::new(),
+        }
     }
 
     /// Keyspace `id`'s totals since it got `cell`, and its waits over the
@@ -167,6 +294,40 @@ mod tests {
         let one = counts(&[(3, 100)]);
         let mid = (wait_bucket_le_ns(2) + wait_bucket_le_ns(3)) as f64 / 2.0;
         assert!((one.quantile_ns(0.5).unwrap() - mid).abs() < 1.0);
+    }
+
+    #[test]
+    fn runner_slots_give_what_grew_to_whom_holds_them_and_free_idle_ones() {
+        // SAFETY: all atomics (and padding): zero is a valid value.
+        #[allow(unsafe_code)]
+        let v: WaitView = unsafe { std::mem::zeroed() };
+        let holders: HashMap<u32, u32> = [(0, 500), (3, 800)].into();
+        let mut s = Slots::default();
+        let idle = 10_000;
+        // The kernel claims two slots and overflows once.
+        v.behind_runner[0].store(1, Ordering::Relaxed);
+        v.behind_ns[0].store(100, Ordering::Relaxed);
+        v.behind_runner[1].store(BEHIND_IDLE, Ordering::Relaxed);
+        v.behind_ns[1].store(5, Ordering::Relaxed);
+        v.behind_other_ns.store(7, Ordering::Relaxed);
+        let got = by_behind(s.step(&v, &holders, 1_000, idle));
+        assert_eq!(got, vec![(Behind::Keyspace(500), 100), (Behind::Other, 7), (Behind::Idle, 5)]);
+        // Nothing moved: nothing to give, nothing freed yet.
+        assert!(s.step(&v, &holders, 5_000, idle).is_empty());
+        v.behind_ns[0].store(160, Ordering::Relaxed);
+        assert_eq!(s.step(&v, &holders, 6_000, idle), vec![(Behind::Keyspace(500), 60)]);
+        // Slot 1 stood still for a window: freed; slot 0 grew since.
+        assert!(s.step(&v, &holders, 11_500, idle).is_empty());
+        assert_eq!(v.behind_runner[1].load(Ordering::Relaxed), 0);
+        assert_eq!(v.behind_runner[0].load(Ordering::Relaxed), 1);
+        // The kernel gives the free slot to another runner: its ns count on
+        // from where they stood, and only the growth is the new runner's.
+        v.behind_runner[1].store(4, Ordering::Relaxed);
+        v.behind_ns[1].store(35, Ordering::Relaxed);
+        assert_eq!(s.step(&v, &holders, 12_000, idle), vec![(Behind::Keyspace(800), 30)]);
+        // A cell no keyspace holds any more is "other".
+        v.behind_ns[1].store(36, Ordering::Relaxed);
+        assert_eq!(s.step(&v, &HashMap::new(), 13_000, idle), vec![(Behind::Other, 1)]);
     }
 
     #[test]

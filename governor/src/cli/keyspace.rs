@@ -111,11 +111,46 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             k.cpu_wait_seconds, k.cpu_waits
         ),
     });
+    if let Some(behind) = behind_line(&k.cpu_wait_behind) {
+        why.push(behind);
+    }
     why.push(format!(
         "tickets since its cell was created: {} granted, {} waited, {} refused; {} in flight",
         k.granted, k.waited, k.refused, k.inflight_requests
     ));
     Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why })
+}
+
+/// What the keyspace's waits over the window were behind, the three
+/// largest with their shares (none: no wait, or no kernel count).
+fn behind_line(behind: &[crate::proto::WaitBehind]) -> Option<String> {
+    let total: f64 = behind.iter().map(|b| b.seconds).sum();
+    if total <= 0.0 {
+        return None;
+    }
+    // The three largest, of which those above half a percent (the first
+    // always).
+    let parts: Vec<String> = behind
+        .iter()
+        .take(3)
+        .enumerate()
+        .filter(|(i, b)| *i == 0 || b.seconds / total >= 0.005)
+        .map(|(_, b)| {
+            let whom = match (b.behind.as_str(), b.keyspace_id) {
+                ("keyspace", Some(id)) => format!("keyspace {id}"),
+                ("untagged", _) => "registered threads with no tag".into(),
+                ("unmeasured", _) => "tasks governor does not measure".into(),
+                ("idle", _) => "an idle CPU (the wakeup's own latency)".into(),
+                ("unknown", _) => "not known".into(),
+                (other, _) => format!("{other} runners"),
+            };
+            format!("{whom} {:.0} %", b.seconds / total * 100.0)
+        })
+        .collect();
+    Some(format!(
+        "over the monitor window its threads waited behind (what held the CPU each got when its wait ended): {}",
+        parts.join(", ")
+    ))
 }
 
 pub fn render(e: &Explanation) -> String {

@@ -148,7 +148,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         Some(Map::Array(data)) => data,
         _ => return Err(MeasureError::Load("wait table missing".into())),
     };
-    let waits = Table::map_with("waits", waits_map.fd().as_fd().as_raw_fd(), sizes.keyspaces, Access::ReadOnly)?;
+    // Writable: the agent frees the slots of what waits were behind.
+    let waits = Table::map_with("waits", waits_map.fd().as_fd().as_raw_fd(), sizes.keyspaces, Access::ReadWrite)?;
     arrays.push(waits_map);
     let tid_map = match ebpf.take_map(MAP_TID_SLOT) {
         Some(Map::Array(data)) => data,

@@ -79,7 +79,6 @@ pub fn sample(m: &Measurement) {
                 && let Some(w) = cell_of_tag(tag).and_then(|c| m.waits.get(c))
             {
                 w.wait_ns.fetch_add(delay - seen, Ordering::Relaxed);
-                w.waits.fetch_add(1, Ordering::Relaxed);
                 w.hist[wait_bucket(delay - seen)].fetch_add(1, Ordering::Relaxed);
             }
         }

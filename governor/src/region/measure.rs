@@ -1,7 +1,9 @@
 //! Atomic mirrors of the measurement layouts, and the charge step.
 
 use super::MeasureRegions;
-use keyspace_governor_common::{CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag};
+use keyspace_governor_common::{
+    BEHIND_SLOTS, CpuCell, KeyspaceCell, KeyspaceWait, ThreadSlot, WAIT_BUCKETS, cell_of_tag,
+};
 use std::mem::{offset_of, size_of};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -15,7 +17,7 @@ pub struct CpuView {
     pub mono_offset_ns: AtomicU64,
     pub fresh_task_ns: AtomicU64,
     pub offset_valid: AtomicU64,
-    _pad: [u64; 1],
+    _behind: u64,
 }
 
 /// Atomic mirror of [`ThreadSlot`].
@@ -44,8 +46,11 @@ pub struct KeyspaceView {
 #[repr(C)]
 pub struct WaitView {
     pub wait_ns: AtomicU64,
-    pub waits: AtomicU64,
     pub hist: [AtomicU64; WAIT_BUCKETS],
+    pub behind_runner: [AtomicU32; BEHIND_SLOTS],
+    pub behind_ns: [AtomicU64; BEHIND_SLOTS],
+    pub behind_other_ns: AtomicU64,
+    _pad: [u64; 4],
 }
 
 macro_rules! same_layout {
@@ -72,7 +77,7 @@ same_layout!(
     delay_ns
 );
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
-same_layout!(WaitView, KeyspaceWait, wait_ns, waits, hist);
+same_layout!(WaitView, KeyspaceWait, wait_ns, hist, behind_runner, behind_ns, behind_other_ns);
 
 impl MeasureRegions {
     /// One attempt at the protocol's charge: move `slot.charged_ns` from
