@@ -944,7 +944,8 @@ fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, (f64
             return Ok(now);
         }
         if Instant::now() > deadline {
-            bail!("the agent's charges still moved 10 s after the processes stopped");
+            let moved: Vec<_> = now.iter().filter(|(k, v)| last.get(k) != Some(v)).collect();
+            bail!("the agent's charges still moved 10 s after the processes stopped: (cpu, wait) ns {moved:?}");
         }
         last = now;
     }

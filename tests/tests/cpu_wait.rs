@@ -10,8 +10,13 @@ const HEAVY: u32 = 9100;
 const LIGHT: u32 = 9200;
 const POOLED: u32 = 9250;
 
+/// One test at a time: each names whom its threads waited behind, which
+/// another test's threads would change.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let agent = Agent::start_default("ebpf").expect("agent");
     assert_eq!(agent.status().unwrap().wait_source, "kernel");
     // An unregistered CPU hog beside them: it waits too, for no keyspace.
@@ -102,6 +107,7 @@ fn wait_sum(pids: &std::collections::BTreeSet<u32>) -> u64 {
 
 #[test]
 fn a_rule_matched_process_is_charged_its_run_queue_wait() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     // stress-ng, unmodified: a parent and three CPU workers on two cores.
     let stress = Hog(Command::new("stress-ng")
         .args(["--cpu", "3", "--timeout", "60", "--quiet"])
@@ -149,6 +155,7 @@ fn a_rule_matched_process_is_charged_its_run_queue_wait() {
 /// counted twice), and `governor keyspace ID` names the other.
 #[test]
 fn a_keyspaces_waits_name_whom_they_were_behind() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     const SPIN: u32 = 9400;
     const OTHER: u32 = 9401;
     let agent = Agent::start_default("ebpf").expect("agent");
