@@ -740,17 +740,55 @@ unsafe fn current() -> Option<(*const u8, u32, *mut u32)> {
     }
 }
 
+/// Moves the running registered thread's anchor (its CPU's cell) back to
+/// what the kernel's count says now, when the anchor taken at its switch-in
+/// reads the thread's clock behind it: `runtime` (as of the kernel's last
+/// update) less the anchor's base is what the slice ran, so the slice
+/// started no later than that long before now. The thread's clock then
+/// reads at most the kernel's count, and lags it by no more than the time
+/// since that update. An anchor sampled after a wakeup whose run queue's
+/// clock was stale (milliseconds, in an emulated guest) would otherwise
+/// hold the clock behind for the whole slice, and a thread that untags on
+/// it leaves the difference to no keyspace.
+///
+/// # Safety
+/// `slot` (cell `index`) is the registered thread running on this CPU, its
+/// kernel runtime `runtime`; called where no switch can interleave (the
+/// timer's hardirq).
+#[inline(always)]
+unsafe fn reanchor(slot: *mut ThreadSlot, index: u32, runtime: u64) {
+    // SAFETY: as the caller promises; this CPU is the only writer of its
+    // cell, and a reader on it sees the sequence move.
+    unsafe {
+        let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) else { return };
+        let owner = cpu_owner(index, read_volatile(addr_of_mut!((*slot).generation)));
+        let base = read_volatile(addr_of_mut!((*cell).base_ns));
+        if read_volatile(addr_of_mut!((*cell).owner)) != owner || runtime < base {
+            return;
+        }
+        let last = read_volatile(addr_of_mut!((*cell).last_switch_ns));
+        let start = bpf_ktime_get_ns().wrapping_sub(runtime - base);
+        if (start.wrapping_sub(last) as i64) < 0 {
+            write_volatile(addr_of_mut!((*cell).last_switch_ns), start);
+            let seq = read_volatile(addr_of_mut!((*cell).seq));
+            write_volatile(addr_of_mut!((*cell).seq), seq + 1);
+        }
+    }
+}
+
 /// Charges a running registered task up to the runtime the kernel has
-/// counted so far (brought up to date at least every scheduler tick). The
-/// running thread's anchor is left alone.
+/// counted so far (brought up to date at least every scheduler tick), and
+/// brings its anchor forward if it reads the thread's clock behind that.
 #[perf_event]
 pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     // SAFETY: the helper returns the trusted current task; a timer (a
     // hardirq) cannot land inside the switch program, whose IRQs are off.
     unsafe {
         let Some((task, tid, entry)) = current() else { return 0 };
-        if let Some((slot, _)) = registered(tid, entry) {
-            charge_up_to(slot, task_field::<u64>(task, &GOV_OFF_RUNTIME));
+        if let Some((slot, index)) = registered(tid, entry) {
+            let runtime = task_field::<u64>(task, &GOV_OFF_RUNTIME);
+            charge_up_to(slot, runtime);
+            reanchor(slot, index, runtime);
         } else {
             let tag = rule_tag(entry);
             if tag != 0 && tid != 0 {
