@@ -778,7 +778,8 @@ unsafe fn reanchor(slot: *mut ThreadSlot, index: u32, runtime: u64) {
 
 /// Charges a running registered task up to the runtime the kernel has
 /// counted so far (brought up to date at least every scheduler tick), and
-/// brings its anchor forward if it reads the thread's clock behind that.
+/// moves its anchor back (never forward) if it reads the thread's clock
+/// behind that ([`reanchor`]).
 #[perf_event]
 pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     // SAFETY: the helper returns the trusted current task; a timer (a

@@ -2,7 +2,6 @@
 //! policy and the slot table.
 
 use super::Shared;
-use super::waits::Behind;
 use crate::policy::{KeyspaceCounters, QuotaSource};
 use crate::proto::{AdmissionStatus, BucketStatus, KeyspaceStatus, OverflowStatus, StatusReport, WaitBehind};
 use std::sync::atomic::Ordering;
@@ -101,10 +100,7 @@ impl Shared {
                         .into_iter()
                         .map(|(b, ns)| WaitBehind {
                             behind: b.name().into(),
-                            keyspace_id: match b {
-                                Behind::Keyspace(k) => Some(k),
-                                _ => None,
-                            },
+                            keyspace_id: b.keyspace_id(),
                             seconds: ns as f64 / 1e9,
                         })
                         .collect(),

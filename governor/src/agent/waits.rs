@@ -82,6 +82,14 @@ impl Behind {
         }
     }
 
+    /// The keyspace, when it is one.
+    pub(crate) fn keyspace_id(self) -> Option<u32> {
+        match self {
+            Behind::Keyspace(id) => Some(id),
+            _ => None,
+        }
+    }
+
     /// The word status uses for it.
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -141,7 +149,7 @@ impl Slots {
 }
 
 /// Sums `(whom, ns)` pairs by whom, the largest first.
-pub(crate) fn by_behind(parts: impl IntoIterator<Item = (Behind, u64)>) -> Vec<(Behind, u64)> {
+fn by_behind(parts: impl IntoIterator<Item = (Behind, u64)>) -> Vec<(Behind, u64)> {
     let mut sums: HashMap<Behind, u64> = HashMap::new();
     for (b, ns) in parts {
         *sums.entry(b).or_default() += ns;
