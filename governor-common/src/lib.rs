@@ -187,6 +187,9 @@ pub struct ProfileKey {
 /// Program names, as exported by the eBPF object.
 pub const PROG_SCHED_SWITCH: &str = "gov_sched_switch";
 pub const PROG_TIMER: &str = "gov_timer";
+/// Program on `tp_btf/sched_wakeup`: a registered thread woken starts
+/// waiting for a CPU (the keyspaces' "some" pressure).
+pub const PROG_WAKEUP: &str = "gov_wakeup";
 /// `tp_btf/sched_process_fork`: a new process inherits its parent's tag.
 pub const PROG_FORK: &str = "gov_fork";
 /// `tp_btf/sched_process_exec`: a process that calls `execve` is reported.
@@ -223,6 +226,13 @@ pub const GLOBAL_OFF_RUN_DELAY: &str = "GOV_OFF_RUN_DELAY";
 pub const GLOBAL_WAIT_ON: &str = "GOV_WAIT_ON";
 /// `filename` in `struct linux_binprm`.
 pub const GLOBAL_OFF_BPRM_FILENAME: &str = "GOV_OFF_BPRM_FILENAME";
+/// `sched_info.last_queued` (when the task was queued to wait for a CPU,
+/// 0 when it is not waiting in `sched_info`'s count).
+pub const GLOBAL_OFF_LAST_QUEUED: &str = "GOV_OFF_LAST_QUEUED";
+/// Non-zero when keyspaces' waiting threads are counted (the "some"
+/// pressure): the kernel has `sched_info`, and the wakeup program is
+/// attached.
+pub const GLOBAL_PRESSURE_ON: &str = "GOV_PRESSURE_ON";
 
 /// `task_struct.__state` of a task on its final switch (`TASK_DEAD`).
 pub const TASK_DEAD: u32 = 0x80;
@@ -345,7 +355,10 @@ pub struct ThreadSlot {
     /// the kernel sets it at each switch-out to the tag the thread leaves
     /// with (it cannot change while the thread is off its CPU, so it is the
     /// tag it waits with); a thread that left untagged sets it to the first
-    /// tag it takes after (the work a pooled worker was woken for).
+    /// tag it takes after (the work a pooled worker was woken for). With
+    /// [`WAIT_TAG_WAITING`] while the kernel counts the thread among its
+    /// keyspace's waiting threads (woken or preempted, not yet back on a
+    /// CPU: never while it runs).
     pub wait_tag: u32,
     /// Charges the thread made itself (diagnostic: how the work splits).
     pub self_charged_ns: u64,
@@ -395,8 +408,23 @@ pub struct KeyspaceWait {
     pub behind_runner: [u32; BEHIND_SLOTS],
     pub behind_ns: [u64; BEHIND_SLOTS],
     pub behind_other_ns: u64,
-    pub _pad: [u64; 4],
+    /// Registered threads of the keyspace waiting for a CPU now (woken or
+    /// preempted while tagged with it, not yet switched in).
+    pub waiting: u64,
+    /// When `waiting` last went from 0 to 1 (CLOCK_MONOTONIC ns).
+    pub some_since_ns: u64,
+    /// Time during which `waiting` was above 0, up to its last return to
+    /// 0 (monotonic): the keyspace's PSI-style "some" CPU pressure.
+    pub some_ns: u64,
+    /// When `waiting` last returned to 0, after `some_ns` took the
+    /// stretch: a `some_since_ns` not after it is a stretch's start not
+    /// yet written.
+    pub some_closed_ns: u64,
 }
+
+/// [`ThreadSlot::wait_tag`]'s flag: the thread is counted in its
+/// keyspace's [`KeyspaceWait::waiting`].
+pub const WAIT_TAG_WAITING: u32 = 1 << 31;
 
 /// Slots of [`KeyspaceWait::behind_runner`].
 pub const BEHIND_SLOTS: usize = 8;

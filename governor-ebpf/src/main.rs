@@ -63,6 +63,7 @@
 #![no_std]
 #![no_main]
 #![feature(core_intrinsics)]
+#![feature(asm_experimental_arch)]
 #![allow(internal_features)]
 
 use aya_ebpf::EbpfContext;
@@ -83,8 +84,8 @@ use keyspace_governor_common::{
     DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, FRESH_OFFSET_NS, KeyspaceCell,
     KeyspaceWait, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS, MAX_RULE_TASKS, MAX_STACKS,
     NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent,
-    SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, cell_of_tag, cpu_owner, kind_of_tag,
-    wait_bucket,
+    SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, WAIT_TAG_WAITING, cell_of_tag, cpu_owner,
+    kind_of_tag, wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -110,6 +111,12 @@ static GOV_OFF_RUN_DELAY: u32 = 0;
 /// Non-zero when the kernel has `sched_info` (`GOV_OFF_RUN_DELAY` is valid).
 #[unsafe(no_mangle)]
 static GOV_WAIT_ON: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_LAST_QUEUED: u32 = 0;
+/// Non-zero when waiting threads are counted (`GOV_OFF_LAST_QUEUED` is
+/// valid and the wakeup program attached).
+#[unsafe(no_mangle)]
+static GOV_PRESSURE_ON: u32 = 0;
 
 #[map]
 static GOV_CPUS: Array<CpuCell> = Array::with_max_entries(MAX_CPUS, BPF_F_MMAPABLE);
@@ -339,6 +346,122 @@ fn wait_on() -> bool {
     unsafe { read_volatile(&GOV_WAIT_ON) != 0 }
 }
 
+/// `*p += v` atomically, returning what `*p` held: BPF's fetching add
+/// (kernel 5.12), written out because the compiler emits it only for BPF
+/// ISA v3, whose other changes the programs do not need.
+///
+/// # Safety
+/// `p` is a valid, aligned map value pointer for this program's run.
+#[inline(always)]
+unsafe fn fetch_add(p: *mut u64, v: u64) -> u64 {
+    let mut r = v;
+    // SAFETY: as the caller promises; the instruction reads and writes
+    // only `*p` and `r`.
+    unsafe {
+        core::arch::asm!(
+            "{r} = atomic_fetch_add((u64 *)({p} + 0), {r})",
+            p = in(reg) p,
+            r = inout(reg) r,
+            options(nostack),
+        );
+    }
+    r
+}
+
+/// Whether waiting threads are counted.
+#[inline(always)]
+fn pressure_on() -> bool {
+    // SAFETY: a read-only global the agent sets before load.
+    unsafe { read_volatile(&GOV_PRESSURE_ON) != 0 }
+}
+
+/// One more waiting thread of keyspace cell `index`: the first opens the
+/// keyspace's "some" stretch.
+#[inline(always)]
+fn start_waiting(index: u32) {
+    if let Some(w) = GOV_WAITS.get_ptr_mut(index) {
+        // SAFETY: a map value pointer, valid for the program's run; the add
+        // is atomic against other CPUs.
+        unsafe {
+            let before = fetch_add(addr_of_mut!((*w).waiting), 1);
+            if before == 0 {
+                write_volatile(addr_of_mut!((*w).some_since_ns), bpf_ktime_get_ns());
+            }
+        }
+    }
+}
+
+/// One waiting thread of keyspace cell `index` fewer: the last closes the
+/// stretch. Its start is read before the count drops, so a stretch that
+/// another CPU opens at once cannot move it.
+#[inline(always)]
+fn stop_waiting(index: u32) {
+    if let Some(w) = GOV_WAITS.get_ptr_mut(index) {
+        // SAFETY: as in `start_waiting`.
+        unsafe {
+            let since = read_volatile(addr_of_mut!((*w).some_since_ns));
+            let before = fetch_add(addr_of_mut!((*w).waiting), u64::MAX);
+            if before == 1 {
+                let now = bpf_ktime_get_ns();
+                if now > since {
+                    core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                        addr_of_mut!((*w).some_ns),
+                        now - since,
+                    );
+                }
+                write_volatile(addr_of_mut!((*w).some_closed_ns), now);
+            } else if before == 0 {
+                // Never counted: put the count back.
+                core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                    addr_of_mut!((*w).waiting),
+                    1,
+                );
+            }
+        }
+    }
+}
+
+/// Counts a registered thread that became runnable (woken, or preempted)
+/// among the waiting threads of the keyspace it waits with, once.
+///
+/// # Safety
+/// `slot` is a map value pointer whose thread is not running.
+#[inline(always)]
+unsafe fn mark_waiting(slot: *mut ThreadSlot) {
+    // SAFETY: as the caller promises: the thread writes `wait_tag` only
+    // while it runs.
+    unsafe {
+        let wait_tag = read_volatile(addr_of_mut!((*slot).wait_tag));
+        if wait_tag & WAIT_TAG_WAITING != 0 {
+            return;
+        }
+        if let Some(index) = cell_of_tag(wait_tag as u64) {
+            write_volatile(addr_of_mut!((*slot).wait_tag), wait_tag | WAIT_TAG_WAITING);
+            start_waiting(index);
+        }
+    }
+}
+
+/// At a registered thread's switch-in: it waits no more.
+///
+/// # Safety
+/// `slot` is a map value pointer whose thread is being switched in.
+#[inline(always)]
+unsafe fn unmark_waiting(slot: *mut ThreadSlot) {
+    // SAFETY: as the caller promises; the thread cannot write `wait_tag`
+    // before it runs.
+    unsafe {
+        let wait_tag = read_volatile(addr_of_mut!((*slot).wait_tag));
+        if wait_tag & WAIT_TAG_WAITING != 0 {
+            let tag = wait_tag & !WAIT_TAG_WAITING;
+            write_volatile(addr_of_mut!((*slot).wait_tag), tag);
+            if let Some(index) = cell_of_tag(tag as u64) {
+                stop_waiting(index);
+            }
+        }
+    }
+}
+
 /// Whom the registered thread `tid`, being switched out, took this CPU
 /// from at its switch-in (`CpuCell::behind`).
 #[inline(always)]
@@ -425,10 +548,13 @@ unsafe fn slot_waited(task: *const u8, tid: u32, slot: *mut ThreadSlot) {
         let delay = task_field::<u64>(task, &GOV_OFF_RUN_DELAY);
         let seen = read_volatile(addr_of_mut!((*slot).delay_ns));
         if delay > seen {
-            charge_wait(read_volatile(addr_of_mut!((*slot).wait_tag)) as u64, delay - seen, waited_behind(tid));
+            let tag = read_volatile(addr_of_mut!((*slot).wait_tag)) & !WAIT_TAG_WAITING;
+            charge_wait(tag as u64, delay - seen, waited_behind(tid));
             write_volatile(addr_of_mut!((*slot).delay_ns), delay);
         }
-        write_volatile(addr_of_mut!((*slot).wait_tag), read_volatile(addr_of_mut!((*slot).tag)) as u32);
+        // (A count of it as waiting, were there one, stays to be undone.)
+        let waiting = read_volatile(addr_of_mut!((*slot).wait_tag)) & WAIT_TAG_WAITING;
+        write_volatile(addr_of_mut!((*slot).wait_tag), read_volatile(addr_of_mut!((*slot).tag)) as u32 | waiting);
     }
 }
 
@@ -483,6 +609,12 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
                 runner = cell_of_tag(read_volatile(addr_of_mut!((*slot).tag))).map_or(BEHIND_UNTAGGED, |c| c + 1);
                 slot_waited(prev, prev_tid, slot);
+                // Runnable still (preempted, or woken before it could
+                // sleep): it waits on. One preempted on its way to sleep
+                // (its state set already) is not, as `sched_info` has it.
+                if pressure_on() && task_field::<u32>(prev, &GOV_OFF_STATE) == 0 {
+                    mark_waiting(slot);
+                }
                 if task_field::<u32>(prev, &GOV_OFF_STATE) & TASK_DEAD != 0 {
                     // Its final switch: the slot is dead before the tid entry
                     // clears, so the agent never sees a live slot without a tid.
@@ -503,6 +635,9 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         let next_tid = task_field::<u32>(next, &GOV_OFF_PID);
         let Some(entry) = tid_entry(next_tid) else { return 0 };
         if let Some((slot, index)) = registered(next_tid, entry) {
+            if pressure_on() {
+                unmark_waiting(slot);
+            }
             if let Some(cell) = GOV_CPUS.get_ptr_mut(bpf_get_smp_processor_id()) {
                 if wait_on() {
                     write_volatile(addr_of_mut!((*cell).behind), (next_tid as u64 + 1) | (runner as u64) << 32);
@@ -523,6 +658,29 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
             write_volatile(addr_of_mut!((*cell).runner), runner as u64);
             write_volatile(addr_of_mut!((*cell).tid), next_tid as u64 + 1);
             write_volatile(addr_of_mut!((*cell).base_ns), task_field::<u64>(next, &GOV_OFF_RUNTIME));
+        }
+    }
+    0
+}
+
+/// A registered thread woken starts waiting for a CPU, when the wakeup
+/// queued it (`sched_info.last_queued` set, as the kernel's run-queue
+/// delay counts it), not when it only set the state of a thread still
+/// queued (running, or preempted on its way to sleep: its switch decides).
+/// So the count follows the same waits as schedstat's run-queue time.
+#[btf_tracepoint(function = "sched_wakeup")]
+pub fn gov_wakeup(ctx: BtfTracePointContext) -> i32 {
+    // sched_wakeup(struct task_struct *p)
+    // SAFETY: argument 0 is the typed task pointer of this tracepoint;
+    // fields at BTF offsets.
+    unsafe {
+        let p: *const u8 = ctx.arg(0);
+        let tid = task_field::<u32>(p, &GOV_OFF_PID);
+        let Some(entry) = tid_entry(tid) else { return 0 };
+        if let Some((slot, _)) = registered(tid, entry)
+            && task_field::<u64>(p, &GOV_OFF_LAST_QUEUED) != 0
+        {
+            mark_waiting(slot);
         }
     }
     0

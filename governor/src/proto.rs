@@ -8,6 +8,9 @@
 use crate::region::RegionSizes;
 use serde::{Deserialize, Serialize};
 
+mod profile;
+pub use profile::{ProfileKeyspace, ProfileReport, ProfileStack};
+
 /// Which measurement backend the agent runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -143,52 +146,6 @@ pub enum Reply {
     },
 }
 
-/// A profile: the samples the kernel took of tagged work, by keyspace, with
-/// their stacks symbolized.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ProfileReport {
-    /// How long it sampled.
-    pub seconds: f64,
-    pub frequency_hz: u32,
-    /// Online CPUs sampled.
-    pub cpus: u32,
-    /// Samples and charged CPU by keyspace, most samples first.
-    pub keyspaces: Vec<ProfileKeyspace>,
-    /// Every distinct stack with its samples.
-    pub stacks: Vec<ProfileStack>,
-    /// Samples whose user or kernel stack was walked but not kept (the
-    /// stack table full, or the walk failed): counted, with `[lost]` frames.
-    pub lost_stacks: u64,
-    /// Samples of tagged work counted under no key: the kernel's table of
-    /// (keyspace, process, stacks) was full (16 384 keys). Not in
-    /// `keyspaces` or `stacks`.
-    #[serde(default)]
-    pub dropped_samples: u64,
-}
-
-/// One keyspace's share of a profile.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ProfileKeyspace {
-    pub keyspace_id: u32,
-    pub samples: u64,
-    /// CPU charged to the keyspace while the profile ran.
-    pub cpu_seconds: f64,
-}
-
-/// A stack, root first: the process's name, its user frames, then its
-/// kernel frames (suffixed `_[k]`, as flame graph tools mark them).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ProfileStack {
-    pub keyspace_id: u32,
-    /// The request kind the work was tagged with (`Demand::kind`,
-    /// `client::tag_with_kind`); 0: none given.
-    #[serde(default)]
-    pub kind: u8,
-    pub pid: u32,
-    pub frames: Vec<String>,
-    pub samples: u64,
-}
-
 /// A registered thread, as `governor threads` shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ThreadInfo {
@@ -282,6 +239,10 @@ pub struct StatusReport {
     /// `unavailable` (a kernel without `sched_info`).
     #[serde(default)]
     pub wait_source: String,
+    /// Whether each keyspace's CPU pressure is counted
+    /// (`agent.cpu-pressure`, on the eBPF backend with `sched_info`).
+    #[serde(default)]
+    pub cpu_pressure: bool,
     /// The CPU the caps are fractions of, and where it came from.
     #[serde(default)]
     pub server_cpu: ServerCpuStatus,
@@ -542,6 +503,15 @@ pub struct KeyspaceStatus {
     /// `2^(10 + k)` ns, the last the rest (`governor-common::wait_bucket`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cpu_wait_buckets: Vec<u64>,
+    /// Time during which at least one of its registered threads waited for
+    /// a CPU (PSI's "some", per keyspace); cumulative. Counted by the
+    /// kernel on the eBPF backend only.
+    #[serde(default)]
+    pub cpu_pressure_some_seconds: f64,
+    /// That time's share of the monitor window (none: not counted here, or
+    /// no sample yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_pressure_some: Option<f64>,
     /// Whom its waits over the monitor window were behind, the most first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cpu_wait_behind: Vec<WaitBehind>,

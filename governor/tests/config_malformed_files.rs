@@ -180,6 +180,8 @@ const CASES: &[(&str, &str, usize)] = &[
     ("[agent]\nmeasure = \"perf\"\n", "agent.measure", 2),
     ("[agent]\ntimer-period = \"500us\"\n", "agent.timer-period", 2),
     ("[agent]\ntimer-period = \"2s\"\n", "agent.timer-period", 2),
+    ("[agent]\ncpu-pressure = \"yes\"\n", "agent.cpu-pressure", 2),
+    ("[agent]\nmeasure = \"thread-clock\"\ncpu-pressure = true\n", "agent.cpu-pressure", 3),
     ("[agent]\nmax-threads = 32\n", "agent.max-threads", 2),
     ("[agent]\nmax-threads = 2000000\n", "agent.max-threads", 2),
     ("[agent]\nmax-keyspaces = 0\n", "agent.max-keyspaces", 2),

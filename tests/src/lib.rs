@@ -865,6 +865,9 @@ pub struct ThreadsRun {
     pub reports: Vec<ThreadReport>,
     pub cpu_ns: std::collections::BTreeMap<u32, f64>,
     pub wait_ns: std::collections::BTreeMap<u32, f64>,
+    /// Time during which at least one of the keyspace's threads waited
+    /// (its "some" pressure), ns.
+    pub some_ns: std::collections::BTreeMap<u32, f64>,
     /// The machine's steal from the start of the run to its second stop
     /// ([`steal_ns`], at its resolution of a tick per CPU).
     pub steal_ns: u64,
@@ -924,15 +927,18 @@ impl ThreadsWorkload {
 /// processes measured are stopped: once the agent's counts hold still (at
 /// once on the eBPF backend, which charged each thread as it stopped; after
 /// a sampling pass or two on the fallback, which reads their schedstat).
-fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, (f64, f64)>> {
-    let read = || -> Result<std::collections::BTreeMap<u32, (f64, f64)>> {
+fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, (f64, f64, f64)>> {
+    let read = || -> Result<std::collections::BTreeMap<u32, (f64, f64, f64)>> {
         Ok(agent
             .status()?
             .keyspaces
             .iter()
             // The agent counts whole nanoseconds; status gives seconds, and
             // the product can land a rounding off (1031909631.0000001).
-            .map(|k| (k.keyspace_id, ((k.cpu_seconds * 1e9).round(), (k.cpu_wait_seconds * 1e9).round())))
+            .map(|k| {
+                let ns = |s: f64| (s * 1e9).round();
+                (k.keyspace_id, (ns(k.cpu_seconds), ns(k.cpu_wait_seconds), ns(k.cpu_pressure_some_seconds)))
+            })
             .collect())
     };
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -940,12 +946,17 @@ fn settled_charges(agent: &Agent) -> Result<std::collections::BTreeMap<u32, (f64
     loop {
         std::thread::sleep(Duration::from_millis(100));
         let now = read()?;
-        if now == last {
+        // Settled when the charges and waits hold still (a pressure count
+        // left open would move on: the pressure tests bound it themselves).
+        let still = |a: &(f64, f64, f64), b: &(f64, f64, f64)| (a.0, a.1) == (b.0, b.1);
+        if now.len() == last.len() && now.iter().all(|(k, v)| last.get(k).is_some_and(|l| still(v, l))) {
             return Ok(now);
         }
         if Instant::now() > deadline {
-            let moved: Vec<_> = now.iter().filter(|(k, v)| last.get(k) != Some(v)).collect();
-            bail!("the agent's charges still moved 10 s after the processes stopped: (cpu, wait) ns {moved:?}");
+            let moved: Vec<_> = now.iter().filter(|(k, v)| last.get(k).is_none_or(|l| !still(v, l))).collect();
+            bail!(
+                "the agent's charges still moved 10 s after the processes stopped: (cpu, wait, pressure) ns {moved:?}"
+            );
         }
         last = now;
     }
@@ -1025,13 +1036,19 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
             bail!("workload threads exited with {status}");
         }
     }
-    let since = |pick: fn(&(f64, f64)) -> f64| {
+    let since = |pick: fn(&(f64, f64, f64)) -> f64| {
         charged_after
             .iter()
             .map(|(k, v)| (*k, pick(v) - charged_before.get(k).map_or(0.0, pick)))
             .collect::<std::collections::BTreeMap<_, _>>()
     };
-    Ok(ThreadsRun { reports, cpu_ns: since(|v| v.0), wait_ns: since(|v| v.1), steal_ns: steal })
+    Ok(ThreadsRun {
+        reports,
+        cpu_ns: since(|v| v.0),
+        wait_ns: since(|v| v.1),
+        some_ns: since(|v| v.2),
+        steal_ns: steal,
+    })
 }
 
 /// Every registered thread's `charged_ahead_ns`, by tid.

@@ -265,6 +265,7 @@ fn every_key_acts_online_or_is_refused() {
         ("agent.max-keyspaces", "64"),
         ("agent.metrics-addr", "127.0.0.1:1"),
         ("agent.timer-period", "5ms"),
+        ("agent.cpu-pressure", "true"),
     ] {
         r.refused(key, value, "cannot change online");
     }

@@ -98,6 +98,7 @@ impl AgentOptions {
                 max_threads: a.max_threads,
                 max_keyspaces: a.max_keyspaces.next_power_of_two(),
                 timer_period_ns: a.timer_period.get().as_nanos() as u64,
+                cpu_pressure: a.cpu_pressure,
             },
             metrics_addr: a.metrics_socket(),
             config: cfg.clone(),

@@ -82,7 +82,7 @@ impl Shared {
                 let (b, p) = r.keyspace_cell(cell).expect("live cell");
                 let generation = p.generation.load(Ordering::Acquire);
                 let cpu_ns = usage.current_ns(&m, cell, id, generation);
-                let (waits, window_waits) = usage.waits.current(&m, cell, id, generation);
+                let (waits, window_waits, span_ns) = usage.waits.current(&m, cell, id, generation);
                 let us = |q: f64| window_waits.quantile_ns(q).map(|ns| (ns / 10.0).round() / 100.0);
                 let k = buckets.get(&id);
                 let c = k.map(|k| k.counters).unwrap_or_else(|| KeyspaceCounters::of(b));
@@ -94,6 +94,9 @@ impl Shared {
                     cpu_wait_p50_us: us(0.5),
                     cpu_wait_p99_us: us(0.99),
                     cpu_wait_buckets: if waits.waits == 0 { Vec::new() } else { waits.hist.to_vec() },
+                    cpu_pressure_some_seconds: waits.some_ns as f64 / 1e9,
+                    cpu_pressure_some: (m.pressure && span_ns > 0)
+                        .then(|| (window_waits.some_ns as f64 / span_ns as f64).min(1.0)),
                     cpu_wait_behind: usage
                         .waits
                         .behind(cell, id, generation)
@@ -148,6 +151,7 @@ impl Shared {
             thread_clock_source: thread_clock_source.to_string(),
             logical_cores: crate::sys::logical_cores(),
             wait_source: m.wait_source.as_str().to_string(),
+            cpu_pressure: m.pressure,
             server_cpu,
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             window_seconds: span_us as f64 / 1e6,

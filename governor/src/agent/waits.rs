@@ -21,18 +21,27 @@ use keyspace_governor_common::{
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 
-/// A keyspace's waits: total ns, how many, and by bucket.
+/// A keyspace's waits: total ns, how many, by bucket, and how long at
+/// least one of its threads waited ("some").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct WaitCounts {
     pub wait_ns: u64,
     pub waits: u64,
     pub hist: [u64; WAIT_BUCKETS],
+    pub some_ns: u64,
 }
 
 impl WaitCounts {
-    fn read(v: &WaitView) -> WaitCounts {
+    /// The cell's counts at `now_ns` (CLOCK_MONOTONIC): a "some" stretch
+    /// still open counts up to then.
+    fn read(v: &WaitView, now_ns: u64) -> WaitCounts {
         let hist: [u64; WAIT_BUCKETS] = std::array::from_fn(|k| v.hist[k].load(Ordering::Relaxed));
-        WaitCounts { wait_ns: v.wait_ns.load(Ordering::Relaxed), waits: hist.iter().sum(), hist }
+        WaitCounts {
+            wait_ns: v.wait_ns.load(Ordering::Relaxed),
+            waits: hist.iter().sum(),
+            hist,
+            some_ns: some_ns(v, now_ns),
+        }
     }
 
     /// `self − earlier`, field by field (never below zero).
@@ -41,6 +50,7 @@ impl WaitCounts {
             wait_ns: self.wait_ns.saturating_sub(earlier.wait_ns),
             waits: self.waits.saturating_sub(earlier.waits),
             hist: std::array::from_fn(|k| self.hist[k].saturating_sub(earlier.hist[k])),
+            some_ns: self.some_ns.saturating_sub(earlier.some_ns),
         }
     }
 
@@ -48,6 +58,27 @@ impl WaitCounts {
     pub(crate) fn quantile_ns(&self, q: f64) -> Option<f64> {
         wait_quantile_ns(&self.hist, q)
     }
+}
+
+/// The cell's "some" time at `now_ns`: the closed stretches, and the open
+/// one up to now. Read again if a stretch closed while it was read (it
+/// would count twice); a stretch whose start the kernel has not written
+/// yet (not after the last close) counts from the next read.
+fn some_ns(v: &WaitView, now_ns: u64) -> u64 {
+    let mut closed = v.some_ns.load(Ordering::Acquire);
+    for _ in 0..4 {
+        let closed_at = v.some_closed_ns.load(Ordering::Acquire);
+        let since = v.some_since_ns.load(Ordering::Acquire);
+        let waiting = v.waiting.load(Ordering::Acquire);
+        let again = v.some_ns.load(Ordering::Acquire);
+        if again == closed {
+            // A count past half the range is one taken back below zero.
+            let open = waiting > 0 && waiting < u64::MAX / 2 && since > closed_at;
+            return closed + if open { now_ns.saturating_sub(since) } else { 0 };
+        }
+        closed = again;
+    }
+    closed
 }
 
 /// Whom a wait was behind: what held the CPU the waiting thread got when
@@ -182,7 +213,8 @@ pub(crate) struct Waits {
 
 impl Waits {
     fn cell(m: &Measurement, cell: u32) -> WaitCounts {
-        m.waits.get(cell).map(WaitCounts::read).unwrap_or_default()
+        let now = crate::sys::monotonic_ns();
+        m.waits.get(cell).map(|v| WaitCounts::read(v, now)).unwrap_or_default()
     }
 
     /// The holder of `cell` now, started where the cell stands if it is new
@@ -260,17 +292,26 @@ impl Waits {
         }
     }
 
-    /// Keyspace `id`'s totals since it got `cell`, and its waits over the
-    /// monitor window (since the last sample at or before its start).
-    pub(crate) fn current(&self, m: &Measurement, cell: u32, id: u32, generation: u64) -> (WaitCounts, WaitCounts) {
-        let value = Self::cell(m, cell);
+    /// Keyspace `id`'s totals since it got `cell`, its waits over the
+    /// monitor window (since the last sample at or before its start), and
+    /// that stretch's length in ns (0: no sample yet).
+    pub(crate) fn current(
+        &self,
+        m: &Measurement,
+        cell: u32,
+        id: u32,
+        generation: u64,
+    ) -> (WaitCounts, WaitCounts, u64) {
+        let now = crate::sys::monotonic_ns();
+        let value = m.waits.get(cell).map(|v| WaitCounts::read(v, now)).unwrap_or_default();
         match self.holders.get(&cell).filter(|h| h.id == id && h.generation == generation) {
             Some(h) => {
                 let totals = value.since(&h.base);
-                let window = h.history.front().map_or(totals, |(_, first)| totals.since(first));
-                (totals, window)
+                let (window, span) =
+                    h.history.front().map_or((totals, 0), |(t, first)| (totals.since(first), now.saturating_sub(*t)));
+                (totals, window, span)
             }
-            None if generation == 1 => (value, value),
+            None if generation == 1 => (value, value, 0),
             None => Default::default(),
         }
     }
@@ -340,10 +381,10 @@ mod tests {
 
     #[test]
     fn totals_and_windows_subtract_field_by_field() {
-        let a = WaitCounts { wait_ns: 10, waits: 2, hist: counts(&[(1, 2)]).hist };
-        let b = WaitCounts { wait_ns: 25, waits: 5, hist: counts(&[(1, 3), (4, 2)]).hist };
+        let a = WaitCounts { wait_ns: 10, waits: 2, hist: counts(&[(1, 2)]).hist, some_ns: 7 };
+        let b = WaitCounts { wait_ns: 25, waits: 5, hist: counts(&[(1, 3), (4, 2)]).hist, some_ns: 20 };
         let d = b.since(&a);
-        assert_eq!((d.wait_ns, d.waits), (15, 3));
+        assert_eq!((d.wait_ns, d.waits, d.some_ns), (15, 3, 13));
         assert_eq!((d.hist[1], d.hist[4]), (1, 2));
         // Never below zero, whatever the order.
         assert_eq!(a.since(&b).wait_ns, 0);

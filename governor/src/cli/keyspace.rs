@@ -111,6 +111,13 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             k.cpu_wait_seconds, k.cpu_waits
         ),
     });
+    if let Some(share) = k.cpu_pressure_some {
+        why.push(format!(
+            "at least one of its threads waited for a CPU during {:.1} % of the monitor window (its CPU pressure, PSI's \"some\"; {:.3} s in all)",
+            share * 100.0,
+            k.cpu_pressure_some_seconds
+        ));
+    }
     if let Some(behind) = behind_line(&k.cpu_wait_behind) {
         why.push(behind);
     }

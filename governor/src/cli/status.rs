@@ -26,6 +26,12 @@ pub fn render(s: &StatusReport) -> String {
         other => other,
     };
     let _ = writeln!(out, "runq waits   {waits}");
+    let pressure = if s.cpu_pressure {
+        "counted per keyspace (share of time at least one of its threads waited)"
+    } else {
+        "not counted (agent.cpu-pressure = false, or no eBPF backend)"
+    };
+    let _ = writeln!(out, "pressure     {pressure}");
     let c = &s.server_cpu;
     let _ = writeln!(
         out,
@@ -96,11 +102,12 @@ pub fn render(s: &StatusReport) -> String {
     out.push('\n');
     let _ = writeln!(
         out,
-        "{:>12} {:>12} {:>8} {:>11} {:>10} {:>23} {:>10} {:>9} {:>9}",
+        "{:>12} {:>12} {:>8} {:>11} {:>8} {:>10} {:>23} {:>10} {:>9} {:>9}",
         "keyspace",
         "cpu seconds",
         "of CPU",
         "runq wait s",
+        "pressure",
         "bucket",
         "available / capacity µs",
         "granted",
@@ -112,13 +119,16 @@ pub fn render(s: &StatusReport) -> String {
             Some(b) => (b.source.as_str(), format!("{} / {}", b.available_us, b.capacity_us)),
             None => ("-", "-".to_string()),
         };
+        // The share of the window at least one of its threads waited.
+        let pressure = k.cpu_pressure_some.map_or_else(|| "-".to_string(), |p| format!("{:.1}%", p * 100.0));
         let _ = write!(
             out,
-            "{:>12} {:>12.3} {:>7.1}% {:>11.3} {:>10} {:>23} {:>10} {:>9} {:>9}",
+            "{:>12} {:>12.3} {:>7.1}% {:>11.3} {:>8} {:>10} {:>23} {:>10} {:>9} {:>9}",
             k.keyspace_id,
             k.cpu_seconds,
             k.window_ratio * 100.0,
             k.cpu_wait_seconds,
+            pressure,
             source,
             tokens,
             k.granted,

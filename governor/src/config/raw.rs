@@ -73,6 +73,14 @@ pub struct AgentConfig {
     /// Period of the per-CPU timer that closes long running slices, so a 2 s
     /// query is charged while it runs. Range 1ms..=1s, default `10ms`.
     pub timer_period: ConfigDuration,
+    /// Counts each keyspace's CPU pressure as Linux's PSI counts a cgroup's
+    /// ("some": the share of time at least one of its registered threads
+    /// waited for a CPU). It attaches a program to every wakeup in the
+    /// system and adds two clock reads and two locked adds to each wait of
+    /// a registered thread (docs/benchmarks.md), so it is off by default.
+    /// Needs the eBPF backend on a kernel with `sched_info`. Restart-only:
+    /// the programs are loaded at start. Default `false`.
+    pub cpu_pressure: bool,
     /// Thread slots in the shared region (registered worker threads).
     /// Restart-only: it sizes an mmapped map. Range 64..=1048576, default 16384.
     pub max_threads: u32,
@@ -119,6 +127,7 @@ impl Default for AgentConfig {
             metrics_max_keyspaces: 500,
             measure: MeasureMode::Auto,
             timer_period: ConfigDuration::from_millis(10),
+            cpu_pressure: false,
             max_threads: 16384,
             max_keyspaces: 4096,
             max_threads_per_uid: None,

@@ -26,6 +26,7 @@ const RESTART_ONLY: &[(&str, &str)] = &[
     ("agent.max-keyspaces", "it sizes the shared keyspace table"),
     ("agent.metrics-addr", "the /metrics listener is bound at start"),
     ("agent.timer-period", "the per-CPU timers are attached at start"),
+    ("agent.cpu-pressure", "the wakeup program is attached at start"),
 ];
 
 const MAX_READ: &str = "resource-control.max-read-cpu-ratio";

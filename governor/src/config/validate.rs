@@ -40,6 +40,12 @@ pub(crate) fn validate(raw: &RawConfig, map: &SourceMap) -> Result<ValidatedConf
     }
     c.int("agent", "metrics-max-keyspaces", a.metrics_max_keyspaces.into(), 1, 100_000);
     c.duration("agent", "timer-period", a.timer_period, MS, SEC);
+    c.check(
+        !(a.cpu_pressure && a.measure == super::raw::MeasureMode::ThreadClock),
+        "agent",
+        "cpu-pressure",
+        "needs the eBPF backend: the thread-clock backend cannot see when threads wait (set measure to \"auto\" or \"ebpf\", or cpu-pressure to false)",
+    );
     c.int("agent", "max-threads", a.max_threads.into(), 64, 1 << 20);
     c.int("agent", "max-keyspaces", a.max_keyspaces.into(), 16, 1 << 20);
     // Per-uid quotas: checked when set; when absent, half the total.

@@ -52,6 +52,9 @@ pub struct TaskOffsets {
     /// `sched_info.run_delay`: the task's total run-queue wait. `None` on a
     /// kernel without CONFIG_SCHED_INFO (waits are not measured there).
     pub run_delay: Option<u32>,
+    /// `sched_info.last_queued`: when the task was queued to wait for a
+    /// CPU (0: not waiting). `None` without CONFIG_SCHED_INFO.
+    pub last_queued: Option<u32>,
 }
 
 const KIND_STRUCT: u32 = 4;
@@ -225,6 +228,7 @@ impl Btf {
             prev_sum_exec_runtime: self.offset_of("task_struct", "se.prev_sum_exec_runtime")?,
             bprm_filename: self.offset_of("linux_binprm", "filename")?,
             run_delay: self.offset_of("task_struct", "sched_info.run_delay").ok(),
+            last_queued: self.offset_of("task_struct", "sched_info.last_queued").ok(),
         })
     }
 }

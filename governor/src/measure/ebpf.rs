@@ -12,10 +12,11 @@ use aya::programs::perf_event::{PerfEventScope, PerfTypeId, SamplePolicy, perf_s
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 use keyspace_governor_common::{
-    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUN_DELAY,
-    GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, GLOBAL_WAIT_ON, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES,
-    MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC, PROG_FORK, PROG_PROFILE, PROG_RENAME,
-    PROG_SCHED_SWITCH, PROG_TIMER, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME, RuleEvent,
+    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_LAST_QUEUED, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME,
+    GLOBAL_OFF_RUN_DELAY, GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, GLOBAL_PRESSURE_ON, GLOBAL_WAIT_ON,
+    MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC,
+    PROG_FORK, PROG_PROFILE, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, PROG_WAKEUP, RULE_CTL_DROPPED, RULE_CTL_ON,
+    RULE_CTL_RENAME, RuleEvent,
 };
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -72,6 +73,15 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
             (0, 0)
         }
     };
+    // Waiting threads are counted when asked, where waits are measured.
+    let (last_queued, pressure_on) = match (sizing.cpu_pressure, offsets.last_queued, wait_on) {
+        (false, ..) => (0, 0),
+        (true, Some(off), 1) => (off, 1u32),
+        (true, ..) => {
+            log::warn!("agent.cpu-pressure is on, but this kernel keeps no sched_info: CPU pressure is not counted");
+            (0, 0)
+        }
+    };
     let mut ebpf = EbpfLoader::new()
         .set_global(GLOBAL_OFF_PID, &offsets.pid, true)
         .set_global(GLOBAL_OFF_STATE, &offsets.state, true)
@@ -82,6 +92,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         .set_global(GLOBAL_OFF_BPRM_FILENAME, &offsets.bprm_filename, true)
         .set_global(GLOBAL_OFF_RUN_DELAY, &run_delay, true)
         .set_global(GLOBAL_WAIT_ON, &wait_on, true)
+        .set_global(GLOBAL_OFF_LAST_QUEUED, &last_queued, true)
+        .set_global(GLOBAL_PRESSURE_ON, &pressure_on, true)
         .set_max_entries(MAP_CPUS, sizes.cpus)
         .set_max_entries(MAP_SLOTS, sizes.slots)
         .set_max_entries(MAP_TID_SLOT, max_tids)
@@ -96,10 +108,15 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
 
     for (name, tracepoint) in [
         (PROG_SCHED_SWITCH, "sched_switch"),
+        (PROG_WAKEUP, "sched_wakeup"),
         (PROG_FORK, "sched_process_fork"),
         (PROG_EXEC, "sched_process_exec"),
         (PROG_RENAME, "task_rename"),
     ] {
+        if name == PROG_WAKEUP && pressure_on == 0 {
+            // Nothing to count: every wakeup in the system stays unpaid.
+            continue;
+        }
         let prog: &mut BtfTracePoint = ebpf
             .program_mut(name)
             .ok_or_else(|| MeasureError::Attach { program: name, source: "not in the object".into() })?
@@ -176,6 +193,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         sizes,
         waits,
         wait_source: if wait_on != 0 { super::WaitSource::Kernel } else { super::WaitSource::Unavailable },
+        pressure: pressure_on != 0,
         fds,
         inner: Inner::Ebpf(Box::new(EbpfSide { ebpf, tid_slot, rules, profile, _maps: arrays })),
     })
@@ -207,7 +225,7 @@ impl EbpfSide {
     }
 
     pub(super) fn program_stats(&self) -> Vec<ProgramStats> {
-        [PROG_SCHED_SWITCH, PROG_TIMER, PROG_FORK, PROG_EXEC, PROG_RENAME, PROG_PROFILE]
+        [PROG_SCHED_SWITCH, PROG_WAKEUP, PROG_TIMER, PROG_FORK, PROG_EXEC, PROG_RENAME, PROG_PROFILE]
             .into_iter()
             .filter_map(|name| {
                 let info = self.ebpf.program(name)?.info().ok()?;

@@ -12,6 +12,9 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 
 pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
+    if sizing.cpu_pressure {
+        log::warn!("agent.cpu-pressure is on, but the thread-clock backend cannot see threads wait: not counted");
+    }
     let ncpus = sys::possible_cpus().map_err(|source| MeasureError::Region { what: "cpu", source })?;
     let sizes = RegionSizes { cpus: ncpus, slots: sizing.max_threads, keyspaces: sizing.max_keyspaces, ledger: 0 };
     let make = |what: &'static str, n: u32| {
@@ -44,6 +47,7 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         sizes,
         waits,
         wait_source: super::WaitSource::Sampled,
+        pressure: false,
         fds,
         inner: Inner::Fallback,
     })

@@ -52,12 +52,14 @@ fn take_map<M: TryFrom<aya::maps::Map>>(ebpf: &mut aya::Ebpf, name: &str) -> Res
     M::try_from(ebpf.take_map(name).ok_or_else(missing)?).map_err(|_| missing())
 }
 
-/// Region sizes asked of a backend.
+/// What is asked of a backend at start: region sizes, the timer, and
+/// whether keyspaces' CPU pressure is counted (`agent.cpu-pressure`).
 #[derive(Clone, Copy, Debug)]
 pub struct Sizing {
     pub max_threads: u32,
     pub max_keyspaces: u32,
     pub timer_period_ns: u64,
+    pub cpu_pressure: bool,
 }
 
 /// A running backend: the regions (with the fds handed to clients) plus
@@ -70,6 +72,9 @@ pub struct Measurement {
     pub waits: Table<WaitView>,
     /// How the waits are measured.
     pub wait_source: WaitSource,
+    /// Whether the kernel counts each keyspace's waiting threads (the
+    /// "some" pressure; eBPF backend with `sched_info` and SMP).
+    pub pressure: bool,
     /// cpus, slots, keyspaces.
     fds: [OwnedFd; 3],
     inner: Inner,

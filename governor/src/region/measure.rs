@@ -50,7 +50,10 @@ pub struct WaitView {
     pub behind_runner: [AtomicU32; BEHIND_SLOTS],
     pub behind_ns: [AtomicU64; BEHIND_SLOTS],
     pub behind_other_ns: AtomicU64,
-    _pad: [u64; 4],
+    pub waiting: AtomicU64,
+    pub some_since_ns: AtomicU64,
+    pub some_ns: AtomicU64,
+    pub some_closed_ns: AtomicU64,
 }
 
 macro_rules! same_layout {
@@ -77,7 +80,19 @@ same_layout!(
     delay_ns
 );
 same_layout!(KeyspaceView, KeyspaceCell, cpu_ns);
-same_layout!(WaitView, KeyspaceWait, wait_ns, hist, behind_runner, behind_ns, behind_other_ns);
+same_layout!(
+    WaitView,
+    KeyspaceWait,
+    wait_ns,
+    hist,
+    behind_runner,
+    behind_ns,
+    behind_other_ns,
+    waiting,
+    some_since_ns,
+    some_ns,
+    some_closed_ns
+);
 
 impl MeasureRegions {
     /// One attempt at the protocol's charge: move `slot.charged_ns` from

@@ -35,6 +35,15 @@ impl Families {
         self.registry.register(Box::new(g)).expect("registered once");
     }
 
+    /// A counter of seconds per label value.
+    fn seconds(&self, name: &str, help: &str, label: &str, values: &[(String, f64)]) {
+        let c = CounterVec::new(Opts::new(name, help), &[label]).expect("valid metric name");
+        for (l, v) in values {
+            c.with_label_values(&[l.as_str()]).inc_by(*v);
+        }
+        self.registry.register(Box::new(c)).expect("registered once");
+    }
+
     fn counters(&self, name: &str, help: &str, label: &str, values: &[(String, u64)]) {
         let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric name");
         for (l, v) in values {
@@ -64,6 +73,8 @@ struct Row {
     /// Run-queue wait: ns in all, and waits by log-2 bucket.
     cpu_wait_ns: u64,
     cpu_wait_hist: [u64; WAIT_BUCKETS],
+    /// Time with at least one of its threads waiting (ns).
+    cpu_some_ns: u64,
 }
 
 impl Row {
@@ -86,6 +97,7 @@ impl Row {
         self.wait_hist.add(&o.wait_hist);
         self.request_hist.add(&o.request_hist);
         self.cpu_wait_ns += o.cpu_wait_ns;
+        self.cpu_some_ns += o.cpu_some_ns;
         for (a, b) in self.cpu_wait_hist.iter_mut().zip(o.cpu_wait_hist) {
             *a += b;
         }
@@ -199,6 +211,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 request_hist: b.map_or_else(Default::default, |b| b.counters.request_hist),
                 cpu_wait_ns: (k.cpu_wait_seconds * 1e9).round() as u64,
                 cpu_wait_hist: std::array::from_fn(|i| k.cpu_wait_buckets.get(i).copied().unwrap_or(0)),
+                cpu_some_ns: (k.cpu_pressure_some_seconds * 1e9).round() as u64,
             };
             (k.keyspace_id, row)
         })
@@ -281,30 +294,31 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         KS,
         &per_count(&|r| r.waited),
     );
-    let cpu = CounterVec::new(
-        Opts::new(
-            "governor_keyspace_cpu_seconds_total",
-            "On-CPU time the kernel counted for the keyspace's tagged threads",
-        ),
-        &[KS],
-    )
-    .expect("valid metric name");
-    for (l, r) in &shown {
-        cpu.with_label_values(&[l.as_str()]).inc_by(r.cpu_seconds.max(0.0));
+    let per_second = |pick: &dyn Fn(&Row) -> f64| -> Vec<(String, f64)> {
+        shown.iter().map(|(l, r)| (l.clone(), pick(r))).collect()
+    };
+    f.seconds(
+        "governor_keyspace_cpu_seconds_total",
+        "On-CPU time the kernel counted for the keyspace's tagged threads",
+        KS,
+        &per_second(&|r| r.cpu_seconds.max(0.0)),
+    );
+    f.seconds(
+        "governor_keyspace_cpu_wait_seconds_total",
+        "Run-queue wait of the keyspace's threads: runnable, waiting for a CPU, as the kernel counts it",
+        KS,
+        &per_second(&|r| r.cpu_wait_ns as f64 / 1e9),
+    );
+    // Only where it is counted (agent.cpu-pressure): a zero would read as
+    // "never waited".
+    if status.cpu_pressure {
+        f.seconds(
+            "governor_keyspace_cpu_pressure_some_seconds_total",
+            "Time during which at least one of the keyspace's registered threads waited for a CPU (PSI's \"some\", per keyspace; its rate is the share of time); \"other\" sums the folded keyspaces'",
+            KS,
+            &per_second(&|r| r.cpu_some_ns as f64 / 1e9),
+        );
     }
-    f.registry.register(Box::new(cpu)).expect("registered once");
-    let wait = CounterVec::new(
-        Opts::new(
-            "governor_keyspace_cpu_wait_seconds_total",
-            "Run-queue wait of the keyspace's threads: runnable, waiting for a CPU, as the kernel counts it",
-        ),
-        &[KS],
-    )
-    .expect("valid metric name");
-    for (l, r) in &shown {
-        wait.with_label_values(&[l.as_str()]).inc_by(r.cpu_wait_ns as f64 / 1e9);
-    }
-    f.registry.register(Box::new(wait)).expect("registered once");
     f.counters("governor_keyspace_tickets_granted_total", "Tickets granted", KS, &per_count(&|r| r.granted));
     f.counters(
         "governor_keyspace_tickets_refused_total",

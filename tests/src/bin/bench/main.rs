@@ -268,6 +268,11 @@ fn main() -> Result<()> {
         drop(g);
         let ebpf = switch::ebpf_cost(&agent)?;
         let e = |k: &str| ebpf.get(k).copied().unwrap_or(f64::NAN);
+        client::unregister_current_thread();
+        drop(client);
+        drop(agent);
+        let pressure = switch::pressure_cost()?;
+        let p = |k: &str| pressure.get(k).copied().unwrap_or(f64::NAN);
         println!(
             "{}",
             json!({
@@ -276,9 +281,12 @@ fn main() -> Result<()> {
                 "ebpf_sched_switch_net_ns": round(e("registered") - e("floor")),
                 "ebpf_sched_switch_unregistered_ns": round(e("unregistered") - e("floor")),
                 "ebpf_timer_ns": round(e("timer")),
+                "ebpf_sched_switch_pressure_net_ns": round(p("registered") - p("floor")),
+                "ebpf_sched_switch_pressure_unregistered_ns": round(p("unregistered") - p("floor")),
+                "ebpf_wakeup_net_ns": round(p("wakeup_registered") - p("floor")),
+                "ebpf_wakeup_unregistered_ns": round(p("wakeup_unregistered") - p("floor")),
             })
         );
-        client::unregister_current_thread();
         return Ok(());
     }
     if std::env::args().any(|a| a == "--tickets") {
@@ -334,6 +342,8 @@ fn main() -> Result<()> {
     client::unregister_current_thread();
     drop(client);
     drop(agent);
+    let pressure = switch::pressure_cost()?;
+    let p = |k: &str| pressure.get(k).copied().unwrap_or(f64::NAN);
     let admission = tickets::fast_path()?;
     let (cap_error, cap_rates) = tickets::cap_error_pct()?;
     let fail_open = tickets::fail_open_ms()?;
@@ -379,6 +389,10 @@ fn main() -> Result<()> {
         "ebpf_sched_switch_unregistered_raw_ns": round(e("unregistered")),
         "ebpf_sched_switch_unregistered_ns": round(e("unregistered") - e("floor")),
         "ebpf_timer_ns": round(e("timer")),
+        "ebpf_sched_switch_pressure_net_ns": round(p("registered") - p("floor")),
+        "ebpf_sched_switch_pressure_unregistered_ns": round(p("unregistered") - p("floor")),
+        "ebpf_wakeup_net_ns": round(p("wakeup_registered") - p("floor")),
+        "ebpf_wakeup_unregistered_ns": round(p("wakeup_unregistered") - p("floor")),
         "pingpong_round_trip_ns": round(overhead.baseline_ns),
         "ctx_switch_overhead_empty_program_pct": round2(overhead.empty_program_pct),
         "ctx_switch_overhead_unregistered_pct": round2(overhead.unregistered_pct),

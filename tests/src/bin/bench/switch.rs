@@ -121,10 +121,20 @@ pub fn per_run(
     Ok(out)
 }
 
+/// [`ebpf_cost`] on an agent of its own that counts keyspaces' CPU pressure
+/// (`agent.cpu-pressure`): the switch program's dearer registered path and
+/// the wakeup program, attached only then.
+pub fn pressure_cost() -> Result<BTreeMap<String, f64>> {
+    let agent = Agent::start("ebpf", "[agent]\ncpu-pressure = true\n")?;
+    anyhow::ensure!(agent.status()?.cpu_pressure, "the agent does not count CPU pressure on this kernel");
+    ebpf_cost(&agent)
+}
+
 /// Per-run cost of the agent's programs: the switch program over switches
 /// between registered threads and, apart, between unregistered processes;
-/// the timer; then the statistics' floor and one clock read, from the
-/// calibration programs in a pass of their own.
+/// the timer (and the wakeup program, when attached); then the statistics'
+/// floor and one clock read, from the calibration programs in a pass of
+/// their own.
 pub fn ebpf_cost(agent: &Agent) -> Result<BTreeMap<String, f64>> {
     // Scoped: the statistics switch off when this fd closes, even if the
     // benchmark dies.
@@ -139,10 +149,18 @@ pub fn ebpf_cost(agent: &Agent) -> Result<BTreeMap<String, f64>> {
         reg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN),
     );
     out.insert("timer".to_string(), reg.get(keyspace_governor_common::PROG_TIMER).copied().unwrap_or(f64::NAN));
+    out.insert(
+        "wakeup_registered".to_string(),
+        reg.get(keyspace_governor_common::PROG_WAKEUP).copied().unwrap_or(f64::NAN),
+    );
     let unreg = per_run(agent_stats, || pingpong(None, 20_000).map(drop))?;
     out.insert(
         "unregistered".to_string(),
         unreg.get(keyspace_governor_common::PROG_SCHED_SWITCH).copied().unwrap_or(f64::NAN),
+    );
+    out.insert(
+        "wakeup_unregistered".to_string(),
+        unreg.get(keyspace_governor_common::PROG_WAKEUP).copied().unwrap_or(f64::NAN),
     );
     // The agent's programs are still attached; the calibration programs'
     // own figures are what matters in this pass.
