@@ -871,6 +871,9 @@ pub struct ThreadsRun {
     /// The machine's steal from the start of the run to its second stop
     /// ([`steal_ns`], at its resolution of a tick per CPU).
     pub steal_ns: u64,
+    /// Wall time from the resume after the first stop to the second stop,
+    /// ns: the span the counts cover, and more.
+    pub span_ns: u64,
 }
 
 /// A `workload threads` process (see its protocol in `workload/kinds.rs`).
@@ -986,6 +989,7 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
     let charged_before = settled_charges(agent)?;
     let ahead_before = charged_ahead(agent)?;
     let before: Vec<Vec<(u64, u64)>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
+    let resumed = Instant::now();
     resume(&pids);
     for p in &mut procs {
         p.send_line()?;
@@ -1002,6 +1006,7 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
         })
         .collect::<Result<_>>()?;
     stop(&pids)?;
+    let span_ns = resumed.elapsed().as_nanos() as u64;
     let charged_after = settled_charges(agent)?;
     let ahead_after = charged_ahead(agent)?;
     let after: Vec<Vec<(u64, u64)>> = procs.iter().map(ThreadsWorkload::schedstat).collect::<Result<_>>()?;
@@ -1048,6 +1053,7 @@ pub fn run_threads_measured(agent: &Agent, workloads: &[&[&str]]) -> Result<Thre
         wait_ns: since(|v| v.1),
         some_ns: since(|v| v.2),
         steal_ns: steal,
+        span_ns,
     })
 }
 

@@ -119,44 +119,41 @@ fn a_keyspaces_cpu_pressure_is_the_time_one_of_its_threads_waited() {
     .expect("workloads");
     let truth = |ks: u32| run.reports.iter().filter(|r| r.keyspace == ks).map(|r| r.schedstat_wait_ns).sum::<u64>();
     // A keyspace of one thread: its wait, by schedstat. Counted from the
-    // wakeup's tracepoint to the switch's by CLOCK_MONOTONIC, where the
-    // kernel counts from the enqueue to its clock's update in the switch:
-    // the switch's own time after that update is pressure too (+0.01 to
-    // +1.6 % here). In the emulated guests of `vm-test` (which set
-    // GOVERNOR_TEST_EMULATED) that stretch of the switch takes 12 µs
-    // (x86_64) to 66 µs (aarch64) of each wait: there the bound allows up
-    // to 100 µs a wait, a check that the programs count and close on that
-    // kernel rather than of accuracy.
+    // wakeup's tracepoint to the switch-in's by CLOCK_MONOTONIC, where the
+    // kernel counts from the enqueue (before the tracepoint: the wakeup's
+    // own path is not pressure) to its run-queue clock's last update,
+    // which a switch on an idle CPU skips (the wakeup's stands: the time
+    // from such a wakeup to the switch-in is pressure, not schedstat's
+    // wait). The two ends move the figure by a few µs a wakeup each way:
+    // −1.7 to +1.7 % here. The emulated guests of `vm-test` (which set
+    // GOVERNOR_TEST_EMULATED) read −80 to +280 % of schedstat for a lone
+    // ticker's short waits (docs/design.md): there the test checks only
+    // that the programs load, count and close on that kernel (some
+    // pressure, never more than the run's wall time, none left open).
     let emulated = std::env::var_os("GOVERNOR_TEST_EMULATED").is_some();
-    let status = agent.status().unwrap();
-    let slack = |ks: u32| {
-        let waits = status.keyspaces.iter().find(|k| k.keyspace_id == ks).map_or(0, |k| k.cpu_waits);
-        if emulated { waits as f64 * 100_000.0 } else { 0.0 }
-    };
+    let span = run.span_ns as f64;
     let some = |ks: u32| run.some_ns.get(&ks).copied().unwrap_or(0.0);
     let (solo, solo_kernel) = (some(SOLO), truth(SOLO) as f64);
     eprintln!(
-        "keyspace {SOLO} (one thread): {solo:.0} ns with a thread waiting, schedstat {solo_kernel:.0} ns ({:+.2} %)",
+        "keyspace {SOLO} (one thread): {solo:.0} ns with a thread waiting, schedstat {solo_kernel:.0} ns ({:+.2} %), span {span:.0} ns",
         (solo / solo_kernel - 1.0) * 100.0
     );
     assert!(solo_kernel >= 5_000_000.0, "the lone ticker waited only {solo_kernel} ns: no contention");
-    assert!(
-        solo >= 0.99 * solo_kernel && solo <= 1.03 * solo_kernel + slack(SOLO),
-        "{solo} ns of pressure for {solo_kernel} ns of wait (slack {} ns)",
-        slack(SOLO)
-    );
+    let (solo_min, solo_max) =
+        if emulated { (0.95 * solo_kernel, span) } else { (0.97 * solo_kernel, 1.03 * solo_kernel) };
+    assert!((solo_min..=solo_max).contains(&solo), "{solo} ns of pressure for {solo_kernel} ns of wait");
     // Several threads: at least the longest one's wait, at most all of
-    // theirs (overlapping waits count once).
+    // theirs (overlapping waits count once), and never more than the run.
     for ks in [HEAVY, LIGHT] {
         let each: Vec<f64> =
             run.reports.iter().filter(|r| r.keyspace == ks).map(|r| r.schedstat_wait_ns as f64).collect();
         let (longest, all) = (each.iter().copied().fold(0.0, f64::max), each.iter().sum::<f64>());
         eprintln!("keyspace {ks}: {:.0} ns with a thread waiting; threads waited {each:?} ns", some(ks));
+        let (min, max) = if emulated { (1.0, span) } else { (0.97 * longest, (1.03 * all).min(span)) };
         assert!(
-            some(ks) >= 0.99 * longest && some(ks) <= 1.01 * all + slack(ks),
-            "keyspace {ks}: {} ns of pressure, threads' waits {each:?} (slack {} ns)",
-            some(ks),
-            slack(ks)
+            some(ks) >= min && some(ks) <= max,
+            "keyspace {ks}: {} ns of pressure, threads' waits {each:?}, span {span} ns",
+            some(ks)
         );
     }
     // The threads are gone: no keyspace's count is left open (its pressure
