@@ -230,8 +230,9 @@ pub const GLOBAL_OFF_BPRM_FILENAME: &str = "GOV_OFF_BPRM_FILENAME";
 /// 0 when it is not waiting in `sched_info`'s count).
 pub const GLOBAL_OFF_LAST_QUEUED: &str = "GOV_OFF_LAST_QUEUED";
 /// Non-zero when keyspaces' waiting threads are counted (the "some"
-/// pressure): the kernel has `sched_info`, and the wakeup program is
-/// attached.
+/// pressure): `agent.cpu-pressure` asks for it, the kernel has
+/// `sched_info`, and the wakeup program is attached. Zero, the verifier
+/// drops the switch program's pressure branches.
 pub const GLOBAL_PRESSURE_ON: &str = "GOV_PRESSURE_ON";
 
 /// `task_struct.__state` of a task on its final switch (`TASK_DEAD`).
