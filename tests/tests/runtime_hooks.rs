@@ -1,7 +1,7 @@
 //! The tokio hooks: `register_on_park` registers a runtime's workers and
 //! not its blocking-pool threads; `register_on_start` registers both, so a
 //! ticket moved into `spawn_blocking` charges the kernel's count of that
-//! work to its keyspace.
+//! work to its keyspace. `CpuSpread` pins each worker to a CPU of its own.
 
 use governor_tests::{Agent, essential_config};
 use keyspace_governor::client::{self, Client, Demand};
@@ -106,4 +106,73 @@ fn rayon_pieces_tagged_with_the_keyspace_are_charged_to_it() {
         eprintln!("keyspace {k}: pieces ran {ran} ns, charged {charged:.0} ns ({err:+.3} %)");
         assert!((-0.5..=1.0).contains(&err), "keyspace {k}: charged {err:+.3} % off its pieces");
     }
+}
+
+/// The calling thread's allowed CPUs, as the kernel lists them.
+fn allowed_cpus() -> String {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string()
+}
+
+/// `CpuSpread::pin_on_park` gives each worker of a runtime a CPU of its
+/// own, in turn, and leaves the blocking pool's threads where they were.
+#[test]
+fn cpu_spread_pins_each_worker_to_a_cpu_of_its_own() {
+    let spread = client::CpuSpread::new().unwrap();
+    let cpus = spread.cpus().to_vec();
+    assert!(!cpus.is_empty());
+    let all = allowed_cpus();
+    let workers = cpus.len().min(4);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .on_thread_park(spread.pin_on_park())
+        .build()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // One task per worker at once: each holds its worker until all run.
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(workers));
+    let seen: Vec<(u32, String, u32)> = rt.block_on(async {
+        let tasks: Vec<_> = (0..workers)
+            .map(|_| {
+                let b = barrier.clone();
+                tokio::spawn(async move {
+                    b.wait();
+                    (sys::gettid(), allowed_cpus(), sys::current_cpu())
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    });
+    let blocking = rt.block_on(async { tokio::task::spawn_blocking(allowed_cpus).await.unwrap() });
+    drop(rt);
+    eprintln!("allowed {all}; workers (tid, allowed, running on): {seen:?}; blocking thread {blocking}");
+    let mut pinned: Vec<u32> = seen
+        .iter()
+        .map(|(tid, allowed, on)| {
+            let cpu: u32 = allowed.parse().unwrap_or_else(|_| panic!("worker {tid} allowed on {allowed}, not one CPU"));
+            assert_eq!(*on, cpu, "worker {tid} runs on the CPU it is pinned to");
+            cpu
+        })
+        .collect();
+    pinned.sort_unstable();
+    let mut expect = cpus[..workers].to_vec();
+    expect.sort_unstable();
+    assert_eq!(pinned, expect, "each worker on a CPU of its own, the first {workers} in turn");
+    assert_eq!(blocking, all, "a blocking-pool thread is not pinned");
+
+    // In turn: after the last CPU, the first again.
+    let spread = client::CpuSpread::new().unwrap();
+    let got: Vec<u32> = (0..cpus.len() + 1)
+        .map(|_| {
+            let s = spread.clone();
+            std::thread::spawn(move || s.pin_current_thread().unwrap()).join().unwrap()
+        })
+        .collect();
+    let mut expect = cpus.clone();
+    expect.push(cpus[0]);
+    assert_eq!(got, expect);
 }

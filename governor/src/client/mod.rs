@@ -42,7 +42,7 @@ pub use crate::policy::Demand;
 pub use crate::policy::{Refusal, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};
 pub use crate::proto::BackendKind;
 pub use crate::region::{RegionError, RegionSizes};
-pub use crate::sys::{set_thread_slice, thread_cputime_ns};
+pub use crate::sys::{CpuSpread, set_thread_slice, thread_cputime_ns};
 #[cfg(feature = "agent")]
 pub use attachment::{CALL_TIMEOUT, handshake, request, request_within};
 pub use conn::Client;

@@ -30,7 +30,7 @@ pub(crate) mod fake;
 
 pub use clock::{monotonic_ns, thread_cputime_ns};
 pub use cpu::{
-    current_cpu, current_cpu_ordered, logical_cores, online_cpus, possible_cpus, rdtsc, set_task_slice,
+    CpuSpread, current_cpu, current_cpu_ordered, logical_cores, online_cpus, possible_cpus, rdtsc, set_task_slice,
     set_thread_slice,
 };
 pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};

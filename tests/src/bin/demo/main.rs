@@ -10,7 +10,8 @@
 //! measures; its CPU throttle is off) and the reader server
 //! (`tests/reader`: tokio workers registered with the agent, every request
 //! under a ticket of its keyspace; a request whose keyspace had to wait for
-//! its tokens steps aside for the others, `--levels`). Three light tenants
+//! its tokens steps aside for the others, `--levels`; each worker has a
+//! CPU of its own, `--pin-workers`). Three light tenants
 //! send point gets and short scans open-loop at a fixed rate; the noisy
 //! tenant sends long scans closed-loop, as fast as it is answered. Three
 //! phases of equal length:
@@ -76,6 +77,7 @@ struct Opts {
     chunk_blocks: usize,
     worker_slice_us: u64,
     levels: String,
+    pin_workers: String,
     /// The latency guard's target in the enforcing phase, µs (`None`: off).
     guard_target_us: Option<u64>,
     /// `--profile-overhead`: rounds of the profile's cost instead of the phases.
@@ -94,6 +96,7 @@ fn parse_opts() -> Result<Opts> {
         chunk_blocks: 1,
         worker_slice_us: 100,
         levels: "on".into(),
+        pin_workers: "on".into(),
         guard_target_us: None,
         profile_overhead_rounds: None,
     };
@@ -112,6 +115,7 @@ fn parse_opts() -> Result<Opts> {
             "--chunk-blocks" => o.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
             "--worker-slice-us" => o.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
             "--levels" => o.levels = value()?,
+            "--pin-workers" => o.pin_workers = value()?,
             "--guard" => o.guard_target_us = Some(o.guard_target_us.unwrap_or(500)),
             "--guard-target-us" => o.guard_target_us = Some(value()?.parse().context("--guard-target-us")?),
             "--profile-overhead" => {
@@ -208,8 +212,15 @@ fn main() -> Result<()> {
     let cores = f64::from(status.logical_cores);
     let (lights, noisy) = tenants(&o);
     let keyspaces: Vec<u32> = lights.iter().map(|l| l.keyspace).chain([noisy.keyspace]).collect();
-    let mut server =
-        server::ReaderServer::start(&agent.socket, &keyspaces, ROWS, o.chunk_blocks, o.worker_slice_us, &o.levels)?;
+    let mut server = server::ReaderServer::start(
+        &agent.socket,
+        &keyspaces,
+        ROWS,
+        o.chunk_blocks,
+        o.worker_slice_us,
+        &o.levels,
+        &o.pin_workers,
+    )?;
     let ratio = CAP_CORES / cores;
     progress.say(&format!(
         "governor agent up: backend {}, thread clock {}, {cores} cores, embedded default configuration (measuring; cpu-throttle off)",
@@ -221,10 +232,11 @@ fn main() -> Result<()> {
     }
     let workers = server.stats()?.workers;
     progress.say(&format!(
-        "reader server at {}: {workers} tokio workers registered with the agent (scheduler slice {} µs, levels {}), keyspaces {keyspaces:?}, {ROWS} rows each",
+        "reader server at {}: {workers} tokio workers registered with the agent (scheduler slice {} µs, levels {}, one per CPU {}), keyspaces {keyspaces:?}, {ROWS} rows each",
         server.addr,
         o.worker_slice_us,
-        o.levels
+        o.levels,
+        o.pin_workers
     ));
     progress.say(&format!(
         "tenants: light-1..3 open-loop {} req/s each (gets, 1 in 10 a {}-row scan); noisy closed-loop, {} connections of {}-row scans",
@@ -304,7 +316,7 @@ fn main() -> Result<()> {
             "noisy": {"name": noisy.name, "keyspace": noisy.keyspace, "connections": noisy.connections,
                 "scan_rows": noisy.scan_rows, "deadline_ms": noisy.deadline_ms},
         },
-        "server": { "rows_per_keyspace": ROWS, "chunk_blocks": o.chunk_blocks, "worker_slice_us": o.worker_slice_us, "levels": o.levels },
+        "server": { "rows_per_keyspace": ROWS, "chunk_blocks": o.chunk_blocks, "worker_slice_us": o.worker_slice_us, "levels": o.levels, "pin_workers": o.pin_workers },
         "phases": phases,
         "light_p99_ratio": { "monitor": ratio_of(monitor), "enforcing": ratio_of(enforced) },
         "worst_light_tenant_p99_ratio": { "monitor": worst_tenant_ratio(monitor), "enforcing": worst_tenant_ratio(enforced) },

@@ -29,6 +29,7 @@ impl ReaderServer {
         chunk_blocks: usize,
         worker_slice_us: u64,
         levels: &str,
+        pin_workers: &str,
     ) -> Result<ReaderServer> {
         let dir = Scratch::new("reader");
         let log = dir.0.join("reader-server.log");
@@ -44,7 +45,7 @@ impl ReaderServer {
                 "--chunk-blocks",
                 &chunk_blocks.to_string(),
             ])
-            .args(["--worker-slice-us", &worker_slice_us.to_string(), "--levels", levels])
+            .args(["--worker-slice-us", &worker_slice_us.to_string(), "--levels", levels, "--pin-workers", pin_workers])
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).context("creating the server log")?)
             .spawn()

@@ -3,7 +3,7 @@
 //! ```text
 //! reader-server [--listen 127.0.0.1:0] [--socket /run/governor/governor.sock]
 //!               [--keyspaces 101,102,103,900] [--rows 32768] [--chunk-blocks 2] [--workers N]
-//!               [--worker-slice-us 100] [--levels on|off]
+//!               [--worker-slice-us 100] [--levels on|off] [--pin-workers on|off]
 //! ```
 //!
 //! Generates each keyspace's rows, connects to the governor agent, starts a
@@ -17,6 +17,11 @@
 //! 0 keeps the kernel's default): a worker deep in a long scan then holds
 //! its core against a wakeup (a light request arriving) for about that
 //! long, not for the default slice of a millisecond or more.
+//!
+//! Each worker is pinned to a CPU of its own (`--pin-workers`, on by
+//! default; `CpuSpread`): left to the kernel, two busy workers can end up
+//! sharing one core while the other idles, and a request that arrives then
+//! waits for a slice.
 //!
 //! Admitted requests run on two levels (`--levels`, see `serve::Levels`):
 //! a request of a keyspace the governor holds to its cap steps aside for
@@ -43,6 +48,7 @@ struct Args {
     workers: usize,
     worker_slice_us: u64,
     levels: bool,
+    pin_workers: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -55,6 +61,7 @@ fn parse_args() -> Result<Args> {
         workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
         worker_slice_us: 100,
         levels: true,
+        pin_workers: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -70,13 +77,8 @@ fn parse_args() -> Result<Args> {
             "--chunk-blocks" => a.chunk_blocks = value()?.parse().context("--chunk-blocks")?,
             "--workers" => a.workers = value()?.parse().context("--workers")?,
             "--worker-slice-us" => a.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
-            "--levels" => {
-                a.levels = match value()?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    v => bail!("--levels takes on or off, not {v:?}"),
-                }
-            }
+            "--levels" => a.levels = on_off(&flag, &value()?)?,
+            "--pin-workers" => a.pin_workers = on_off(&flag, &value()?)?,
             other => bail!("unknown argument {other:?} (see the doc comment of reader-server)"),
         }
     }
@@ -84,6 +86,14 @@ fn parse_args() -> Result<Args> {
         bail!("--rows, --workers, --chunk-blocks and --keyspaces must not be zero or empty");
     }
     Ok(a)
+}
+
+fn on_off(flag: &str, v: &str) -> Result<bool> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        v => bail!("{flag} takes on or off, not {v:?}"),
+    }
 }
 
 /// Lines of the governor client's log (re-attachment, fail-open) on stderr.
@@ -140,7 +150,12 @@ fn main() -> Result<()> {
         levels: serve::Levels::new(args.levels, std::time::Duration::from_millis(2)),
     });
     let slice = std::time::Duration::from_micros(args.worker_slice_us);
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    let spread = keyspace_governor::client::CpuSpread::new().context("reading the CPUs this process may use")?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if args.pin_workers {
+        builder.on_thread_park(spread.pin_on_park());
+    }
+    let rt = builder
         .worker_threads(args.workers)
         .enable_all()
         .on_thread_start(move || {
@@ -163,9 +178,10 @@ fn main() -> Result<()> {
         println!("listening {addr}");
         std::io::stdout().flush()?;
         eprintln!(
-            "reader-server: {} workers (scheduler slice {}), {} keyspaces, listening on {addr}",
+            "reader-server: {} workers (scheduler slice {}, {}), {} keyspaces, listening on {addr}",
             args.workers,
             if slice.is_zero() { "the kernel's default".to_string() } else { format!("{slice:?}") },
+            if args.pin_workers { format!("one each on CPUs {:?}", spread.cpus()) } else { "not pinned".into() },
             server.data.len()
         );
         serve::run(server, listener, shutdown_signal()).await;
