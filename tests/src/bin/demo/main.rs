@@ -10,8 +10,8 @@
 //! measures; its CPU throttle is off) and the reader server
 //! (`tests/reader`: tokio workers registered with the agent, every request
 //! under a ticket of its keyspace; a request whose keyspace had to wait for
-//! its tokens steps aside for the others, `--levels`; each worker has a
-//! CPU of its own, `--pin-workers`). Three light tenants
+//! its tokens steps aside for the others, `--levels`; `--pin-workers on`
+//! gives each worker a CPU of its own). Three light tenants
 //! send point gets and short scans open-loop at a fixed rate; the noisy
 //! tenant sends long scans closed-loop, as fast as it is answered. Three
 //! phases of equal length:
@@ -96,7 +96,7 @@ fn parse_opts() -> Result<Opts> {
         chunk_blocks: 1,
         worker_slice_us: 100,
         levels: "on".into(),
-        pin_workers: "on".into(),
+        pin_workers: "off".into(),
         guard_target_us: None,
         profile_overhead_rounds: None,
     };

@@ -18,10 +18,11 @@
 //! its core against a wakeup (a light request arriving) for about that
 //! long, not for the default slice of a millisecond or more.
 //!
-//! Each worker is pinned to a CPU of its own (`--pin-workers`, on by
-//! default; `CpuSpread`): left to the kernel, two busy workers can end up
-//! sharing one core while the other idles, and a request that arrives then
-//! waits for a slice.
+//! `--pin-workers on` pins each worker to a CPU of its own (`CpuSpread`):
+//! left to the kernel, two busy workers can end up sharing one core while
+//! the other idles, and a request that arrives then waits for a slice. Off
+//! by default: a pinned worker cannot leave a core that a process outside
+//! the server keeps busy.
 //!
 //! Admitted requests run on two levels (`--levels`, see `serve::Levels`):
 //! a request of a keyspace the governor holds to its cap steps aside for
@@ -61,7 +62,7 @@ fn parse_args() -> Result<Args> {
         workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
         worker_slice_us: 100,
         levels: true,
-        pin_workers: true,
+        pin_workers: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
