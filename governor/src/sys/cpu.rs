@@ -203,15 +203,7 @@ impl CpuSpread {
             return Err(io::Error::new(io::ErrorKind::NotFound, "no CPU in the affinity mask"));
         }
         let cpu = cpus[self.inner.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % cpus.len()];
-        // SAFETY: a zeroed cpu_set_t is valid; sched_setaffinity only reads it.
-        let r = unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu as usize, &mut set);
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        pin_current_thread_to(cpu)?;
         PINNED.with(|p| p.set(true));
         Ok(cpu)
     }
@@ -233,6 +225,21 @@ impl CpuSpread {
             }
         }
     }
+}
+
+/// Pins the calling thread to CPU `cpu` (its affinity mask: that CPU only).
+pub fn pin_current_thread_to(cpu: u32) -> io::Result<()> {
+    if cpu as usize >= libc::CPU_SETSIZE as usize {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is past the affinity mask's size")));
+    }
+    // SAFETY: a zeroed cpu_set_t is valid; `cpu` is within it; the kernel
+    // only reads it.
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// Number of possible CPUs (the size of per-CPU tables).
@@ -300,12 +307,11 @@ mod tests {
     #[test]
     fn rseq_cpu_matches_sched_getcpu() {
         // Pinned, so the two reads cannot straddle a migration.
-        // SAFETY: a zeroed cpu_set_t is valid; sched_setaffinity only reads it.
+        // SAFETY: sched_getcpu has no arguments.
+        let cpu = unsafe { libc::sched_getcpu() } as usize;
+        pin_current_thread_to(cpu as u32).unwrap();
+        // SAFETY: as above.
         unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            let cpu = libc::sched_getcpu() as usize;
-            libc::CPU_SET(cpu, &mut set);
-            assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set), 0);
             for _ in 0..100 {
                 assert_eq!(current_cpu(), libc::sched_getcpu() as u32);
             }

@@ -30,8 +30,8 @@ pub(crate) mod fake;
 
 pub use clock::{monotonic_ns, thread_cputime_ns};
 pub use cpu::{
-    CpuSpread, current_cpu, current_cpu_ordered, logical_cores, online_cpus, possible_cpus, rdtsc, set_task_slice,
-    set_thread_slice,
+    CpuSpread, current_cpu, current_cpu_ordered, logical_cores, online_cpus, pin_current_thread_to, possible_cpus,
+    rdtsc, set_task_slice, set_thread_slice,
 };
 pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};
 pub use memory::{Mapping, bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, seal};

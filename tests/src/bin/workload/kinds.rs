@@ -41,13 +41,7 @@ fn work_us(us: u64) {
 }
 
 fn pin(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is valid; sched_setaffinity only reads it.
-    #[allow(unsafe_code)]
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
+    let _ = sys::pin_current_thread_to(cpu as u32);
 }
 
 #[derive(Clone, Copy, Debug)]

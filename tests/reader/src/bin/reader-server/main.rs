@@ -151,9 +151,13 @@ fn main() -> Result<()> {
         levels: serve::Levels::new(args.levels, std::time::Duration::from_millis(2)),
     });
     let slice = std::time::Duration::from_micros(args.worker_slice_us);
-    let spread = keyspace_governor::client::CpuSpread::new().context("reading the CPUs this process may use")?;
+    let spread = args
+        .pin_workers
+        .then(keyspace_governor::client::CpuSpread::new)
+        .transpose()
+        .context("reading the CPUs this process may use")?;
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if args.pin_workers {
+    if let Some(spread) = &spread {
         builder.on_thread_park(spread.pin_on_park());
     }
     let rt = builder
@@ -182,7 +186,7 @@ fn main() -> Result<()> {
             "reader-server: {} workers (scheduler slice {}, {}), {} keyspaces, listening on {addr}",
             args.workers,
             if slice.is_zero() { "the kernel's default".to_string() } else { format!("{slice:?}") },
-            if args.pin_workers { format!("one each on CPUs {:?}", spread.cpus()) } else { "not pinned".into() },
+            spread.as_ref().map_or("not pinned".into(), |s| format!("one each on CPUs {:?}", s.cpus())),
             server.data.len()
         );
         serve::run(server, listener, shutdown_signal()).await;
