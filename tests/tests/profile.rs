@@ -137,13 +137,22 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
     );
     assert!((sa + sb) as f64 >= 0.9 * expected && (sa + sb) as f64 <= 1.1 * expected, "{} samples", sa + sb);
     // Each keyspace's share of the samples is its share of the CPU charged
-    // in the same span (the kernel's count, split at every tag switch).
+    // in the same span (the kernel's count, split at every tag switch),
+    // within four standard deviations of a share drawn from that many
+    // samples (±11 % of the lighter share with 4000 samples; with a core
+    // kept busy by another process the keyspaces run less and draw fewer).
     for (ks, n) in [(A, sa), (B, sb)] {
         let (sample_share, cpu_share) = (n as f64 / (sa + sb) as f64, cpu(ks) / (cpu(A) + cpu(B)));
-        eprintln!("keyspace {ks}: {:.1} % of samples, {:.1} % of CPU", sample_share * 100.0, cpu_share * 100.0);
+        let sigma = (cpu_share * (1.0 - cpu_share) / (sa + sb) as f64).sqrt();
+        eprintln!(
+            "keyspace {ks}: {:.1} % of samples, {:.1} % of CPU (σ {:.2} points)",
+            sample_share * 100.0,
+            cpu_share * 100.0,
+            sigma * 100.0
+        );
         assert!(
-            (sample_share - cpu_share).abs() <= 0.10 * cpu_share,
-            "keyspace {ks}: {sample_share:.3} of the samples against {cpu_share:.3} of the CPU"
+            (sample_share - cpu_share).abs() <= 4.0 * sigma,
+            "keyspace {ks}: {sample_share:.3} of the samples against {cpu_share:.3} of the CPU (σ {sigma:.4})"
         );
     }
     // 150 µs against 50 µs turns (calibrated apart, so roughly: 0.83 in an

@@ -37,6 +37,9 @@ pub fn setup(cross: bool) -> Result<()> {
         ("systemd", "/usr/bin/systemd-analyze"),
         // `go tool pprof`, the reference reader of the profiles' pprof.
         ("golang-go", "/usr/bin/go"),
+        // The ticket path's length in instructions (`bench`), where the
+        // guest has no hardware counters.
+        ("valgrind", "/usr/bin/valgrind"),
     ];
     if cross {
         packages.extend([

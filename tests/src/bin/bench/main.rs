@@ -4,6 +4,7 @@
 #![recursion_limit = "256"]
 mod adoption;
 mod operator;
+mod path;
 mod profile;
 mod rules;
 mod switch;
@@ -289,8 +290,14 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--trace-ticket") {
+        let socket = args.get(i + 1).context("--trace-ticket SOCKET")?;
+        return path::traced_child(std::path::Path::new(socket));
+    }
     if std::env::args().any(|a| a == "--tickets") {
         let f = tickets::fast_path()?;
+        let (ticket, mutex) = path::ticket_path()?;
         println!(
             "{}",
             json!({
@@ -301,6 +308,12 @@ fn main() -> Result<()> {
                 "baseline_mutex_bucket_ns": round2(f.mutex_ns),
                 "baseline_mutex_bucket_contended_ns": round2(f.mutex_contended_ns),
                 "ticket_vs_mutex": round3(f.uncontended_ns / f.mutex_ns),
+                "ticket_path_instructions": ticket.instructions,
+                "ticket_path_code_lines": ticket.code_lines,
+                "ticket_path_code_pages": ticket.code_pages,
+                "ticket_path_data_lines": ticket.data_lines,
+                "baseline_mutex_bucket_instructions": mutex.instructions,
+                "baseline_mutex_bucket_code_lines": mutex.code_lines,
             })
         );
         return Ok(());
@@ -350,6 +363,7 @@ fn main() -> Result<()> {
     let overflow_cap = tickets::overflow_cap_error_pct()?;
     let (cgroup_cap, cgroup_cap_schedstat) = tickets::cgroup_cap_error_pct()?;
     let (cold_ns, mutex_cold_ns) = adoption::cold_ns()?;
+    let (path, mutex_path) = path::ticket_path()?;
     let w = adoption::wait_cpu_us()?;
     let first_use_poll = adoption::first_use_poll_max_us()?;
     let goodput = adoption::goodput_pct()?;
@@ -435,6 +449,12 @@ fn main() -> Result<()> {
         o.insert("ticket_acquire_cold_ns".into(), json!(round(cold_ns)));
         o.insert("baseline_mutex_bucket_cold_ns".into(), json!(round(mutex_cold_ns)));
         o.insert("ticket_cold_vs_mutex".into(), json!(round3(cold_ns / mutex_cold_ns)));
+        o.insert("ticket_path_instructions".into(), json!(path.instructions));
+        o.insert("ticket_path_code_lines".into(), json!(path.code_lines));
+        o.insert("ticket_path_code_pages".into(), json!(path.code_pages));
+        o.insert("ticket_path_data_lines".into(), json!(path.data_lines));
+        o.insert("baseline_mutex_bucket_instructions".into(), json!(mutex_path.instructions));
+        o.insert("baseline_mutex_bucket_code_lines".into(), json!(mutex_path.code_lines));
         o.insert("acquire_wait_cpu_us_p50".into(), json!(round2(w.blocking_p50)));
         o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(w.blocking_p99)));
         o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(w.async_p99)));
