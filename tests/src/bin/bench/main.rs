@@ -166,6 +166,12 @@ fn short_demos(n: usize) -> Result<(Vec<serde_json::Value>, Vec<serde_json::Valu
 }
 
 fn main() -> Result<()> {
+    // The child that `path::ticket_path` runs under valgrind.
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--trace-ticket") {
+        let socket = args.get(i + 1).context("--trace-ticket SOCKET")?;
+        return path::traced_child(std::path::Path::new(socket));
+    }
     let json_out = std::env::args().any(|a| a == "--json");
     // `--tickets`: the ticket fast path and its baselines alone (a quick
     // before/after of a change on that path).
@@ -289,11 +295,6 @@ fn main() -> Result<()> {
             })
         );
         return Ok(());
-    }
-    let args: Vec<String> = std::env::args().collect();
-    if let Some(i) = args.iter().position(|a| a == "--trace-ticket") {
-        let socket = args.get(i + 1).context("--trace-ticket SOCKET")?;
-        return path::traced_child(std::path::Path::new(socket));
     }
     if std::env::args().any(|a| a == "--tickets") {
         let f = tickets::fast_path()?;
