@@ -291,7 +291,17 @@ pub struct BucketCell {
     pub hist: [u64; hist::LEN],
     /// Per-thread-group shards of the request histograms ([`request`]).
     pub request: [[u64; request::SHARD]; HOT_SHARDS],
+    /// Places in line that blocked waiters sleep for, one per bit of the
+    /// futex word's wake mask: entry `i` is the place (a `tail_us` value
+    /// past which it is served) of the waiter sleeping under bit `i`, 0 when
+    /// the slot is free. A move of `head_us` wakes only the bits whose
+    /// places it served. The last bit is the crowd's (waiters that found
+    /// every slot taken, woken by every move): its entry stays 0.
+    pub sleep_at: [u64; SLEEP_BITS],
 }
+
+/// Bits of a bucket's wake mask, and entries of [`BucketCell::sleep_at`].
+pub const SLEEP_BITS: usize = 32;
 
 /// Cache lines the hot counters are spread over.
 pub const HOT_SHARDS: usize = 4;
@@ -315,6 +325,7 @@ impl Default for BucketCell {
             counters: [0; counter::COUNT],
             hist: [0; hist::LEN],
             request: [[0; request::SHARD]; HOT_SHARDS],
+            sleep_at: [0; SLEEP_BITS],
         }
     }
 }
@@ -369,7 +380,8 @@ pub const fn dir_key(keyspace_id: u32, state: u32) -> u64 {
 const _: () = assert!(size_of::<AgentCell>() == 64);
 const _: () = assert!(size_of::<KnobsCell>() == 64);
 const _: () = assert!(size_of::<HeaderPage>() == 192);
-const _: () = assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN + 8 * request::SHARD * HOT_SHARDS);
+const _: () =
+    assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN + 8 * request::SHARD * HOT_SHARDS + 8 * SLEEP_BITS);
 const _: () = assert!(size_of::<ParamsCell>() == 64);
 const _: () = assert!(size_of::<TicketRecord>() == 64);
 const _: () = assert!(align_of::<BucketCell>() == 8);

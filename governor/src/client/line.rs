@@ -131,7 +131,7 @@ fn count_wait(r: &AdmissionRegions, g: &Grant, waited: Duration) {
 #[cfg(test)]
 mod tests {
     use super::{FAIL_OPEN_AFTER, LIVENESS_CHECK, Waited, wait_on};
-    use crate::policy::{Demand, Knobs, Refusal, WAIT_GRANULE_US, acquire_queued, place_bit};
+    use crate::policy::{Demand, Knobs, Refusal, acquire_queued};
     use crate::region::{AdmissionMemory, CellRef, GLOBAL};
     use crate::sys::fake::{self, Fake};
     use keyspace_governor_common::admission::{KNOB_ENABLED, KNOB_THROTTLE, P_CAP, P_THROTTLED, counter};
@@ -146,10 +146,12 @@ mod tests {
     /// Keyspace cell 0 as given to the keyspace (generation 0 is no cell's).
     const CELL: CellRef = CellRef { index: 0, generation: 1 };
     const EST: u64 = 1000;
-    /// Where the request's place ends: behind 3 granules of another's.
-    const PLACE: u64 = 3 * WAIT_GRANULE_US + EST;
+    /// Token µs of the request in line ahead.
+    const AHEAD: u64 = 3072;
+    /// Where the request's place ends: behind the one ahead.
+    const PLACE: u64 = AHEAD + EST;
 
-    /// Regions with keyspace cell 0 capped and empty, 3 granules of
+    /// Regions with keyspace cell 0 capped and empty, `AHEAD` µs of
     /// another request in line ahead, the global bucket full, the agent's
     /// heart beating at `NOW`; knobs that throttle; and the request in line.
     fn in_line() -> (Arc<AdmissionMemory>, Knobs, crate::policy::Queued) {
@@ -158,7 +160,7 @@ mod tests {
         params.generation.store(CELL.generation, Ordering::Relaxed);
         params.flags.store(P_THROTTLED | P_CAP, Ordering::Relaxed);
         params.capacity_us.store(100_000, Ordering::Relaxed);
-        let _ahead = tenant.reserve(3 * WAIT_GRANULE_US);
+        let _ahead = tenant.reserve(AHEAD);
         m.regions.bucket(GLOBAL).give(1_000_000, 1_000_000);
         m.regions.header().agent.heartbeat_ns.store(NOW, Ordering::Relaxed);
         let k = Knobs { flags: KNOB_ENABLED | KNOB_THROTTLE, default_estimate_us: EST, ..Default::default() };
@@ -191,29 +193,30 @@ mod tests {
     }
 
     #[test]
-    fn a_request_sleeps_on_its_granule_until_a_refill_reaches_its_place() {
+    fn a_request_sleeps_in_its_slot_until_a_refill_reaches_its_place() {
         let (m, k, q) = in_line();
         let m2 = m.clone();
         let (_f, sleeps) = installed(move |n, _| {
             // The agent's refills: the first serves those ahead only, the
             // second reaches this place.
             let tenant = m2.regions.keyspace_cell(0).unwrap().0;
-            tenant.give(if n == 1 { 2 * WAIT_GRANULE_US } else { 3 * WAIT_GRANULE_US }, 100_000);
+            tenant.give(if n == 1 { 2048 } else { AHEAD }, 100_000);
         });
         let (done, waited) = wait_on(&m.regions, &|| true, &k, q, None);
         let Waited::Granted(g) = done else { panic!("not granted") };
         assert_eq!((g.tenant_us(), g.global_us()), (EST, EST));
         assert!(waited > Duration::ZERO && waited < Duration::from_secs(1), "{waited:?}");
-        // Two sleeps, each on its place's granule's bit alone, each a
+        // Two sleeps, each on the bit of the first slot alone, each a
         // liveness check long (no deadline was given).
-        let place = place_bit(PLACE);
+        let place = 1;
         assert_eq!(*sleeps.borrow(), vec![(place, LIVENESS_CHECK.as_nanos() as u64); 2]);
-        // The first refill woke the granules it served, not this one (a
-        // real futex leaves the waiter asleep); the second woke it.
+        // The first refill woke the crowd alone, not this place (a real
+        // futex leaves the waiter asleep); the second woke it.
         let wakes = fake::take_wakes();
         assert_eq!(wakes.len(), 2, "{wakes:x?}");
         assert!(wakes[0] & place == 0 && wakes[1] & place != 0, "{wakes:x?} against {place:x}");
         let tenant = m.regions.keyspace_cell(0).unwrap().0;
+        assert_eq!(tenant.sleep_at[0].load(Ordering::Relaxed), 0, "its slot was freed");
         assert_eq!((tenant.counter(counter::WAITED), tenant.sleepers.load(Ordering::Relaxed)), (1, 0));
     }
 
@@ -232,7 +235,7 @@ mod tests {
         assert!((20_000_000..=30_000_000).contains(&first), "{:?}", sleeps.borrow());
         // Its place left the line: only the request ahead is left in it.
         let tenant = m.regions.keyspace_cell(0).unwrap().0;
-        assert_eq!(tenant.available_us(), -((3 * WAIT_GRANULE_US) as i64));
+        assert_eq!(tenant.available_us(), -((AHEAD) as i64));
         assert_eq!((tenant.counter(counter::WAITED), tenant.sleepers.load(Ordering::Relaxed)), (0, 0));
     }
 
@@ -246,7 +249,7 @@ mod tests {
         assert!(matches!(done, Waited::FailOpen), "not fail-open");
         assert_eq!(sleeps.borrow().len(), 1);
         let tenant = m.regions.keyspace_cell(0).unwrap().0;
-        assert_eq!(tenant.available_us(), -((3 * WAIT_GRANULE_US) as i64), "its place left the line");
+        assert_eq!(tenant.available_us(), -((AHEAD) as i64), "its place left the line");
     }
 
     #[test]
@@ -257,6 +260,6 @@ mod tests {
         assert!(matches!(done, Waited::FailOpen), "not fail-open");
         assert!(sleeps.borrow().is_empty());
         let tenant = m.regions.keyspace_cell(0).unwrap().0;
-        assert_eq!(tenant.available_us(), -((3 * WAIT_GRANULE_US) as i64), "its place left the line");
+        assert_eq!(tenant.available_us(), -((AHEAD) as i64), "its place left the line");
     }
 }

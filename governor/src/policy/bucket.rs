@@ -11,36 +11,15 @@
 //! give up (refuse, or keep less), never spin.
 
 use crate::region::{BucketView, ParamsView};
-use keyspace_governor_common::admission::{P_SHRINK_DEBT, counter as c};
+use keyspace_governor_common::admission::{P_SHRINK_DEBT, SLEEP_BITS, counter as c};
 use std::sync::atomic::Ordering;
 
 /// CAS attempts before an operation settles for a bounded fallback.
 const ATTEMPTS: u32 = 64;
 
-/// Places in line are grouped in granules of this many token µs for
-/// wakeups: a blocked waiter sleeps under its granule's bit (of 32), and a
-/// move of the head wakes the bits of the granules it crossed. 1 ms: a
-/// refill tick crosses a few, and a line aliases only past 32 ms of tokens.
-pub(crate) const WAIT_GRANULE_US: u64 = 1024;
-const WAIT_GRANULE_SHIFT: u32 = WAIT_GRANULE_US.trailing_zeros();
-
-/// The wake bit of a place in line.
-#[inline]
-pub(crate) fn place_bit(pos: u64) -> u32 {
-    1 << ((pos >> WAIT_GRANULE_SHIFT) & 31)
-}
-
-/// The bits of every granule from `from`'s to `to`'s, inclusive.
-#[inline]
-fn served_bits(from: u64, to: u64) -> u32 {
-    let (a, b) = (from >> WAIT_GRANULE_SHIFT, to >> WAIT_GRANULE_SHIFT);
-    let n = b.wrapping_sub(a);
-    if n >= 31 {
-        return u32::MAX;
-    }
-    // n + 1 (at most 31) consecutive bits from a's, wrapping around the 32.
-    ((1u32 << (n + 1)) - 1).rotate_left((a & 31) as u32)
-}
+/// The futex bit of blocked waiters that found every slot of
+/// [`BucketView::sleep_at`] taken: woken by every move of the head.
+pub(crate) const CROWD: u32 = 1 << (SLEEP_BITS - 1);
 
 #[inline]
 fn signed(d: u64) -> i64 {
@@ -105,7 +84,7 @@ impl BucketView {
     /// refund, as the agent derives refunds from the head.)
     pub fn cancel(&self, us: u64) {
         let head = self.head_us.fetch_add(us, Ordering::SeqCst);
-        self.notify_served(head, head.wrapping_add(us));
+        self.notify_served(head.wrapping_add(us));
     }
 
     /// A running request's top-up of `us`, taken ahead of the line: it
@@ -211,7 +190,7 @@ impl BucketView {
             }
         }
         if kept > 0 {
-            self.notify_served(head, head.wrapping_add(kept));
+            self.notify_served(head.wrapping_add(kept));
         }
         paid + kept
     }
@@ -289,33 +268,68 @@ impl BucketView {
         }
     }
 
-    /// After `head_us` moved from `from` to `to`: wakes the blocked waiters
-    /// whose place may lie in between (the places now served), and leaves
-    /// the rest of the line asleep. Every waiter sleeps under the bit of its
-    /// place's [`WAIT_GRANULE_US`] granule, so a move wakes the granules it
-    /// crossed: a waiter up to a granule past `to`, or 32 granules further
-    /// on, wakes for nothing and sleeps again. The word still moves, so a
-    /// waiter about to sleep re-checks instead. (Async waiters sleep in
-    /// `futex_waitv`, which matches every wake: one thread per process.)
+    /// After `head_us` moved to `to`: wakes the blocked waiters
+    /// whose places it served, each under its slot's bit, and leaves the
+    /// rest of the line asleep; the crowd (waiters without a slot) and the
+    /// async waiters (`futex_waitv`, which matches every bit: one thread
+    /// per process) wake at every move. The word still moves, so a waiter
+    /// about to sleep re-checks instead.
     #[inline]
-    pub fn notify_served(&self, from: u64, to: u64) {
+    pub fn notify_served(&self, to: u64) {
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             self.wake_seq.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake_bits(&self.wake_seq, served_bits(from, to));
+            crate::sys::futex_wake_bits(&self.wake_seq, self.served_mask(to));
         }
     }
 
-    /// Blocks the calling thread until `pos` may be served (a move of the
-    /// head across its granule), the agent goes away, or `timeout` passes;
-    /// the caller re-checks. Never waits when `pos` is already served.
+    /// The wake mask of a head at `to`: the bits of the slots whose places
+    /// it reached, and the crowd's.
+    pub(crate) fn served_mask(&self, to: u64) -> u32 {
+        let mut mask = CROWD;
+        for (i, s) in self.sleep_at[..SLEEP_BITS - 1].iter().enumerate() {
+            let at = s.load(Ordering::SeqCst);
+            if at != 0 && signed(to.wrapping_sub(at)) >= 0 {
+                mask |= 1 << i;
+            }
+        }
+        mask
+    }
+
+    /// A slot of [`BucketView::sleep_at`] for a blocked waiter of `pos`:
+    /// a free one, or one held for a place already served (its holder is
+    /// awake or waking, and frees the slot only while it still holds its
+    /// own place, so a slot left by a client that died comes back too).
+    /// `None` when every slot holds a place still waiting.
+    fn claim_sleep_slot(&self, pos: u64) -> Option<usize> {
+        let head = self.head_us.load(Ordering::SeqCst);
+        self.sleep_at[..SLEEP_BITS - 1].iter().position(|s| {
+            let at = s.load(Ordering::Relaxed);
+            (at == 0 || signed(head.wrapping_sub(at)) >= 0)
+                && s.compare_exchange(at, pos, Ordering::SeqCst, Ordering::Relaxed).is_ok()
+        })
+    }
+
+    /// Blocks the calling thread until `pos` is served (a move of the head
+    /// that reaches it), the agent goes away, or `timeout` passes; the
+    /// caller re-checks. Never waits when `pos` is already served.
+    ///
+    /// The waiter writes its place into a slot before it reads the word and
+    /// the head, and a waker moves the head before it reads the slots (all
+    /// sequentially consistent): a waker that read the slot before the
+    /// place was in it moved the head before the waiter looked, so the
+    /// waiter does not sleep for a place that move served.
     pub fn wait_for(&self, pos: u64, timeout: std::time::Duration) {
+        let slot = self.claim_sleep_slot(pos);
         let seq = self.wake_seq.load(Ordering::SeqCst);
         self.sleepers.fetch_add(1, Ordering::SeqCst);
         if !self.reached(pos) {
             let deadline = crate::sys::monotonic_ns().saturating_add(timeout.as_nanos() as u64);
-            crate::sys::futex_wait_bits(&self.wake_seq, seq, deadline, place_bit(pos));
+            crate::sys::futex_wait_bits(&self.wake_seq, seq, deadline, slot.map_or(CROWD, |i| 1 << i));
         }
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        if let Some(i) = slot {
+            let _ = self.sleep_at[i].compare_exchange(pos, 0, Ordering::SeqCst, Ordering::Relaxed);
+        }
     }
 }
 
@@ -444,12 +458,23 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// A move of the head wakes every place it served.
+        /// A head wakes the slots of the places it reached, never one it
+        /// has not, and always the crowd.
         #[test]
-        fn a_move_wakes_every_place_it_serves(from in 0u64..1 << 40, by in 1u64..200_000, at in 0u64..1 << 20) {
-            let to = from + by;
-            let pos = from + 1 + at % by;
-            proptest::prop_assert!(super::served_bits(from, to) & super::place_bit(pos) != 0);
+        fn a_head_wakes_exactly_the_places_it_reached(base in 1u64..1 << 40, places in proptest::collection::vec(1u64..100_000, 1..31), to in 0u64..100_000) {
+            let m = AdmissionMemory::create(16).unwrap();
+            let b = m.regions.bucket(GLOBAL);
+            for (i, &p) in places.iter().enumerate() {
+                b.sleep_at[i].store(base + p, std::sync::atomic::Ordering::Relaxed);
+            }
+            let mask = b.served_mask(base + to);
+            proptest::prop_assert!(mask & super::CROWD != 0);
+            for (i, &p) in places.iter().enumerate() {
+                proptest::prop_assert_eq!(mask & (1 << i) != 0, p <= to, "slot {} at {}", i, p);
+            }
+            for i in places.len()..31 {
+                proptest::prop_assert!(mask & (1 << i) == 0, "free slot {} woken", i);
+            }
         }
     }
 
@@ -459,8 +484,8 @@ mod tests {
         use std::time::Duration;
         let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
         let b = m.regions.bucket(GLOBAL);
-        // A waiter 8 granules back in line.
-        let _ahead = b.reserve(8 * super::WAIT_GRANULE_US);
+        // A waiter 8 ms of tokens back in line.
+        let _ahead = b.reserve(8000);
         let pos = b.reserve(10);
         let woke = std::sync::Arc::new(AtomicBool::new(false));
         let (m2, woke2) = (m.clone(), woke.clone());
@@ -469,15 +494,21 @@ mod tests {
             woke2.store(true, Ordering::SeqCst);
         });
         std::thread::sleep(Duration::from_millis(50));
-        // Serves those ahead only as far as 2 granules: not its granule.
-        b.give(2 * super::WAIT_GRANULE_US, u64::MAX / 4);
+        // Serves 2 ms of those ahead: not its place.
+        b.give(2000, u64::MAX / 4);
         std::thread::sleep(Duration::from_millis(100));
-        assert!(!woke.load(Ordering::SeqCst), "a waiter whose granule was not reached slept on");
+        assert!(!woke.load(Ordering::SeqCst), "a waiter whose place was not reached woke");
+        // Its slot holds its place; serving up to one short of it leaves it asleep.
+        assert_eq!(b.sleep_at[0].load(Ordering::SeqCst), pos);
+        b.give(pos - 1 - 2000, u64::MAX / 4);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!woke.load(Ordering::SeqCst), "woken one µs short of its place");
         // Serving the rest wakes it at once.
         let t = std::time::Instant::now();
-        b.give(7 * super::WAIT_GRANULE_US, u64::MAX / 4);
+        b.give(1, u64::MAX / 4);
         waiter.join().unwrap();
         assert!(b.reached(pos));
+        assert_eq!(b.sleep_at[0].load(Ordering::SeqCst), 0, "the slot was freed");
         assert!(t.elapsed() < Duration::from_secs(1), "woken when served: {:?}", t.elapsed());
     }
 }

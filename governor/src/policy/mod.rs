@@ -24,8 +24,6 @@
 
 mod admit;
 mod bucket;
-#[cfg(test)]
-pub(crate) use bucket::{WAIT_GRANULE_US, place_bit};
 #[cfg(feature = "agent")]
 mod dynamic;
 mod error;

@@ -3,8 +3,8 @@
 use super::measure::same_layout;
 use super::{FIRST_KEYSPACE, RegionError, Table};
 use keyspace_governor_common::admission::{
-    AgentCell, BucketCell, DIR_EMPTY, DIR_LIVE, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, TicketRecord,
-    counter, dir_key, hist, request,
+    AgentCell, BucketCell, DIR_EMPTY, DIR_LIVE, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, SLEEP_BITS,
+    TicketRecord, counter, dir_key, hist, request,
 };
 use keyspace_governor_common::{HeaderCell, probe_start};
 use std::mem::{offset_of, size_of};
@@ -70,6 +70,7 @@ pub struct BucketView {
     pub counters: [AtomicU64; counter::COUNT],
     pub hist: [AtomicU64; hist::LEN],
     pub request: [[AtomicU64; request::SHARD]; HOT_SHARDS],
+    pub sleep_at: [AtomicU64; SLEEP_BITS],
 }
 
 thread_local! {
@@ -284,7 +285,8 @@ same_layout!(
     hot,
     counters,
     hist,
-    request
+    request,
+    sleep_at
 );
 same_layout!(ParamsView, ParamsCell, key, generation, capacity_us, refill_us, estimate_us, max_debt_us, flags);
 same_layout!(

@@ -207,6 +207,20 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    if std::env::args().any(|a| a == "--wait-cpu") {
+        let w = adoption::wait_cpu_us()?;
+        println!(
+            "{}",
+            json!({
+                "acquire_wait_cpu_us_p50": round2(w.blocking_p50),
+                "acquire_wait_cpu_us_p99": round2(w.blocking_p99),
+                "acquire_async_wait_cpu_us_p99": round2(w.async_p99),
+                "baseline_park_cpu_us_p50": round2(w.park_p50),
+                "baseline_park_cpu_us_p99": round2(w.park_p99),
+            })
+        );
+        return Ok(());
+    }
     if std::env::args().any(|a| a == "--client") {
         let goodput = adoption::goodput_pct()?;
         let (cold, mutex_cold) = adoption::cold_ns()?;
