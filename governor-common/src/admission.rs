@@ -295,13 +295,18 @@ pub struct BucketCell {
     /// futex word's wake mask: entry `i` is the place (a `tail_us` value
     /// past which it is served) of the waiter sleeping under bit `i`, 0 when
     /// the slot is free. A move of `head_us` wakes only the bits whose
-    /// places it served. The last bit is the crowd's (waiters that found
-    /// every slot taken, woken by every move): its entry stays 0.
-    pub sleep_at: [u64; SLEEP_BITS],
+    /// places it served.
+    pub sleep_at: [u64; SLEEP_SLOTS],
+    /// Sleepers that wake at every move of `head_us`, under the last bit
+    /// (`1 << SLEEP_SLOTS`): blocked waiters that found every slot taken,
+    /// and async registrations (one thread per process sleeps for them in
+    /// `futex_waitv`, which matches every bit). Counted in `sleepers` too.
+    pub unslotted: u64,
 }
 
-/// Bits of a bucket's wake mask, and entries of [`BucketCell::sleep_at`].
-pub const SLEEP_BITS: usize = 32;
+/// Entries of [`BucketCell::sleep_at`]: one per bit of the futex word's
+/// wake mask but the last.
+pub const SLEEP_SLOTS: usize = 31;
 
 /// Cache lines the hot counters are spread over.
 pub const HOT_SHARDS: usize = 4;
@@ -325,7 +330,8 @@ impl Default for BucketCell {
             counters: [0; counter::COUNT],
             hist: [0; hist::LEN],
             request: [[0; request::SHARD]; HOT_SHARDS],
-            sleep_at: [0; SLEEP_BITS],
+            sleep_at: [0; SLEEP_SLOTS],
+            unslotted: 0,
         }
     }
 }
@@ -381,7 +387,7 @@ const _: () = assert!(size_of::<AgentCell>() == 64);
 const _: () = assert!(size_of::<KnobsCell>() == 64);
 const _: () = assert!(size_of::<HeaderPage>() == 192);
 const _: () =
-    assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN + 8 * request::SHARD * HOT_SHARDS + 8 * SLEEP_BITS);
+    assert!(size_of::<BucketCell>() == 576 + 8 * hist::LEN + 8 * request::SHARD * HOT_SHARDS + 8 * SLEEP_SLOTS + 8);
 const _: () = assert!(size_of::<ParamsCell>() == 64);
 const _: () = assert!(size_of::<TicketRecord>() == 64);
 const _: () = assert!(align_of::<BucketCell>() == 8);

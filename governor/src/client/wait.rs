@@ -107,7 +107,7 @@ fn waiter_loop(w: &'static Waiter) {
             let b = bucket(&e.att, e.bucket);
             let seq = b.wake_seq.load(Ordering::SeqCst);
             if b.reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att) {
-                b.sleepers.fetch_sub(1, Ordering::SeqCst);
+                b.wake_unslotted();
                 e.waker.wake_by_ref();
                 false
             } else {
@@ -125,9 +125,9 @@ static NEXT_ENTRY: AtomicU64 = AtomicU64::new(1);
 fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Option<Instant>, waker: &Waker) -> Option<u64> {
     let b = bucket(att, bucket_i);
     let seen = b.wake_seq.load(Ordering::SeqCst);
-    b.sleepers.fetch_add(1, Ordering::SeqCst);
+    b.sleep_unslotted();
     if b.reached(pos) {
-        b.sleepers.fetch_sub(1, Ordering::SeqCst);
+        b.wake_unslotted();
         return None;
     }
     let deadline_ns = match deadline {
@@ -156,7 +156,7 @@ fn unregister(id: u64) {
     let mut entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(i) = entries.iter().position(|e| e.id == id) {
         let e = entries.swap_remove(i);
-        bucket(&e.att, e.bucket).sleepers.fetch_sub(1, Ordering::SeqCst);
+        bucket(&e.att, e.bucket).wake_unslotted();
     }
 }
 

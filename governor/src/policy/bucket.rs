@@ -11,15 +11,16 @@
 //! give up (refuse, or keep less), never spin.
 
 use crate::region::{BucketView, ParamsView};
-use keyspace_governor_common::admission::{P_SHRINK_DEBT, SLEEP_BITS, counter as c};
+use keyspace_governor_common::admission::{P_SHRINK_DEBT, SLEEP_SLOTS, counter as c};
 use std::sync::atomic::Ordering;
 
 /// CAS attempts before an operation settles for a bounded fallback.
 const ATTEMPTS: u32 = 64;
 
-/// The futex bit of blocked waiters that found every slot of
-/// [`BucketView::sleep_at`] taken: woken by every move of the head.
-pub(crate) const CROWD: u32 = 1 << (SLEEP_BITS - 1);
+/// The futex bit of the sleepers that wake at every move of the head
+/// ([`BucketView::unslotted`]): blocked waiters that found every slot of
+/// [`BucketView::sleep_at`] taken.
+pub(crate) const CROWD: u32 = 1 << SLEEP_SLOTS;
 
 #[inline]
 fn signed(d: u64) -> i64 {
@@ -268,31 +269,48 @@ impl BucketView {
         }
     }
 
-    /// After `head_us` moved to `to`: wakes the blocked waiters
-    /// whose places it served, each under its slot's bit, and leaves the
-    /// rest of the line asleep; the crowd (waiters without a slot) and the
-    /// async waiters (`futex_waitv`, which matches every bit: one thread
-    /// per process) wake at every move. The word still moves, so a waiter
-    /// about to sleep re-checks instead.
+    /// After `head_us` moved to `to`: wakes the blocked waiters whose
+    /// places it served, each under its slot's bit, and the sleepers that
+    /// wake at every move (under [`CROWD`]: blocked waiters without a slot;
+    /// async waiters, whose thread sleeps in `futex_waitv`, which matches
+    /// every bit), and leaves the rest of the line asleep: no system call
+    /// when nobody is due. The word still moves, so a waiter about to sleep
+    /// re-checks instead.
     #[inline]
     pub fn notify_served(&self, to: u64) {
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             self.wake_seq.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake_bits(&self.wake_seq, self.served_mask(to));
+            let mask = self.served_mask(to);
+            if mask != 0 {
+                crate::sys::futex_wake_bits(&self.wake_seq, mask);
+            }
         }
     }
 
     /// The wake mask of a head at `to`: the bits of the slots whose places
-    /// it reached, and the crowd's.
+    /// it reached, and [`CROWD`] while anyone sleeps unslotted.
     pub(crate) fn served_mask(&self, to: u64) -> u32 {
-        let mut mask = CROWD;
-        for (i, s) in self.sleep_at[..SLEEP_BITS - 1].iter().enumerate() {
+        let mut mask = if self.unslotted.load(Ordering::SeqCst) > 0 { CROWD } else { 0 };
+        for (i, s) in self.sleep_at.iter().enumerate() {
             let at = s.load(Ordering::SeqCst);
             if at != 0 && signed(to.wrapping_sub(at)) >= 0 {
                 mask |= 1 << i;
             }
         }
         mask
+    }
+
+    /// Counts a sleeper that wakes at every move (before it reads the word
+    /// and the head, as a slot's place is written).
+    pub(crate) fn sleep_unslotted(&self) {
+        self.unslotted.fetch_add(1, Ordering::SeqCst);
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Uncounts a sleeper counted by [`Self::sleep_unslotted`].
+    pub(crate) fn wake_unslotted(&self) {
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
     }
 
     /// A slot of [`BucketView::sleep_at`] for a blocked waiter of `pos`:
@@ -302,7 +320,7 @@ impl BucketView {
     /// `None` when every slot holds a place still waiting.
     fn claim_sleep_slot(&self, pos: u64) -> Option<usize> {
         let head = self.head_us.load(Ordering::SeqCst);
-        self.sleep_at[..SLEEP_BITS - 1].iter().position(|s| {
+        self.sleep_at.iter().position(|s| {
             let at = s.load(Ordering::Relaxed);
             (at == 0 || signed(head.wrapping_sub(at)) >= 0)
                 && s.compare_exchange(at, pos, Ordering::SeqCst, Ordering::Relaxed).is_ok()
@@ -321,14 +339,22 @@ impl BucketView {
     pub fn wait_for(&self, pos: u64, timeout: std::time::Duration) {
         let slot = self.claim_sleep_slot(pos);
         let seq = self.wake_seq.load(Ordering::SeqCst);
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        match slot {
+            Some(_) => {
+                self.sleepers.fetch_add(1, Ordering::SeqCst);
+            }
+            None => self.sleep_unslotted(),
+        }
         if !self.reached(pos) {
             let deadline = crate::sys::monotonic_ns().saturating_add(timeout.as_nanos() as u64);
             crate::sys::futex_wait_bits(&self.wake_seq, seq, deadline, slot.map_or(CROWD, |i| 1 << i));
         }
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
-        if let Some(i) = slot {
-            let _ = self.sleep_at[i].compare_exchange(pos, 0, Ordering::SeqCst, Ordering::Relaxed);
+        match slot {
+            Some(i) => {
+                self.sleepers.fetch_sub(1, Ordering::SeqCst);
+                let _ = self.sleep_at[i].compare_exchange(pos, 0, Ordering::SeqCst, Ordering::Relaxed);
+            }
+            None => self.wake_unslotted(),
         }
     }
 }
@@ -459,7 +485,7 @@ mod tests {
 
     proptest::proptest! {
         /// A head wakes the slots of the places it reached, never one it
-        /// has not, and always the crowd.
+        /// has not, and the crowd only while someone sleeps unslotted.
         #[test]
         fn a_head_wakes_exactly_the_places_it_reached(base in 1u64..1 << 40, places in proptest::collection::vec(1u64..100_000, 1..31), to in 0u64..100_000) {
             let m = AdmissionMemory::create(16).unwrap();
@@ -468,7 +494,9 @@ mod tests {
                 b.sleep_at[i].store(base + p, std::sync::atomic::Ordering::Relaxed);
             }
             let mask = b.served_mask(base + to);
-            proptest::prop_assert!(mask & super::CROWD != 0);
+            proptest::prop_assert!(mask & super::CROWD == 0, "nobody sleeps unslotted");
+            b.unslotted.store(1, std::sync::atomic::Ordering::Relaxed);
+            proptest::prop_assert_eq!(b.served_mask(base + to), mask | super::CROWD);
             for (i, &p) in places.iter().enumerate() {
                 proptest::prop_assert_eq!(mask & (1 << i) != 0, p <= to, "slot {} at {}", i, p);
             }
@@ -476,6 +504,30 @@ mod tests {
                 proptest::prop_assert!(mask & (1 << i) == 0, "free slot {} woken", i);
             }
         }
+    }
+
+    #[test]
+    fn a_waiter_that_finds_every_slot_taken_sleeps_in_the_crowd_and_is_woken() {
+        use std::sync::atomic::Ordering;
+        use std::time::Duration;
+        let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
+        let b = m.regions.bucket(GLOBAL);
+        // Every slot holds a place far down the line, not yet served.
+        for s in &b.sleep_at {
+            s.store(u64::MAX / 2, Ordering::SeqCst);
+        }
+        let pos = b.reserve(10);
+        let m2 = m.clone();
+        let waiter = std::thread::spawn(move || m2.regions.bucket(GLOBAL).wait_for(pos, Duration::from_secs(5)));
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(b.unslotted.load(Ordering::SeqCst), 1, "counted in the crowd");
+        assert_eq!(b.served_mask(b.head_us.load(Ordering::SeqCst)), super::CROWD);
+        let t = std::time::Instant::now();
+        b.give(10, 100);
+        waiter.join().unwrap();
+        assert!(t.elapsed() < Duration::from_secs(1), "woken when served: {:?}", t.elapsed());
+        assert_eq!((b.unslotted.load(Ordering::SeqCst), b.sleepers.load(Ordering::SeqCst)), (0, 0));
+        assert!(b.sleep_at.iter().all(|s| s.load(Ordering::SeqCst) == u64::MAX / 2), "no slot taken over");
     }
 
     #[test]

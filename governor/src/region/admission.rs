@@ -3,7 +3,7 @@
 use super::measure::same_layout;
 use super::{FIRST_KEYSPACE, RegionError, Table};
 use keyspace_governor_common::admission::{
-    AgentCell, BucketCell, DIR_EMPTY, DIR_LIVE, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, SLEEP_BITS,
+    AgentCell, BucketCell, DIR_EMPTY, DIR_LIVE, HOT_INFLIGHT_US, HOT_SHARDS, KnobsCell, ParamsCell, SLEEP_SLOTS,
     TicketRecord, counter, dir_key, hist, request,
 };
 use keyspace_governor_common::{HeaderCell, probe_start};
@@ -70,7 +70,8 @@ pub struct BucketView {
     pub counters: [AtomicU64; counter::COUNT],
     pub hist: [AtomicU64; hist::LEN],
     pub request: [[AtomicU64; request::SHARD]; HOT_SHARDS],
-    pub sleep_at: [AtomicU64; SLEEP_BITS],
+    pub sleep_at: [AtomicU64; SLEEP_SLOTS],
+    pub unslotted: AtomicU64,
 }
 
 thread_local! {
@@ -286,7 +287,8 @@ same_layout!(
     counters,
     hist,
     request,
-    sleep_at
+    sleep_at,
+    unslotted
 );
 same_layout!(ParamsView, ParamsCell, key, generation, capacity_us, refill_us, estimate_us, max_debt_us, flags);
 same_layout!(
