@@ -143,7 +143,11 @@ fn a_keyspaces_cpu_pressure_is_the_time_one_of_its_threads_waited() {
         "keyspace {SOLO} (one thread): {solo:.0} ns with a thread waiting, schedstat {solo_kernel:.0} ns ({:+.2} %), span {span:.0} ns",
         (solo / solo_kernel - 1.0) * 100.0
     );
-    assert!(solo_kernel >= 5_000_000.0, "the lone ticker waited only {solo_kernel} ns: no contention");
+    // Contention, by schedstat: 5 ms on the host; in the emulated guests
+    // 43-241 ms in every run but one of CI's x86_64 guest, which read
+    // 1.9 ms (the spinners left the ticker alone most of the run): there 1 ms.
+    let contended = if emulated { 1_000_000.0 } else { 5_000_000.0 };
+    assert!(solo_kernel >= contended, "the lone ticker waited only {solo_kernel} ns: no contention");
     let (solo_min, solo_max) =
         if emulated { (0.95 * solo_kernel, span) } else { (0.97 * solo_kernel, 1.03 * solo_kernel) };
     assert!((solo_min..=solo_max).contains(&solo), "{solo} ns of pressure for {solo_kernel} ns of wait");
