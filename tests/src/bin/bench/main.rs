@@ -26,8 +26,16 @@ const NEIGHBOUR_ROUNDS: usize = 5;
 /// Rounds of the noisy tenant with and without a profile running.
 const PROFILE_ROUNDS: usize = 5;
 
-/// `reader_neighbour_p99_ratio` (the median round's p99 beside the capped
-/// hog over alone) and the rounds behind it.
+/// The waiting acquires' keys, as `--wait-cpu`, `--client` and the full
+/// run print them.
+fn wait_cpu_keys(o: &mut serde_json::Map<String, serde_json::Value>, w: &adoption::WaitCpu) {
+    o.insert("acquire_wait_cpu_us_p50".into(), json!(round2(w.blocking_p50)));
+    o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(w.blocking_p99)));
+    o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(w.async_p99)));
+    o.insert("baseline_park_cpu_us_p50".into(), json!(round2(w.park_p50)));
+    o.insert("baseline_park_cpu_us_p99".into(), json!(round2(w.park_p99)));
+}
+
 fn profile_keys(o: &mut serde_json::Map<String, serde_json::Value>, p: &profile::ProfileCost) {
     o.insert("profile_overhead_pct".into(), json!(round2(p.overhead_pct)));
     o.insert("profile_overhead_pct_runs".into(), json!(p.overhead_runs.iter().map(|v| round2(*v)).collect::<Vec<_>>()));
@@ -41,6 +49,8 @@ fn profile_keys(o: &mut serde_json::Map<String, serde_json::Value>, p: &profile:
     o.insert("profile_render_ms".into(), json!(round(p.render_ms)));
 }
 
+/// `reader_neighbour_p99_ratio` (the median round's p99 beside the capped
+/// hog over alone) and the rounds behind it.
 fn neighbour_keys(o: &mut serde_json::Map<String, serde_json::Value>, n: &rules::Neighbour) {
     let r3 = |v: &[f64]| v.iter().map(|x| round3(*x)).collect::<Vec<_>>();
     let r1 = |v: &[f64]| v.iter().map(|x| round(*x)).collect::<Vec<_>>();
@@ -208,38 +218,22 @@ fn main() -> Result<()> {
         return Ok(());
     }
     if std::env::args().any(|a| a == "--wait-cpu") {
-        let w = adoption::wait_cpu_us()?;
-        println!(
-            "{}",
-            json!({
-                "acquire_wait_cpu_us_p50": round2(w.blocking_p50),
-                "acquire_wait_cpu_us_p99": round2(w.blocking_p99),
-                "acquire_async_wait_cpu_us_p99": round2(w.async_p99),
-                "baseline_park_cpu_us_p50": round2(w.park_p50),
-                "baseline_park_cpu_us_p99": round2(w.park_p99),
-            })
-        );
+        let mut o = serde_json::Map::new();
+        wait_cpu_keys(&mut o, &adoption::wait_cpu_us()?);
+        println!("{}", serde_json::Value::Object(o));
         return Ok(());
     }
     if std::env::args().any(|a| a == "--client") {
         let goodput = adoption::goodput_pct()?;
         let (cold, mutex_cold) = adoption::cold_ns()?;
-        let w = adoption::wait_cpu_us()?;
-        println!(
-            "{}",
-            json!({
-                "ticket_acquire_cold_ns": round(cold),
-                "baseline_mutex_bucket_cold_ns": round(mutex_cold),
-                "acquire_wait_cpu_us_p50": round2(w.blocking_p50),
-                "acquire_wait_cpu_us_p99": round2(w.blocking_p99),
-                "acquire_async_wait_cpu_us_p99": round2(w.async_p99),
-                "baseline_park_cpu_us_p50": round2(w.park_p50),
-                "baseline_park_cpu_us_p99": round2(w.park_p99),
-                "first_use_poll_max_us": round2(adoption::first_use_poll_max_us()?),
-                "goodput_pct": round2(goodput.0),
-                "goodput_window_error_pct": round2(goodput.1),
-            })
-        );
+        let mut o = serde_json::Map::new();
+        o.insert("ticket_acquire_cold_ns".into(), json!(round(cold)));
+        o.insert("baseline_mutex_bucket_cold_ns".into(), json!(round(mutex_cold)));
+        wait_cpu_keys(&mut o, &adoption::wait_cpu_us()?);
+        o.insert("first_use_poll_max_us".into(), json!(round2(adoption::first_use_poll_max_us()?)));
+        o.insert("goodput_pct".into(), json!(round2(goodput.0)));
+        o.insert("goodput_window_error_pct".into(), json!(round2(goodput.1)));
+        println!("{}", serde_json::Value::Object(o));
         return Ok(());
     }
     // `--caps`: the caps' error figures alone (the full table, a server's cgroup).
@@ -470,11 +464,7 @@ fn main() -> Result<()> {
         o.insert("ticket_path_data_lines".into(), json!(path.data_lines));
         o.insert("baseline_mutex_bucket_instructions".into(), json!(mutex_path.instructions));
         o.insert("baseline_mutex_bucket_code_lines".into(), json!(mutex_path.code_lines));
-        o.insert("acquire_wait_cpu_us_p50".into(), json!(round2(w.blocking_p50)));
-        o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(w.blocking_p99)));
-        o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(w.async_p99)));
-        o.insert("baseline_park_cpu_us_p50".into(), json!(round2(w.park_p50)));
-        o.insert("baseline_park_cpu_us_p99".into(), json!(round2(w.park_p99)));
+        wait_cpu_keys(o, &w);
         o.insert("first_use_poll_max_us".into(), json!(round2(first_use_poll)));
         o.insert("goodput_pct".into(), json!(round2(goodput.0)));
         o.insert("goodput_window_error_pct".into(), json!(round2(goodput.1)));
