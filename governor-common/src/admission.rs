@@ -69,6 +69,42 @@ pub const T_COUNTED: u64 = 1 << 0;
 /// (`tenant_us` = `global_us`, taken from cell `cell − 1` and the global
 /// bucket): the agent gives them back when the client dies.
 pub const T_SPARE: u64 = 1 << 1;
+/// `TicketRecord::flags`: the sleepers counted in the bucket that bits
+/// 32–63 name ([`asleep_flags`]) are also counted in its
+/// `BucketCell::unslotted`.
+pub const T_UNSLOTTED: u64 = 1 << 31;
+/// `TicketRecord::flags`, bits 8–30: how many sleepers the record's owner
+/// counted in `BucketCell::sleepers` of the bucket named by bits 32–63.
+const T_ASLEEP_COUNT_SHIFT: u32 = 8;
+const T_ASLEEP_COUNT_MAX: u64 = (1 << 23) - 1;
+const T_ASLEEP_BUCKET_SHIFT: u32 = 32;
+
+/// The `TicketRecord::flags` bits that say a record's owner counted
+/// `count` sleepers in bucket `bucket` (and in its crowd too, when
+/// `unslotted`): what the agent takes back off the bucket's counts when the
+/// client dies before it does. Or them into the flags after the counts
+/// went up, clear them before they go down (a client killed in between
+/// leaves a count behind, never takes one that is not its own).
+#[inline]
+pub const fn asleep_flags(bucket: u32, count: u64, unslotted: bool) -> u64 {
+    let count = if count > T_ASLEEP_COUNT_MAX { T_ASLEEP_COUNT_MAX } else { count };
+    ((bucket as u64 + 1) << T_ASLEEP_BUCKET_SHIFT)
+        | count << T_ASLEEP_COUNT_SHIFT
+        | if unslotted { T_UNSLOTTED } else { 0 }
+}
+
+/// The bits of [`asleep_flags`].
+pub const T_ASLEEP_MASK: u64 = !((1 << T_ASLEEP_COUNT_SHIFT) - 1);
+
+/// What [`asleep_flags`] wrote: (bucket, count, unslotted), or `None`.
+#[inline]
+pub const fn asleep_of(flags: u64) -> Option<(u32, u64, bool)> {
+    let bucket = (flags >> T_ASLEEP_BUCKET_SHIFT) as u32;
+    if bucket == 0 {
+        return None;
+    }
+    Some((bucket - 1, (flags >> T_ASLEEP_COUNT_SHIFT) & T_ASLEEP_COUNT_MAX, flags & T_UNSLOTTED != 0))
+}
 
 /// Tickets one client connection can hold at once.
 pub const LEDGER_LEN: u32 = 8192;
@@ -371,7 +407,8 @@ pub struct TicketRecord {
     pub global_us: u64,
     pub burst_us: u64,
     pub write_bytes: u64,
-    /// `T_*` bits.
+    /// `T_*` bits; bits 8–63 say what its thread counted asleep
+    /// ([`asleep_flags`]).
     pub flags: u64,
     /// CPU the ticket consumed so far, as last recorded by its thread.
     pub consumed_ns: u64,
@@ -406,6 +443,17 @@ mod tests {
         assert_eq!(core::mem::offset_of!(HeaderPage, agent), 64);
         assert_eq!(core::mem::offset_of!(HeaderPage, knobs), 128);
         assert_eq!(core::mem::offset_of!(TicketRecord, consumed_ns), 56);
+    }
+
+    #[test]
+    fn asleep_flags_round_trip_beside_the_ticket_bits() {
+        for (bucket, count, unslotted) in [(0, 1, false), (3, 1, true), (65_535, 200, false), (u32::MAX - 1, 1, true)] {
+            let f = asleep_flags(bucket, count, unslotted) | T_COUNTED | T_SPARE;
+            assert_eq!(asleep_of(f), Some((bucket, count, unslotted)));
+            assert_eq!(f & !T_ASLEEP_MASK, T_COUNTED | T_SPARE);
+        }
+        assert_eq!(asleep_of(T_COUNTED | T_SPARE), None);
+        assert_eq!(asleep_of(asleep_flags(7, u64::MAX, false)), Some((7, (1 << 23) - 1, false)));
     }
 
     #[test]

@@ -462,6 +462,11 @@ pub struct BucketStatus {
     pub refill_us: u64,
     pub inflight_us: u64,
     pub debt_us: u64,
+    /// Threads asleep on the bucket now, waiting in line: blocked
+    /// acquires and top-ups, and each client process's waiter thread for
+    /// its futures (one per process, however many futures wait).
+    #[serde(default)]
+    pub sleepers: u32,
 }
 
 /// What a keyspace's threads waited behind: what held the CPU each of them

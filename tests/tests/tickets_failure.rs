@@ -180,6 +180,50 @@ fn a_client_killed_holding_tickets_gets_everything_returned() {
     eprintln!("100 tickets, 10 MB and 100 in-flight requests returned {returned:?} after kill -9");
 }
 
+/// The sleepers counted on keyspace `ks`'s bucket, as `status` shows them.
+fn sleepers(agent: &Agent, ks: u32) -> Option<u32> {
+    let s = agent.status().unwrap();
+    s.keyspaces.iter().find(|k| k.keyspace_id == ks).and_then(|k| k.bucket.as_ref()).map(|b| b.sleepers)
+}
+
+#[test]
+fn a_client_killed_asleep_in_line_leaves_no_sleeper_behind() {
+    let _s = serial();
+    // A tenant refilled at 2 ms of CPU a second: a line of a few ms waits
+    // for seconds.
+    let config = "[resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\n\
+                  tenant-max-cpu-ratio = 0.001\nenable-burst = false\nenable-fair-allocation = false\n\
+                  enable-dynamic-adjustment = false\nenable-runtime-token-management = false\n\
+                  enable-adaptive-estimated-cpu-per-request-us = false\n\
+                  [admission-control]\nmode = \"monitor\"\n";
+    let agent = Agent::start("ebpf", config).unwrap();
+    let (mut dying, mut living) = (Holder::start(&agent.socket), Holder::start(&agent.socket));
+    let until = |what: &str, want: u32| {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if sleepers(&agent, 60) == Some(want) {
+                return t.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("{what}: {want} sleepers expected, status says {:?}", sleepers(&agent, 60));
+    };
+    // Twenty futures in line (one waiter thread asleep for them all), then
+    // three blocked threads behind them, then the living client's one.
+    assert_eq!(dying.say("queue 60 1000 0 20")["queued"], true);
+    until("the dying client's waiter thread", 1);
+    assert_eq!(dying.say("queue 60 1000 3 0")["queued"], true);
+    until("and its three blocked threads", 4);
+    assert_eq!(living.say("queue 60 1000 1 0")["queued"], true);
+    until("and the living client's thread", 5);
+    dying.kill9();
+    let back = until("only the living client's after kill -9", 1);
+    eprintln!("a dead client's 4 sleepers taken back {back:?} after kill -9");
+    // The count stays the living thread's for as long as it waits.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(sleepers(&agent, 60), Some(1));
+}
+
 #[test]
 fn a_client_scribbling_on_the_regions_does_not_stop_the_agent_or_the_others() {
     let _s = serial();

@@ -9,7 +9,9 @@
 
 use crate::policy::{self, Grant, Policy};
 use crate::region::{CellRef, LedgerMemory, RegionError};
-use keyspace_governor_common::admission::{LEDGER_LEN, T_COUNTED, T_SPARE, TICKET_FREE, TICKET_HELD, counter};
+use keyspace_governor_common::admission::{
+    LEDGER_LEN, T_ASLEEP_MASK, T_COUNTED, T_SPARE, TICKET_FREE, TICKET_HELD, asleep_of, counter,
+};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
@@ -26,6 +28,8 @@ pub(crate) struct Reclaimed {
     pub requests: u64,
     /// Threads' spare tokens returned, µs.
     pub spare_us: u64,
+    /// Sleepers taken back off buckets' counts (threads that died asleep).
+    pub asleep: u64,
 }
 
 impl Ledgers {
@@ -44,7 +48,22 @@ impl Ledgers {
         let r = policy.regions();
         let mut out = Reclaimed::default();
         for (_, rec) in l.records.iter() {
-            if rec.state.load(Ordering::Acquire) != TICKET_HELD {
+            let state = rec.state.load(Ordering::Acquire);
+            if state == TICKET_FREE {
+                continue;
+            }
+            // A thread that died asleep in line (waiting for admission or a
+            // top-up, or the process's waiter thread for its futures) left
+            // its counts on the bucket: they would keep every later move
+            // waking, its spare tokens off and its cell from going idle.
+            if let Some((bucket, n, unslotted)) = asleep_of(rec.flags.load(Ordering::Relaxed)) {
+                if let Some(b) = r.bucket_at(bucket) {
+                    b.take_back_asleep(n, unslotted);
+                    out.asleep += n;
+                }
+                rec.flags.fetch_and(!T_ASLEEP_MASK, Ordering::Relaxed);
+            }
+            if state != TICKET_HELD {
                 continue;
             }
             let cell = rec.cell.load(Ordering::Relaxed);

@@ -10,7 +10,7 @@ use crate::region::AdmissionRegions;
 use crate::sys;
 use keyspace_governor_common::admission::counter;
 use keyspace_governor_common::tag_for_cell;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// A heartbeat older than this means no agent runs the policy any more.
@@ -42,9 +42,19 @@ pub(crate) enum Waited {
 }
 
 /// Waits on the buckets' futex words until `q` is served, `deadline` (if
-/// any) passes, or the agent is found gone. Also returns how long it waited.
-pub(crate) fn wait_in_line(att: &Attachment, k: &Knobs, q: Queued, deadline: Option<Instant>) -> (Waited, Duration) {
-    wait_on(&att.admission, &|| att.alive(), k, q, deadline)
+/// any) passes, or the agent is found gone; while asleep, ledger record
+/// `record` (the request's or its ticket's) says so, so the agent takes the
+/// sleep's counts back if the client dies meanwhile. Also returns how long
+/// it waited.
+pub(crate) fn wait_in_line(
+    att: &Attachment,
+    k: &Knobs,
+    q: Queued,
+    deadline: Option<Instant>,
+    record: u32,
+) -> (Waited, Duration) {
+    let flags = att.ledger.get(record).map(|r| &r.flags);
+    wait_on(&att.admission, &|| att.alive(), k, q, deadline, flags)
 }
 
 /// [`wait_in_line`] on the regions `r` of an agent that `attached` says is
@@ -55,6 +65,7 @@ fn wait_on(
     k: &Knobs,
     mut q: Queued,
     deadline: Option<Instant>,
+    record: Option<&AtomicU64>,
 ) -> (Waited, Duration) {
     let start = Instant::now();
     let mut waited_at_all = false;
@@ -82,7 +93,7 @@ fn wait_on(
                 }
                 waited_at_all = true;
                 let sleep = deadline.map_or(LIVENESS_CHECK, |d| (d - now).min(LIVENESS_CHECK));
-                r.bucket(bucket).wait_for(pos, sleep);
+                r.bucket(bucket).wait_recorded(pos, sleep, record.map(|f| (f, bucket)));
             }
         }
     }
@@ -202,7 +213,7 @@ mod tests {
             let tenant = m2.regions.keyspace_cell(0).unwrap().0;
             tenant.give(if n == 1 { 2048 } else { AHEAD }, 100_000);
         });
-        let (done, waited) = wait_on(&m.regions, &|| true, &k, q, None);
+        let (done, waited) = wait_on(&m.regions, &|| true, &k, q, None, None);
         let Waited::Granted(g) = done else { panic!("not granted") };
         assert_eq!((g.tenant_us(), g.global_us()), (EST, EST));
         assert!(waited > Duration::ZERO && waited < Duration::from_secs(1), "{waited:?}");
@@ -225,7 +236,7 @@ mod tests {
         // No refill comes: each sleep runs to its timeout, as the kernel's.
         let (_f, sleeps) = installed(|_, timeout| std::thread::sleep(timeout));
         let deadline = Instant::now() + Duration::from_millis(30);
-        let (done, waited) = wait_on(&m.regions, &|| true, &k, q, Some(deadline));
+        let (done, waited) = wait_on(&m.regions, &|| true, &k, q, Some(deadline), None);
         let Waited::Refused(refused) = done else { panic!("not refused") };
         assert_eq!(refused.reason, Refusal::TenantCpuExhausted { keyspace: 7 });
         assert!(waited >= Duration::from_millis(30) && waited < Duration::from_secs(1), "{waited:?}");
@@ -244,7 +255,7 @@ mod tests {
         // While the request sleeps, the agent misses its beats.
         let stale = NOW + FAIL_OPEN_AFTER.as_nanos() as u64 + 1_000_000;
         let (_f, sleeps) = installed(move |_, _| fake::set(|f| f.monotonic_ns = Some(stale)));
-        let (done, _) = wait_on(&m.regions, &|| true, &k, q, None);
+        let (done, _) = wait_on(&m.regions, &|| true, &k, q, None, None);
         assert!(matches!(done, Waited::FailOpen), "not fail-open");
         assert_eq!(sleeps.borrow().len(), 1);
         let tenant = m.regions.keyspace_cell(0).unwrap().0;
@@ -255,7 +266,7 @@ mod tests {
     fn a_detached_agent_admits_fail_open_without_a_sleep() {
         let (m, k, q) = in_line();
         let (_f, sleeps) = installed(|_, _| panic!("slept on a detached agent's bucket"));
-        let (done, _) = wait_on(&m.regions, &|| false, &k, q, None);
+        let (done, _) = wait_on(&m.regions, &|| false, &k, q, None, None);
         assert!(matches!(done, Waited::FailOpen), "not fail-open");
         assert!(sleeps.borrow().is_empty());
         let tenant = m.regions.keyspace_cell(0).unwrap().0;

@@ -92,7 +92,7 @@ thread_local! {
 /// Claims a free record in the shared half of the client's ledger (bounded
 /// scan from the thread's hint), for a thread without a block of its own
 /// or with every record of its block held.
-fn claim_shared(att: &Attachment) -> Option<u32> {
+pub(crate) fn claim_shared(att: &Attachment) -> Option<u32> {
     static SPREAD: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let (start, end) = (att.blocks.shared_start(), att.ledger.len());
     let len = end.checked_sub(start).filter(|&n| n > 0)?;
@@ -166,7 +166,7 @@ impl Client {
         let Waiting { att, record: idx, q, k } = *w;
         let deadline = demand.deadline.expect("queued only with a deadline");
         let cell = q.cell();
-        let (res, cpu) = charged(&att, cell, || wait_in_line(&att, &k, q, Some(deadline)));
+        let (res, cpu) = charged(&att, cell, || wait_in_line(&att, &k, q, Some(deadline), idx));
         match res {
             (Waited::Granted(g), waited) => {
                 let mut t = granted(att, idx, g, demand.deadline);
@@ -444,7 +444,8 @@ impl Ticket {
                 return Ok(());
             }
             let q = policy::top_up_queued(&att.admission, &k, &self.grant, k.per_allocation_us, deadline.is_none());
-            let ((res, waited), cpu) = charged(&att, self.grant.cell(), || wait_in_line(&att, &k, q, deadline));
+            let ((res, waited), cpu) =
+                charged(&att, self.grant.cell(), || wait_in_line(&att, &k, q, deadline, self.record));
             self.waited_for_top_up(waited, cpu);
             match res {
                 Waited::Granted(part) => self.absorb_top_up(part),

@@ -17,12 +17,12 @@ use super::attachment::Attachment;
 use super::conn::Client;
 use super::error::Refused;
 use super::line::{LIVENESS_CHECK, agent_alive, charged};
-use super::ticket::{Ticket, granted};
+use super::ticket::{Ticket, claim_shared, granted};
 use crate::policy::Demand;
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::{BucketView, CellRef};
 use crate::sys;
-use keyspace_governor_common::admission::counter;
+use keyspace_governor_common::admission::{TICKET_FREE, asleep_flags, counter};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -30,14 +30,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-/// One future's wait: which bucket, for which place in line, since which
-/// wake, until when.
+/// One future's wait: which bucket, for which place in line, until when.
 struct Entry {
     id: u64,
     att: Arc<Attachment>,
     bucket: u32,
     pos: u64,
-    seen: u32,
     deadline_ns: u64,
     waker: Waker,
 }
@@ -68,66 +66,101 @@ fn bucket(att: &Attachment, i: u32) -> &BucketView {
 /// At most this many words per `futex_waitv` (the kernel's limit is 128).
 const MAX_WORDS: usize = 127;
 
+/// A bucket the waiter thread counts itself asleep on (once, however many
+/// futures wait there), with the ledger record that says so.
+struct Counted {
+    att: Arc<Attachment>,
+    bucket: u32,
+    record: Option<u32>,
+}
+
+impl Counted {
+    /// Counts the waiter thread among the bucket's sleepers, in its crowd
+    /// (`futex_waitv` matches every bit), and says so in a record of the
+    /// attachment's ledger, for the agent to take back if the process dies.
+    fn new(att: Arc<Attachment>, bucket_i: u32) -> Counted {
+        bucket(&att, bucket_i).sleep_unslotted();
+        let record = claim_shared(&att);
+        if let Some(r) = record.and_then(|i| att.ledger.get(i)) {
+            r.flags.store(asleep_flags(bucket_i, 1, true), Ordering::Relaxed);
+        }
+        Counted { att, bucket: bucket_i, record }
+    }
+
+    fn is(&self, att: &Arc<Attachment>, bucket: u32) -> bool {
+        Arc::ptr_eq(&self.att, att) && self.bucket == bucket
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some(r) = self.record.and_then(|i| self.att.ledger.get(i)) {
+            r.flags.store(0, Ordering::Relaxed);
+            r.state.store(TICKET_FREE, Ordering::Release);
+        }
+        bucket(&self.att, self.bucket).wake_unslotted();
+    }
+}
+
 fn waiter_loop(w: &'static Waiter) {
+    let mut counted: Vec<Counted> = Vec::new();
     loop {
         let kick = w.kick.load(Ordering::SeqCst);
         // What to wait on, gathered under the lock; the wait itself runs
         // without it (futures register meanwhile and poke `kick`). The
         // attachments held here keep the words mapped.
-        let (targets, deadline) = {
+        let (words, deadline, due) = {
             let entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
             let mut deadline = sys::monotonic_ns() + LIVENESS_CHECK.as_nanos() as u64;
-            let mut targets: Vec<(Arc<Attachment>, u32, u32)> = Vec::new();
+            // The thread counts itself asleep on each bucket a future waits
+            // on (before it reads the words and the heads, as a blocked
+            // waiter does), and no longer on the others.
+            counted.retain(|c| entries.iter().any(|e| c.is(&e.att, e.bucket)));
             for e in entries.iter() {
                 deadline = deadline.min(e.deadline_ns);
-                let dup = targets.iter().any(|(a, b, _)| Arc::ptr_eq(a, &e.att) && *b == e.bucket);
-                if !dup && targets.len() < MAX_WORDS {
-                    targets.push((e.att.clone(), e.bucket, e.seen));
+                if !counted.iter().any(|c| c.is(&e.att, e.bucket)) && counted.len() < MAX_WORDS {
+                    counted.push(Counted::new(e.att.clone(), e.bucket));
                 }
             }
-            (targets, deadline)
+            let words: Vec<u32> =
+                counted.iter().map(|c| bucket(&c.att, c.bucket).wake_seq.load(Ordering::SeqCst)).collect();
+            let now = sys::monotonic_ns();
+            let due = entries.iter().any(|e| bucket(&e.att, e.bucket).reached(e.pos) || now >= e.deadline_ns);
+            (words, deadline, due)
         };
-        let refs: Vec<(&AtomicU32, u32)> = std::iter::once((&w.kick, kick))
-            .chain(targets.iter().map(|(a, b, seen)| (&bucket(a, *b).wake_seq, *seen)))
-            .collect();
-        if let Err(e) = sys::futex_waitv(&refs, deadline) {
-            // A kernel without futex_waitv (before 5.16): wake everyone each
-            // liveness period instead.
-            log::debug!("futex_waitv: {e}");
-            std::thread::sleep(std::time::Duration::from_millis(1));
+        if !due {
+            let refs: Vec<(&AtomicU32, u32)> = std::iter::once((&w.kick, kick))
+                .chain(counted.iter().zip(&words).map(|(c, &seen)| (&bucket(&c.att, c.bucket).wake_seq, seen)))
+                .collect();
+            if let Err(e) = sys::futex_waitv(&refs, deadline) {
+                // A kernel without futex_waitv (before 5.16): wake everyone
+                // each liveness period instead.
+                log::debug!("futex_waitv: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
-        drop(refs);
-        drop(targets);
         // Wake every future whose place in line was reached, whose deadline
         // passed, or whose agent is gone: they poll again. The rest wait on
         // for the bucket's next move.
         let now = sys::monotonic_ns();
         let mut entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
-        entries.retain_mut(|e| {
-            let b = bucket(&e.att, e.bucket);
-            let seq = b.wake_seq.load(Ordering::SeqCst);
-            if b.reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att) {
-                b.wake_unslotted();
+        entries.retain(|e| {
+            let done = bucket(&e.att, e.bucket).reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att);
+            if done {
                 e.waker.wake_by_ref();
-                false
-            } else {
-                e.seen = seq;
-                true
             }
+            !done
         });
     }
 }
 
 static NEXT_ENTRY: AtomicU64 = AtomicU64::new(1);
 
-/// Registers a wait for `bucket` of `att` reaching `pos`; `false` if it
-/// already did (poll again at once).
+/// Registers a wait for `bucket` of `att` reaching `pos`; `None` if it
+/// already did (poll again at once). The waiter thread counts itself
+/// asleep on the bucket before it looks whether the place was reached.
 fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Option<Instant>, waker: &Waker) -> Option<u64> {
-    let b = bucket(att, bucket_i);
-    let seen = b.wake_seq.load(Ordering::SeqCst);
-    b.sleep_unslotted();
-    if b.reached(pos) {
-        b.wake_unslotted();
+    if bucket(att, bucket_i).reached(pos) {
         return None;
     }
     let deadline_ns = match deadline {
@@ -141,7 +174,6 @@ fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Option<Ins
         att: att.clone(),
         bucket: bucket_i,
         pos,
-        seen,
         deadline_ns,
         waker: waker.clone(),
     });
@@ -150,13 +182,13 @@ fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Option<Ins
     Some(id)
 }
 
-/// Forgets a registration that has not fired yet.
+/// Forgets a registration that has not fired yet. (The waiter thread stops
+/// counting itself on a bucket nobody waits on at its next wake.)
 fn unregister(id: u64) {
     let w = waiter();
     let mut entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(i) = entries.iter().position(|e| e.id == id) {
-        let e = entries.swap_remove(i);
-        bucket(&e.att, e.bucket).wake_unslotted();
+        entries.swap_remove(i);
     }
 }
 

@@ -1,5 +1,6 @@
 //! Token operations on a shared bucket ([`BucketView`]): take, give back,
-//! charge debt, wait in line, refill.
+//! charge debt, take a place in line, refill. Sleeping in line is
+//! [`super::sleep`]'s.
 //!
 //! Tokens are CPU µs held as two monotonic rovers (see
 //! [`keyspace_governor_common::admission::BucketCell`]): `tail_us` moves forward for
@@ -11,19 +12,15 @@
 //! give up (refuse, or keep less), never spin.
 
 use crate::region::{BucketView, ParamsView};
-use keyspace_governor_common::admission::{P_SHRINK_DEBT, SLEEP_SLOTS, counter as c};
+use keyspace_governor_common::admission::{P_SHRINK_DEBT, counter as c};
 use std::sync::atomic::Ordering;
 
 /// CAS attempts before an operation settles for a bounded fallback.
 const ATTEMPTS: u32 = 64;
 
-/// The futex bit of the sleepers that wake at every move of the head
-/// ([`BucketView::unslotted`]): blocked waiters that found every slot of
-/// [`BucketView::sleep_at`] taken.
-pub(crate) const CROWD: u32 = 1 << SLEEP_SLOTS;
-
+/// A rover difference as a signed distance.
 #[inline]
-fn signed(d: u64) -> i64 {
+pub(super) fn signed(d: u64) -> i64 {
     d as i64
 }
 
@@ -258,105 +255,6 @@ impl BucketView {
         self.head_us.store(tail, Ordering::Release);
         tail
     }
-
-    /// Wakes every thread waiting on this bucket, if any (the agent went
-    /// away: they all admit now).
-    #[inline]
-    pub fn notify(&self) {
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            self.wake_seq.fetch_add(1, Ordering::SeqCst);
-            crate::sys::futex_wake(&self.wake_seq, i32::MAX);
-        }
-    }
-
-    /// After `head_us` moved to `to`: wakes the blocked waiters whose
-    /// places it served, each under its slot's bit, and the sleepers that
-    /// wake at every move (under [`CROWD`]: blocked waiters without a slot;
-    /// async waiters, whose thread sleeps in `futex_waitv`, which matches
-    /// every bit), and leaves the rest of the line asleep: no system call
-    /// when nobody is due. The word still moves, so a waiter about to sleep
-    /// re-checks instead.
-    #[inline]
-    pub fn notify_served(&self, to: u64) {
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            self.wake_seq.fetch_add(1, Ordering::SeqCst);
-            let mask = self.served_mask(to);
-            if mask != 0 {
-                crate::sys::futex_wake_bits(&self.wake_seq, mask);
-            }
-        }
-    }
-
-    /// The wake mask of a head at `to`: the bits of the slots whose places
-    /// it reached, and [`CROWD`] while anyone sleeps unslotted.
-    pub(crate) fn served_mask(&self, to: u64) -> u32 {
-        let mut mask = if self.unslotted.load(Ordering::SeqCst) > 0 { CROWD } else { 0 };
-        for (i, s) in self.sleep_at.iter().enumerate() {
-            let at = s.load(Ordering::SeqCst);
-            if at != 0 && signed(to.wrapping_sub(at)) >= 0 {
-                mask |= 1 << i;
-            }
-        }
-        mask
-    }
-
-    /// Counts a sleeper that wakes at every move (before it reads the word
-    /// and the head, as a slot's place is written).
-    pub(crate) fn sleep_unslotted(&self) {
-        self.unslotted.fetch_add(1, Ordering::SeqCst);
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// Uncounts a sleeper counted by [`Self::sleep_unslotted`].
-    pub(crate) fn wake_unslotted(&self) {
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
-        let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-    }
-
-    /// A slot of [`BucketView::sleep_at`] for a blocked waiter of `pos`:
-    /// a free one, or one held for a place already served (its holder is
-    /// awake or waking, and frees the slot only while it still holds its
-    /// own place, so a slot left by a client that died comes back too).
-    /// `None` when every slot holds a place still waiting.
-    fn claim_sleep_slot(&self, pos: u64) -> Option<usize> {
-        let head = self.head_us.load(Ordering::SeqCst);
-        self.sleep_at.iter().position(|s| {
-            let at = s.load(Ordering::Relaxed);
-            (at == 0 || signed(head.wrapping_sub(at)) >= 0)
-                && s.compare_exchange(at, pos, Ordering::SeqCst, Ordering::Relaxed).is_ok()
-        })
-    }
-
-    /// Blocks the calling thread until `pos` is served (a move of the head
-    /// that reaches it), the agent goes away, or `timeout` passes; the
-    /// caller re-checks. Never waits when `pos` is already served.
-    ///
-    /// The waiter writes its place into a slot before it reads the word and
-    /// the head, and a waker moves the head before it reads the slots (all
-    /// sequentially consistent): a waker that read the slot before the
-    /// place was in it moved the head before the waiter looked, so the
-    /// waiter does not sleep for a place that move served.
-    pub fn wait_for(&self, pos: u64, timeout: std::time::Duration) {
-        let slot = self.claim_sleep_slot(pos);
-        let seq = self.wake_seq.load(Ordering::SeqCst);
-        match slot {
-            Some(_) => {
-                self.sleepers.fetch_add(1, Ordering::SeqCst);
-            }
-            None => self.sleep_unslotted(),
-        }
-        if !self.reached(pos) {
-            let deadline = crate::sys::monotonic_ns().saturating_add(timeout.as_nanos() as u64);
-            crate::sys::futex_wait_bits(&self.wake_seq, seq, deadline, slot.map_or(CROWD, |i| 1 << i));
-        }
-        match slot {
-            Some(i) => {
-                self.sleepers.fetch_sub(1, Ordering::SeqCst);
-                let _ = self.sleep_at[i].compare_exchange(pos, 0, Ordering::SeqCst, Ordering::Relaxed);
-            }
-            None => self.wake_unslotted(),
-        }
-    }
 }
 
 /// Returns `us` to a bucket, counting as discarded what capacity did not
@@ -459,108 +357,5 @@ mod tests {
         b.charge_debt(50, 100);
         assert_eq!(b.drop_available(), 0);
         assert_eq!(b.available_us(), -50);
-    }
-
-    #[test]
-    fn a_waiter_is_woken_by_a_give_from_another_thread() {
-        let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
-        let m2 = m.clone();
-        let pos = m.regions.bucket(GLOBAL).reserve(10);
-        let t = std::time::Instant::now();
-        let giver = std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            m2.regions.bucket(GLOBAL).give(10, 100);
-        });
-        let b = m.regions.bucket(GLOBAL);
-        while !b.reached(pos) {
-            b.wait_for(pos, std::time::Duration::from_secs(5));
-        }
-        giver.join().unwrap();
-        let waited = t.elapsed();
-        assert!(
-            waited >= std::time::Duration::from_millis(45) && waited < std::time::Duration::from_secs(2),
-            "{waited:?}"
-        );
-    }
-
-    proptest::proptest! {
-        /// A head wakes the slots of the places it reached, never one it
-        /// has not, and the crowd only while someone sleeps unslotted.
-        #[test]
-        fn a_head_wakes_exactly_the_places_it_reached(base in 1u64..1 << 40, places in proptest::collection::vec(1u64..100_000, 1..31), to in 0u64..100_000) {
-            let m = AdmissionMemory::create(16).unwrap();
-            let b = m.regions.bucket(GLOBAL);
-            for (i, &p) in places.iter().enumerate() {
-                b.sleep_at[i].store(base + p, std::sync::atomic::Ordering::Relaxed);
-            }
-            let mask = b.served_mask(base + to);
-            proptest::prop_assert!(mask & super::CROWD == 0, "nobody sleeps unslotted");
-            b.unslotted.store(1, std::sync::atomic::Ordering::Relaxed);
-            proptest::prop_assert_eq!(b.served_mask(base + to), mask | super::CROWD);
-            for (i, &p) in places.iter().enumerate() {
-                proptest::prop_assert_eq!(mask & (1 << i) != 0, p <= to, "slot {} at {}", i, p);
-            }
-            for i in places.len()..31 {
-                proptest::prop_assert!(mask & (1 << i) == 0, "free slot {} woken", i);
-            }
-        }
-    }
-
-    #[test]
-    fn a_waiter_that_finds_every_slot_taken_sleeps_in_the_crowd_and_is_woken() {
-        use std::sync::atomic::Ordering;
-        use std::time::Duration;
-        let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
-        let b = m.regions.bucket(GLOBAL);
-        // Every slot holds a place far down the line, not yet served.
-        for s in &b.sleep_at {
-            s.store(u64::MAX / 2, Ordering::SeqCst);
-        }
-        let pos = b.reserve(10);
-        let m2 = m.clone();
-        let waiter = std::thread::spawn(move || m2.regions.bucket(GLOBAL).wait_for(pos, Duration::from_secs(5)));
-        std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(b.unslotted.load(Ordering::SeqCst), 1, "counted in the crowd");
-        assert_eq!(b.served_mask(b.head_us.load(Ordering::SeqCst)), super::CROWD);
-        let t = std::time::Instant::now();
-        b.give(10, 100);
-        waiter.join().unwrap();
-        assert!(t.elapsed() < Duration::from_secs(1), "woken when served: {:?}", t.elapsed());
-        assert_eq!((b.unslotted.load(Ordering::SeqCst), b.sleepers.load(Ordering::SeqCst)), (0, 0));
-        assert!(b.sleep_at.iter().all(|s| s.load(Ordering::SeqCst) == u64::MAX / 2), "no slot taken over");
-    }
-
-    #[test]
-    fn a_move_short_of_a_place_leaves_its_waiter_asleep() {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use std::time::Duration;
-        let m = std::sync::Arc::new(AdmissionMemory::create(16).unwrap());
-        let b = m.regions.bucket(GLOBAL);
-        // A waiter 8 ms of tokens back in line.
-        let _ahead = b.reserve(8000);
-        let pos = b.reserve(10);
-        let woke = std::sync::Arc::new(AtomicBool::new(false));
-        let (m2, woke2) = (m.clone(), woke.clone());
-        let waiter = std::thread::spawn(move || {
-            m2.regions.bucket(GLOBAL).wait_for(pos, Duration::from_secs(5));
-            woke2.store(true, Ordering::SeqCst);
-        });
-        std::thread::sleep(Duration::from_millis(50));
-        // Serves 2 ms of those ahead: not its place.
-        b.give(2000, u64::MAX / 4);
-        std::thread::sleep(Duration::from_millis(100));
-        assert!(!woke.load(Ordering::SeqCst), "a waiter whose place was not reached woke");
-        // Its slot holds its place; serving up to one short of it leaves it asleep.
-        assert_eq!(b.sleep_at[0].load(Ordering::SeqCst), pos);
-        b.give(pos - 1 - 2000, u64::MAX / 4);
-        std::thread::sleep(Duration::from_millis(100));
-        assert!(!woke.load(Ordering::SeqCst), "woken one µs short of its place");
-        // Serving the rest wakes it at once.
-        let t = std::time::Instant::now();
-        b.give(1, u64::MAX / 4);
-        waiter.join().unwrap();
-        assert!(b.reached(pos));
-        assert_eq!(b.sleep_at[0].load(Ordering::SeqCst), 0, "the slot was freed");
-        assert!(t.elapsed() < Duration::from_secs(1), "woken when served: {:?}", t.elapsed());
     }
 }

@@ -45,6 +45,7 @@ mod manager;
 mod pd;
 #[cfg(feature = "agent")]
 mod settings;
+mod sleep;
 #[cfg(feature = "agent")]
 mod snapshot;
 mod spare;

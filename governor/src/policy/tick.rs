@@ -29,6 +29,9 @@ pub struct TickReport {
     pub global_ratio: f64,
     /// Idle keyspace cells given up.
     pub evicted: usize,
+    /// Sleep slots freed that held places already served (left by clients
+    /// that died asleep).
+    pub slots_freed: u32,
 }
 
 impl Policy {
@@ -69,6 +72,7 @@ impl Policy {
             report.observed = true;
             report.fair_active = fair;
             report.global_ratio = ratio;
+            report.slots_freed = self.sweep_slots();
         }
         report.global_ratio = self.global_ratio();
         report.evicted = self.evict_idle(now_us, pinned);
@@ -296,6 +300,16 @@ impl Policy {
             );
         }
         e.guard = step;
+    }
+
+    /// Frees every bucket's sleep slots that hold served places
+    /// ([`BucketView::sweep_served_slots`]), once per stats interval.
+    fn sweep_slots(&self) -> u32 {
+        let r = self.regions();
+        let e = self.engine();
+        let fixed = [GLOBAL, LOW_PRIORITY, OVERFLOW].map(|i| r.bucket(i));
+        let cells = e.live.iter().filter_map(|&c| r.keyspace_cell(c).map(|(b, _)| b));
+        fixed.into_iter().chain(cells).map(BucketView::sweep_served_slots).sum()
     }
 
     /// Gives up keyspace cells idle for the idle TTL: tenant-cap buckets, and

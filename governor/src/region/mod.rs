@@ -286,6 +286,12 @@ impl AdmissionRegions {
         self.buckets.get(i).unwrap_or_else(|| self.buckets.get(GLOBAL).expect("the global bucket"))
     }
 
+    /// Bucket `i`, if there is one (an index read from a client's memory).
+    #[inline]
+    pub fn bucket_at(&self, i: u32) -> Option<&BucketView> {
+        self.buckets.get(i)
+    }
+
     /// Keyspace cell `c`'s bucket and parameters.
     #[inline]
     pub fn keyspace_cell(&self, c: u32) -> Option<(&BucketView, &ParamsView)> {

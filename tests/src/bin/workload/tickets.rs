@@ -171,6 +171,37 @@ pub fn hold(args: &[String]) -> Result<serde_json::Value> {
                     Err(r) => json!({"refused": r.code(), "message": r.to_string()}),
                 }
             }
+            // Requests that wait in line (60 s deadline) and keep their
+            // tickets once admitted: `blocked` threads in `acquire`, then
+            // `futures` futures in `acquire_async` on one thread's runtime.
+            ["queue", ks, estimate, blocked, futures] => {
+                let ks: u32 = ks.parse().context("keyspace")?;
+                let estimate: u64 = estimate.parse().context("estimate")?;
+                let demand = move || Demand::new().estimate_us(estimate).timeout(Duration::from_secs(60));
+                let futures: usize = futures.parse().context("futures")?;
+                let c = client.clone();
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+                    rt.block_on(async {
+                        let waits = (0..futures).map(|_| tokio::spawn(c.acquire_async(ks, demand())));
+                        let mut tickets = Vec::new();
+                        for w in waits.collect::<Vec<_>>() {
+                            tickets.push(w.await);
+                        }
+                        std::future::pending::<()>().await;
+                    });
+                });
+                for _ in 0..blocked.parse::<usize>().context("blocked")? {
+                    let c = client.clone();
+                    std::thread::spawn(move || {
+                        let _ticket = c.acquire(ks, demand());
+                        loop {
+                            std::thread::park();
+                        }
+                    });
+                }
+                json!({"queued": true})
+            }
             ["held"] => json!({"held": held.len()}),
             ["register"] => match client.register_current_thread() {
                 Ok(()) => json!({"registered": true}),
