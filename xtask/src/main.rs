@@ -295,9 +295,34 @@ fn light_client() -> Result<()> {
     // What a server links must package and build from its own sources as
     // crates.io would serve them (together: the client needs its layouts).
     forget_unpacked_packages()?;
+    let target = root().join("target/publish-check");
+    forget_package_builds(&target)?;
     run(stable()
         .args(["publish", "--dry-run", "--allow-dirty", "-p", "keyspace-governor-common", "-p", "keyspace-governor"])
+        .env("CARGO_TARGET_DIR", &target)
         .current_dir(root()))
+}
+
+/// The dry run builds the client against the common crate as a registry
+/// package, whose build cargo keys by name and version, not by its sources:
+/// a later dry run of the same version reused the build of an older common
+/// crate (seen: `asleep_flags` added to it, and the client's verification
+/// failed to find it). So the dry run builds in a directory of its own, from
+/// which our packages' builds are removed first (their dependencies' stay).
+fn forget_package_builds(target: &Path) -> Result<()> {
+    for dir in ["debug/.fingerprint", "debug/deps", "debug/build"] {
+        let Ok(entries) = std::fs::read_dir(target.join(dir)) else { continue };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().replace('_', "-");
+            if !(name.starts_with("keyspace-governor") || name.starts_with("libkeyspace-governor")) {
+                continue;
+            }
+            let p = e.path();
+            if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) }
+                .with_context(|| format!("removing {}", p.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// A dry run unpacks our own packages into cargo's registry sources, and a
