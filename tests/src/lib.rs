@@ -441,6 +441,18 @@ pub fn essential_config(ratio: f64) -> String {
     )
 }
 
+/// A tenant cap of `ratio` and nothing else that moves tokens: no burst,
+/// fair, dynamic or runtime allocation, fixed estimates; the global limit
+/// enforced. A line's wait is then the cap's refill alone.
+pub fn bare_cap_config(ratio: f64) -> String {
+    format!(
+        "[resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\n\
+         tenant-max-cpu-ratio = {ratio}\nenable-burst = false\nenable-fair-allocation = false\n\
+         enable-dynamic-adjustment = false\nenable-runtime-token-management = false\n\
+         enable-adaptive-estimated-cpu-per-request-us = false\n"
+    )
+}
+
 /// A `workload hold` process: a client that takes tickets on command, one
 /// JSON reply per command line.
 pub struct Holder {

@@ -3,7 +3,7 @@
 //! order, and `Ticket::run` charges the keyspace exactly the CPU of its
 //! future's polls.
 
-use governor_tests::{Agent, essential_config};
+use governor_tests::{Agent, bare_cap_config, essential_config};
 use keyspace_governor::client::{self, Client, Demand};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -22,8 +22,16 @@ fn burn_cpu(ns: u64) -> u64 {
     keyspace_governor::sys::thread_cputime_ns() - start
 }
 
+/// The tests share this process's waiter thread: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[test]
 fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_polls() {
+    let _s = serial();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
     // 0.1 core for keyspace 5: 1 ms of tokens per 10 ms refill.
     let agent = Agent::start("ebpf", &essential_config(0.1 / cores)).unwrap();
@@ -115,4 +123,49 @@ fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_pol
         charged >= burned * 0.98 - 300_000.0 && charged <= burned * (1.02 + steal) + 300_000.0,
         "charged {charged} ns for {burned} ns of polls, steal {steal:.4}"
     );
+}
+
+/// This process's async waiter thread: the times it ran (schedstat), or 0
+/// before it started.
+fn waiter_runs() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    for t in tasks.flatten() {
+        if std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "governor-waiter") {
+            let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap();
+            return stat.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap();
+        }
+    }
+    0
+}
+
+#[test]
+fn a_refill_that_serves_no_future_leaves_the_waiter_thread_asleep() {
+    let _s = serial();
+    // A few ms of CPU a second for the tenant, refilled every 10 ms: a
+    // future 8 ms of tokens back in line waits about a second, through
+    // refills that do not reach it.
+    let agent = Agent::start("ebpf", &bare_cap_config(0.001)).unwrap();
+    let client = Client::connect(&agent.socket).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let started = Instant::now();
+    let (admitted, runs, early) = rt.block_on(async {
+        let demand = Demand::new().estimate_us(8000).timeout(Duration::from_secs(10));
+        let wait = tokio::spawn(client.acquire_async(70, demand));
+        // In line: the waiter thread started and sleeps for it.
+        while waiter_runs() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let r0 = waiter_runs();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let runs = waiter_runs() - r0;
+        let early = wait.is_finished();
+        let ticket = wait.await.unwrap().expect("admitted");
+        (started.elapsed(), runs, early.then(|| ticket.waited()))
+    });
+    eprintln!("the waiter thread ran {runs} times in 300 ms of refills; admitted after {admitted:?}");
+    assert_eq!(early, None, "admitted before its place");
+    // Its liveness check runs every 100 ms; each refill would add one.
+    assert!((1..=6).contains(&runs), "the waiter thread ran {runs} times in 300 ms (30 refills)");
+    assert!(admitted >= Duration::from_millis(350) && admitted < Duration::from_secs(6), "admitted after {admitted:?}");
 }

@@ -3,7 +3,7 @@
 //! returns everything), a client scribbles on the regions (the agent keeps
 //! serving the others).
 
-use governor_tests::{Agent, Holder, Stretch};
+use governor_tests::{Agent, Holder, Stretch, bare_cap_config};
 use keyspace_governor::client::{self, Client, Demand};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -189,14 +189,10 @@ fn sleepers(agent: &Agent, ks: u32) -> Option<u32> {
 #[test]
 fn a_client_killed_asleep_in_line_leaves_no_sleeper_behind() {
     let _s = serial();
-    // A tenant refilled at 2 ms of CPU a second: a line of a few ms waits
+    // A tenant refilled at a few ms of CPU a second: a line of tens of ms waits
     // for seconds.
-    let config = "[resource-control.cpu-throttle]\nenabled = true\nenforce-global-limit = true\n\
-                  tenant-max-cpu-ratio = 0.001\nenable-burst = false\nenable-fair-allocation = false\n\
-                  enable-dynamic-adjustment = false\nenable-runtime-token-management = false\n\
-                  enable-adaptive-estimated-cpu-per-request-us = false\n\
-                  [admission-control]\nmode = \"monitor\"\n";
-    let agent = Agent::start("ebpf", config).unwrap();
+    let config = bare_cap_config(0.001) + "[admission-control]\nmode = \"monitor\"\n";
+    let agent = Agent::start("ebpf", &config).unwrap();
     let (mut dying, mut living) = (Holder::start(&agent.socket), Holder::start(&agent.socket));
     let until = |what: &str, want: u32| {
         let t = Instant::now();

@@ -37,6 +37,7 @@ mod home;
 mod line;
 mod ticket;
 mod wait;
+mod waiter;
 
 pub use crate::policy::Demand;
 pub use crate::policy::{Refusal, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};

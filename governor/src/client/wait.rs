@@ -1,13 +1,9 @@
 //! Waiting without blocking an executor thread: [`Client::acquire_async`],
 //! [`Ticket::run`] and [`Ticket::checkpoint_async`].
 //!
-//! A future that must wait for CPU tokens registers with one waiter thread
-//! per process, which sleeps in `futex_waitv` on the wake words of every
-//! bucket some future waits on (and on a word of its own, poked when a new
-//! future registers) until the nearest deadline. A refill or a refund that
-//! moves a bucket's head wakes it; it wakes only the futures whose place in
-//! line that head reached (and those past their deadline), which poll
-//! again: a refill wakes the one waiter it serves, not the whole line.
+//! A future that must wait for CPU tokens registers with the process's
+//! waiter thread ([`super::waiter`]), which wakes it when its place in line
+//! is reached (or its deadline passes, or the agent goes); it polls again.
 //! Nothing polls on a timer: the only timeout is the liveness check that
 //! turns a dead agent into fail-open admission. The CPU a future spends
 //! polling its place in line is charged to its keyspace (and, once
@@ -16,181 +12,19 @@
 use super::attachment::Attachment;
 use super::conn::Client;
 use super::error::Refused;
-use super::line::{LIVENESS_CHECK, agent_alive, charged};
-use super::ticket::{Ticket, claim_shared, granted};
+use super::line::{agent_alive, charged};
+use super::ticket::{Ticket, granted};
+use super::waiter::{register, unregister};
 use crate::policy::Demand;
 use crate::policy::{self, Knobs, Progress, Queued};
-use crate::region::{BucketView, CellRef};
-use crate::sys;
-use keyspace_governor_common::admission::{TICKET_FREE, asleep_flags, counter};
+use crate::region::CellRef;
+use keyspace_governor_common::admission::counter;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::task::{Context, Poll, Waker};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-
-/// One future's wait: which bucket, for which place in line, until when.
-struct Entry {
-    id: u64,
-    att: Arc<Attachment>,
-    bucket: u32,
-    pos: u64,
-    deadline_ns: u64,
-    waker: Waker,
-}
-
-struct Waiter {
-    entries: Mutex<Vec<Entry>>,
-    /// Poked (and woken) when an entry is added.
-    kick: AtomicU32,
-}
-
-fn waiter() -> &'static Waiter {
-    static W: OnceLock<&'static Waiter> = OnceLock::new();
-    W.get_or_init(|| {
-        let w: &'static Waiter =
-            Box::leak(Box::new(Waiter { entries: Mutex::new(Vec::new()), kick: AtomicU32::new(0) }));
-        std::thread::Builder::new()
-            .name("governor-waiter".into())
-            .spawn(move || waiter_loop(w))
-            .expect("spawning the governor waiter thread");
-        w
-    })
-}
-
-fn bucket(att: &Attachment, i: u32) -> &BucketView {
-    att.admission.bucket(i)
-}
-
-/// At most this many words per `futex_waitv` (the kernel's limit is 128).
-const MAX_WORDS: usize = 127;
-
-/// A bucket the waiter thread counts itself asleep on (once, however many
-/// futures wait there), with the ledger record that says so.
-struct Counted {
-    att: Arc<Attachment>,
-    bucket: u32,
-    record: Option<u32>,
-}
-
-impl Counted {
-    /// Counts the waiter thread among the bucket's sleepers, in its crowd
-    /// (`futex_waitv` matches every bit), and says so in a record of the
-    /// attachment's ledger, for the agent to take back if the process dies.
-    fn new(att: Arc<Attachment>, bucket_i: u32) -> Counted {
-        bucket(&att, bucket_i).sleep_unslotted();
-        let record = claim_shared(&att);
-        if let Some(r) = record.and_then(|i| att.ledger.get(i)) {
-            r.flags.store(asleep_flags(bucket_i, 1, true), Ordering::Relaxed);
-        }
-        Counted { att, bucket: bucket_i, record }
-    }
-
-    fn is(&self, att: &Arc<Attachment>, bucket: u32) -> bool {
-        Arc::ptr_eq(&self.att, att) && self.bucket == bucket
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        if let Some(r) = self.record.and_then(|i| self.att.ledger.get(i)) {
-            r.flags.store(0, Ordering::Relaxed);
-            r.state.store(TICKET_FREE, Ordering::Release);
-        }
-        bucket(&self.att, self.bucket).wake_unslotted();
-    }
-}
-
-fn waiter_loop(w: &'static Waiter) {
-    let mut counted: Vec<Counted> = Vec::new();
-    loop {
-        let kick = w.kick.load(Ordering::SeqCst);
-        // What to wait on, gathered under the lock; the wait itself runs
-        // without it (futures register meanwhile and poke `kick`). The
-        // attachments held here keep the words mapped.
-        let (words, deadline, due) = {
-            let entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
-            let mut deadline = sys::monotonic_ns() + LIVENESS_CHECK.as_nanos() as u64;
-            // The thread counts itself asleep on each bucket a future waits
-            // on (before it reads the words and the heads, as a blocked
-            // waiter does), and no longer on the others.
-            counted.retain(|c| entries.iter().any(|e| c.is(&e.att, e.bucket)));
-            for e in entries.iter() {
-                deadline = deadline.min(e.deadline_ns);
-                if !counted.iter().any(|c| c.is(&e.att, e.bucket)) && counted.len() < MAX_WORDS {
-                    counted.push(Counted::new(e.att.clone(), e.bucket));
-                }
-            }
-            let words: Vec<u32> =
-                counted.iter().map(|c| bucket(&c.att, c.bucket).wake_seq.load(Ordering::SeqCst)).collect();
-            let now = sys::monotonic_ns();
-            let due = entries.iter().any(|e| bucket(&e.att, e.bucket).reached(e.pos) || now >= e.deadline_ns);
-            (words, deadline, due)
-        };
-        if !due {
-            let refs: Vec<(&AtomicU32, u32)> = std::iter::once((&w.kick, kick))
-                .chain(counted.iter().zip(&words).map(|(c, &seen)| (&bucket(&c.att, c.bucket).wake_seq, seen)))
-                .collect();
-            if let Err(e) = sys::futex_waitv(&refs, deadline) {
-                // A kernel without futex_waitv (before 5.16): wake everyone
-                // each liveness period instead.
-                log::debug!("futex_waitv: {e}");
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-        }
-        // Wake every future whose place in line was reached, whose deadline
-        // passed, or whose agent is gone: they poll again. The rest wait on
-        // for the bucket's next move.
-        let now = sys::monotonic_ns();
-        let mut entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
-        entries.retain(|e| {
-            let done = bucket(&e.att, e.bucket).reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att);
-            if done {
-                e.waker.wake_by_ref();
-            }
-            !done
-        });
-    }
-}
-
-static NEXT_ENTRY: AtomicU64 = AtomicU64::new(1);
-
-/// Registers a wait for `bucket` of `att` reaching `pos`; `None` if it
-/// already did (poll again at once). The waiter thread counts itself
-/// asleep on the bucket before it looks whether the place was reached.
-fn register(att: &Arc<Attachment>, bucket_i: u32, pos: u64, deadline: Option<Instant>, waker: &Waker) -> Option<u64> {
-    if bucket(att, bucket_i).reached(pos) {
-        return None;
-    }
-    let deadline_ns = match deadline {
-        Some(d) => sys::monotonic_ns() + d.saturating_duration_since(Instant::now()).as_nanos() as u64,
-        None => u64::MAX,
-    };
-    let w = waiter();
-    let id = NEXT_ENTRY.fetch_add(1, Ordering::Relaxed);
-    w.entries.lock().unwrap_or_else(|p| p.into_inner()).push(Entry {
-        id,
-        att: att.clone(),
-        bucket: bucket_i,
-        pos,
-        deadline_ns,
-        waker: waker.clone(),
-    });
-    w.kick.fetch_add(1, Ordering::SeqCst);
-    sys::futex_wake(&w.kick, 1);
-    Some(id)
-}
-
-/// Forgets a registration that has not fired yet. (The waiter thread stops
-/// counting itself on a bucket nobody waits on at its next wake.)
-fn unregister(id: u64) {
-    let w = waiter();
-    let mut entries = w.entries.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(i) = entries.iter().position(|e| e.id == id) {
-        entries.swap_remove(i);
-    }
-}
 
 /// One place in line, polled from a future.
 struct Line {

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The futex bit of the sleepers that wake at every move of the head
 /// ([`BucketView::unslotted`]): blocked waiters that found every slot of
-/// [`BucketView::sleep_at`] taken, and async waiter threads.
+/// [`BucketView::sleep_at`] taken, and async waiter threads that found
+/// none.
 pub(crate) const CROWD: u32 = 1 << SLEEP_SLOTS;
 
 impl BucketView {
@@ -62,6 +63,23 @@ impl BucketView {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Counts a sleeper in a slot (after it wrote its place there).
+    pub(crate) fn count_sleeper(&self) {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Moves a counted sleeper whose slot was taken over into the crowd.
+    pub(crate) fn join_crowd(&self) {
+        self.unslotted.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Uncounts a sleeper of slot `i`, freeing the slot if it still holds
+    /// the sleeper's place `at`.
+    pub(crate) fn leave_slot(&self, i: usize, at: u64) {
+        self.uncount_sleepers(1);
+        let _ = self.sleep_at[i].compare_exchange(at, 0, Ordering::SeqCst, Ordering::Relaxed);
+    }
+
     /// Uncounts a sleeper counted by [`Self::sleep_unslotted`].
     pub(crate) fn wake_unslotted(&self) {
         self.uncount_sleepers(1);
@@ -94,7 +112,7 @@ impl BucketView {
     /// have seen that place yet, and would then read this one and leave the
     /// old holder asleep until this place is served (or its liveness check
     /// ends the sleep, 100 ms on).
-    fn claim_sleep_slot(&self, pos: u64) -> Option<usize> {
+    pub(crate) fn claim_sleep_slot(&self, pos: u64) -> Option<usize> {
         let take =
             |i: usize, at: u64| self.sleep_at[i].compare_exchange(at, pos, Ordering::SeqCst, Ordering::Relaxed).is_ok();
         if let Some(i) = (0..SLEEP_SLOTS).find(|&i| self.sleep_at[i].load(Ordering::Relaxed) == 0 && take(i, 0)) {
@@ -154,9 +172,7 @@ impl BucketView {
         let slot = self.claim_sleep_slot(pos);
         let seq = self.wake_seq.load(Ordering::SeqCst);
         match slot {
-            Some(_) => {
-                self.sleepers.fetch_add(1, Ordering::SeqCst);
-            }
+            Some(_) => self.count_sleeper(),
             None => self.sleep_unslotted(),
         }
         // Only the record's thread writes its flags.
@@ -171,10 +187,7 @@ impl BucketView {
             flags.store(flags.load(Ordering::Relaxed) & !T_ASLEEP_MASK, Ordering::Relaxed);
         }
         match slot {
-            Some(i) => {
-                self.uncount_sleepers(1);
-                let _ = self.sleep_at[i].compare_exchange(pos, 0, Ordering::SeqCst, Ordering::Relaxed);
-            }
+            Some(i) => self.leave_slot(i, pos),
             None => self.wake_unslotted(),
         }
     }

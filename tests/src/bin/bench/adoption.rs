@@ -53,6 +53,10 @@ pub struct WaitCpu {
     pub blocking_p50: f64,
     pub blocking_p99: f64,
     pub async_p99: f64,
+    /// The process's async waiter thread over the async half, per acquire
+    /// that waited: times it ran (its wakeups) and its CPU, µs (schedstat).
+    pub waiter_wakes_per_wait: f64,
+    pub waiter_cpu_us_per_wait: f64,
     /// One sleep and wake of a thread on this machine (`park`, woken 2 ms
     /// later by another thread): the least a wait that sleeps can cost.
     pub park_p50: f64,
@@ -81,6 +85,20 @@ fn park_cpu_us() -> (f64, f64) {
     }
     let mut v = sleeper.join().unwrap();
     (percentile(&mut v, 0.5), percentile(&mut v, 0.99))
+}
+
+/// The process's async waiter thread (`governor-waiter`): (on-CPU ns,
+/// times it ran) by schedstat; zeros before it started.
+fn waiter_schedstat() -> (u64, u64) {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return (0, 0) };
+    for t in tasks.flatten() {
+        if std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "governor-waiter") {
+            let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            let f: Vec<u64> = stat.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+            return (f.first().copied().unwrap_or(0), f.get(2).copied().unwrap_or(0));
+        }
+    }
+    (0, 0)
 }
 
 /// Four threads of one tenant capped at 0.1 core take tickets of 2 ms of
@@ -120,6 +138,7 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
     client.register_current_thread()?;
     let local = tokio::task::LocalSet::new();
     let end = Instant::now() + Duration::from_secs(3);
+    let waiter0 = waiter_schedstat();
     local.block_on(&rt, async {
         let tasks: Vec<_> = (0..4)
             .map(|_| {
@@ -152,10 +171,22 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
             t.await.expect("task");
         }
     });
+    let waiter1 = waiter_schedstat();
+    let waited = waits.borrow().len().max(1) as f64;
+    let waiter_wakes_per_wait = (waiter1.1 - waiter0.1) as f64 / waited;
+    let waiter_cpu_us_per_wait = (waiter1.0 - waiter0.0) as f64 / 1e3 / waited;
     let async_p99 = percentile(&mut waits.borrow_mut(), 0.99);
     keyspace_governor::client::unregister_current_thread();
     let (park_p50, park_p99) = park_cpu_us();
-    Ok(WaitCpu { blocking_p50, blocking_p99, async_p99, park_p50, park_p99 })
+    Ok(WaitCpu {
+        blocking_p50,
+        blocking_p99,
+        async_p99,
+        waiter_wakes_per_wait,
+        waiter_cpu_us_per_wait,
+        park_p50,
+        park_p99,
+    })
 }
 
 /// On a tokio executor thread: the longest poll (µs) of the first

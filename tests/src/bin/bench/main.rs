@@ -32,6 +32,8 @@ fn wait_cpu_keys(o: &mut serde_json::Map<String, serde_json::Value>, w: &adoptio
     o.insert("acquire_wait_cpu_us_p50".into(), json!(round2(w.blocking_p50)));
     o.insert("acquire_wait_cpu_us_p99".into(), json!(round2(w.blocking_p99)));
     o.insert("acquire_async_wait_cpu_us_p99".into(), json!(round2(w.async_p99)));
+    o.insert("async_waiter_wakes_per_wait".into(), json!(round2(w.waiter_wakes_per_wait)));
+    o.insert("async_waiter_cpu_us_per_wait".into(), json!(round2(w.waiter_cpu_us_per_wait)));
     o.insert("baseline_park_cpu_us_p50".into(), json!(round2(w.park_p50)));
     o.insert("baseline_park_cpu_us_p99".into(), json!(round2(w.park_p99)));
 }
