@@ -106,15 +106,21 @@ impl Counted {
     /// Counts the waiter thread among the bucket's sleepers for place
     /// `first`, and says so in a record of the attachment's ledger, for the
     /// agent to take back if the process dies.
+    ///
+    /// With no record free (the ledger is full) it does not count itself
+    /// (a count nobody could take back would outlive a process that died):
+    /// the bucket's moves do not wake it then, its liveness check does.
     fn new(att: Arc<Attachment>, bucket_i: u32, first: u64) -> Counted {
+        let Some(record) = claim_shared(&att) else {
+            return Counted { att, bucket: bucket_i, record: None, slot: None };
+        };
         let b = bucket(&att, bucket_i);
         let slot = b.claim_sleep_slot(first).map(|i| (i, first));
         match slot {
             Some(_) => b.count_sleeper(),
             None => b.sleep_unslotted(),
         }
-        let record = claim_shared(&att);
-        let c = Counted { att, bucket: bucket_i, record, slot };
+        let c = Counted { att, bucket: bucket_i, record: Some(record), slot };
         c.say_asleep();
         c
     }
@@ -133,30 +139,44 @@ impl Counted {
     /// (before the thread reads the word and the heads). A slot taken over
     /// since (its place was served) is claimed again; with none free, the
     /// crowd.
+    ///
+    /// In the crowd it tries for a slot again: a process whose futures keep
+    /// coming would otherwise stay there, woken at every move.
     fn place(&mut self, first: u64) {
-        let Some((i, at)) = self.slot else { return };
-        if at == first {
+        if self.record.is_none() {
             return;
         }
         let b = bucket(&self.att, self.bucket);
-        if b.sleep_at[i].compare_exchange(at, first, Ordering::SeqCst, Ordering::Relaxed).is_ok() {
-            self.slot = Some((i, first));
-            return;
-        }
-        self.slot = b.claim_sleep_slot(first).map(|j| (j, first));
-        if self.slot.is_none() {
-            b.join_crowd();
-            self.say_asleep();
+        match self.slot {
+            Some((_, at)) if at == first => {}
+            Some((i, at)) => {
+                if b.sleep_at[i].compare_exchange(at, first, Ordering::SeqCst, Ordering::Relaxed).is_ok() {
+                    self.slot = Some((i, first));
+                    return;
+                }
+                self.slot = b.claim_sleep_slot(first).map(|j| (j, first));
+                if self.slot.is_none() {
+                    b.join_crowd();
+                    self.say_asleep();
+                }
+            }
+            None => {
+                self.slot = b.claim_sleep_slot(first).map(|j| (j, first));
+                if self.slot.is_some() {
+                    // The record says so before the count goes down.
+                    self.say_asleep();
+                    b.leave_crowd();
+                }
+            }
         }
     }
 }
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        if let Some(r) = self.record.and_then(|i| self.att.ledger.get(i)) {
-            r.flags.store(0, Ordering::Relaxed);
-            r.state.store(TICKET_FREE, Ordering::Release);
-        }
+        let Some(r) = self.record.and_then(|i| self.att.ledger.get(i)) else { return };
+        r.flags.store(0, Ordering::Relaxed);
+        r.state.store(TICKET_FREE, Ordering::Release);
         let b = bucket(&self.att, self.bucket);
         match self.slot {
             Some((i, at)) => b.leave_slot(i, at),
@@ -221,14 +241,18 @@ fn waiter_loop(w: &'static Waiter) {
         // Wake every future whose place in line was reached, whose deadline
         // passed, or whose agent is gone: they poll again. The rest wait on
         // for the bucket's next move.
+        // (Woken after the lock is let go: a waker may poll its future
+        // at once, which registers again.)
         let now = sys::monotonic_ns();
-        w.lock().entries.retain(|e| {
+        let mut ready = Vec::new();
+        w.lock().entries.retain_mut(|e| {
             let done = bucket(&e.att, e.bucket).reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att);
             if done {
-                e.waker.wake_by_ref();
+                ready.push(std::mem::replace(&mut e.waker, Waker::noop().clone()));
             }
             !done
         });
+        ready.into_iter().for_each(Waker::wake);
     }
 }
 
@@ -250,7 +274,8 @@ pub(super) fn register(
         return None;
     }
     let deadline_ns = match deadline {
-        Some(d) => sys::monotonic_ns() + d.saturating_duration_since(Instant::now()).as_nanos() as u64,
+        Some(d) => sys::monotonic_ns()
+            .saturating_add(u64::try_from(d.saturating_duration_since(Instant::now()).as_nanos()).unwrap_or(u64::MAX)),
         None => u64::MAX,
     };
     let w = waiter();

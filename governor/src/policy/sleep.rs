@@ -73,6 +73,12 @@ impl BucketView {
         self.unslotted.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Moves a counted sleeper of the crowd that found a slot out of it
+    /// (after it wrote its place into the slot).
+    pub(crate) fn leave_crowd(&self) {
+        let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
     /// Uncounts a sleeper of slot `i`, freeing the slot if it still holds
     /// the sleeper's place `at`.
     pub(crate) fn leave_slot(&self, i: usize, at: u64) {
@@ -123,8 +129,18 @@ impl BucketView {
             let at = self.sleep_at[i].load(Ordering::Relaxed);
             at != 0 && signed(head.wrapping_sub(at)) >= 0 && take(i, at)
         })?;
-        crate::sys::futex_wake_bits(&self.wake_seq, 1 << i);
+        self.wake_slots(1 << i);
         Some(i)
+    }
+
+    /// Wakes the holders of the slots in `bits` whose places were taken
+    /// from them (served). The word moves first: a holder that read it
+    /// before its head check, but is not yet asleep in the kernel, then
+    /// finds it changed instead of sleeping through this wake (the move
+    /// that served it may have read the slot's new place, not its own).
+    fn wake_slots(&self, bits: u32) {
+        self.wake_seq.fetch_add(1, Ordering::SeqCst);
+        crate::sys::futex_wake_bits(&self.wake_seq, bits);
     }
 
     /// Frees the slots of [`BucketView::sleep_at`] that hold places already
@@ -146,7 +162,7 @@ impl BucketView {
             }
         }
         if bits != 0 {
-            crate::sys::futex_wake_bits(&self.wake_seq, bits);
+            self.wake_slots(bits);
         }
         bits.count_ones()
     }
@@ -333,10 +349,14 @@ mod tests {
         // The head moves past the first place; the move has not read the
         // slots yet when the next waiter takes the first one's slot over.
         b.head_us.fetch_add(10, Ordering::SeqCst);
+        let word = b.wake_seq.load(Ordering::SeqCst);
         let m3 = m.clone();
         let next = std::thread::spawn(move || m3.regions.bucket(GLOBAL).wait_for(second, Duration::from_secs(10)));
         let woke = holder.join().unwrap();
         assert!(woke < Duration::from_secs(2), "the first waiter slept {woke:?} past its place");
+        // The takeover moved the word too: a holder that read it but was
+        // not asleep yet does not go to sleep on it.
+        assert_ne!(b.wake_seq.load(Ordering::SeqCst), word, "the takeover left the word");
         assert_eq!(b.sleep_at[0].load(Ordering::SeqCst), second, "the slot serves the next place");
         let t = Instant::now();
         b.give(10, u64::MAX / 4);
@@ -357,7 +377,9 @@ mod tests {
         // A place a dead client left, served long ago; one still waiting.
         b.sleep_at[3].store(5, Ordering::SeqCst);
         b.sleep_at[5].store(u64::MAX / 2, Ordering::SeqCst);
+        let word = b.wake_seq.load(Ordering::SeqCst);
         assert_eq!(b.sweep_served_slots(), 1, "only the dead client's place is served");
+        assert_ne!(b.wake_seq.load(Ordering::SeqCst), word, "the sweep moved the word");
         assert_eq!(b.sleep_at[3].load(Ordering::SeqCst), 0);
         assert_eq!(b.sleep_at[0].load(Ordering::SeqCst), pos, "a place not served keeps its slot");
         // The head passes the sleeper's place, and no move wakes it: the sweep does.

@@ -63,25 +63,39 @@ pub struct WaitCpu {
     pub park_p99: f64,
 }
 
-/// p50 and p99 of the CPU a thread spends across one park / unpark.
+/// p50 and p99 of the CPU a thread spends across one park / unpark. The
+/// waker waits for each wake to be taken before the next: two unparks
+/// before the sleeper parks again leave one token, and a sleeper counting
+/// wakes by its parks then waited for one that never came.
 fn park_cpu_us() -> (f64, f64) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const WAKES: u32 = 300;
+    let (go, taken) = (std::sync::Arc::new(AtomicU32::new(0)), std::sync::Arc::new(AtomicU32::new(0)));
+    let (go2, taken2) = (go.clone(), taken.clone());
     let (tx, rx) = std::sync::mpsc::channel::<std::thread::Thread>();
     let sleeper = std::thread::spawn(move || {
         tx.send(std::thread::current()).unwrap();
         let mut v = Vec::new();
-        let mut n = 0;
-        while n < 300 {
+        let mut seen = 0;
+        while seen < WAKES {
             let c0 = sys::thread_cputime_ns();
-            std::thread::park();
+            while go2.load(Ordering::Acquire) == seen {
+                std::thread::park();
+            }
             v.push((sys::thread_cputime_ns() - c0) as f64 / 1e3);
-            n += 1;
+            seen += 1;
+            taken2.store(seen, Ordering::Release);
         }
         v
     });
     let t = rx.recv().unwrap();
-    for _ in 0..300 {
+    for i in 1..=WAKES {
         std::thread::sleep(Duration::from_millis(2));
+        go.store(i, Ordering::Release);
         t.unpark();
+        while taken.load(Ordering::Acquire) < i {
+            std::thread::sleep(Duration::from_micros(50));
+        }
     }
     let mut v = sleeper.join().unwrap();
     (percentile(&mut v, 0.5), percentile(&mut v, 0.99))
