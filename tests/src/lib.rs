@@ -441,6 +441,20 @@ pub fn essential_config(ratio: f64) -> String {
     )
 }
 
+/// This process's async waiter thread (`governor-waiter`) by schedstat:
+/// (on-CPU ns, times it ran); zeros before it started.
+pub fn waiter_schedstat() -> (u64, u64) {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return (0, 0) };
+    for t in tasks.flatten() {
+        if std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "governor-waiter") {
+            let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            let f: Vec<u64> = stat.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+            return (f.first().copied().unwrap_or(0), f.get(2).copied().unwrap_or(0));
+        }
+    }
+    (0, 0)
+}
+
 /// A tenant cap of `ratio` and nothing else that moves tokens: no burst,
 /// fair, dynamic or runtime allocation, fixed estimates; the global limit
 /// enforced. A line's wait is then the cap's refill alone.

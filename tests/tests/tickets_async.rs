@@ -3,7 +3,7 @@
 //! order, and `Ticket::run` charges the keyspace exactly the CPU of its
 //! future's polls.
 
-use governor_tests::{Agent, bare_cap_config, essential_config};
+use governor_tests::{Agent, bare_cap_config, essential_config, waiter_schedstat};
 use keyspace_governor::client::{self, Client, Demand};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -125,19 +125,6 @@ fn async_waiters_leave_the_executor_free_come_in_order_and_are_charged_their_pol
     );
 }
 
-/// This process's async waiter thread: the times it ran (schedstat), or 0
-/// before it started.
-fn waiter_runs() -> u64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
-    for t in tasks.flatten() {
-        if std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "governor-waiter") {
-            let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap();
-            return stat.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap();
-        }
-    }
-    0
-}
-
 #[test]
 fn a_refill_that_serves_no_future_leaves_the_waiter_thread_asleep() {
     let _s = serial();
@@ -152,13 +139,13 @@ fn a_refill_that_serves_no_future_leaves_the_waiter_thread_asleep() {
         let demand = Demand::new().estimate_us(8000).timeout(Duration::from_secs(10));
         let wait = tokio::spawn(client.acquire_async(70, demand));
         // In line: the waiter thread started and sleeps for it.
-        while waiter_runs() == 0 {
+        while waiter_schedstat().1 == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let r0 = waiter_runs();
+        let r0 = waiter_schedstat().1;
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let runs = waiter_runs() - r0;
+        let runs = waiter_schedstat().1 - r0;
         let early = wait.is_finished();
         let ticket = wait.await.unwrap().expect("admitted");
         (started.elapsed(), runs, early.then(|| ticket.waited()))

@@ -76,7 +76,7 @@ impl BucketView {
     /// Moves a counted sleeper of the crowd that found a slot out of it
     /// (after it wrote its place into the slot).
     pub(crate) fn leave_crowd(&self) {
-        let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        self.uncount_crowd(1);
     }
 
     /// Uncounts a sleeper of slot `i`, freeing the slot if it still holds
@@ -89,7 +89,7 @@ impl BucketView {
     /// Uncounts a sleeper counted by [`Self::sleep_unslotted`].
     pub(crate) fn wake_unslotted(&self) {
         self.uncount_sleepers(1);
-        let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        self.uncount_crowd(1);
     }
 
     /// Takes `n` sleepers off the count, never below zero (the agent takes
@@ -98,13 +98,18 @@ impl BucketView {
         let _ = self.sleepers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| Some(s.saturating_sub(n)));
     }
 
+    /// Takes `n` off the crowd's count, never below zero.
+    fn uncount_crowd(&self, n: u64) {
+        let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| Some(s.saturating_sub(n)));
+    }
+
     /// Takes back what a dead client's ledger record says its thread
     /// counted asleep here ([`asleep_flags`]): `n` sleepers, and as many
     /// of the crowd if `unslotted`.
     pub fn take_back_asleep(&self, n: u64, unslotted: bool) {
         self.uncount_sleepers(u32::try_from(n).unwrap_or(u32::MAX));
         if unslotted {
-            let _ = self.unslotted.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| Some(s.saturating_sub(n)));
+            self.uncount_crowd(n);
         }
     }
 

@@ -3,7 +3,7 @@
 //! use, and the goodput of a capped tenant's admitted work.
 
 use anyhow::{Context, Result};
-use governor_tests::{Agent, essential_config, workload_bin};
+use governor_tests::{Agent, essential_config, waiter_schedstat, workload_bin};
 use keyspace_governor::client::{Client, Demand, TaggedExt};
 use keyspace_governor::sys;
 use std::io::{BufRead, BufReader, Write};
@@ -99,20 +99,6 @@ fn park_cpu_us() -> (f64, f64) {
     }
     let mut v = sleeper.join().unwrap();
     (percentile(&mut v, 0.5), percentile(&mut v, 0.99))
-}
-
-/// The process's async waiter thread (`governor-waiter`): (on-CPU ns,
-/// times it ran) by schedstat; zeros before it started.
-fn waiter_schedstat() -> (u64, u64) {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return (0, 0) };
-    for t in tasks.flatten() {
-        if std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "governor-waiter") {
-            let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
-            let f: Vec<u64> = stat.split_whitespace().filter_map(|v| v.parse().ok()).collect();
-            return (f.first().copied().unwrap_or(0), f.get(2).copied().unwrap_or(0));
-        }
-    }
-    (0, 0)
 }
 
 /// Four threads of one tenant capped at 0.1 core take tickets of 2 ms of
