@@ -444,7 +444,12 @@ pub fn essential_config(ratio: f64) -> String {
 /// This process's async waiter thread (`governor-waiter`) by schedstat:
 /// (on-CPU ns, times it ran); zeros before it started.
 pub fn waiter_schedstat() -> (u64, u64) {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return (0, 0) };
+    waiter_schedstat_of("self")
+}
+
+/// [`waiter_schedstat`] of process `pid` (a number, or `self`).
+pub fn waiter_schedstat_of(pid: &str) -> (u64, u64) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return (0, 0) };
     for t in tasks.flatten() {
         if std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "governor-waiter") {
             let stat = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();

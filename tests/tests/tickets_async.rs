@@ -1,7 +1,8 @@
 //! The async ticket API on a single-threaded executor: futures waiting for
 //! CPU tokens never block the executor's thread, are admitted in arrival
 //! order, and `Ticket::run` charges the keyspace exactly the CPU of its
-//! future's polls.
+//! future's polls; the waiter thread sleeps only for futures, and its CPU
+//! is charged to the keyspace of the futures it wakes, and to their tickets.
 
 use governor_tests::{Agent, bare_cap_config, essential_config, waiter_schedstat};
 use keyspace_governor::client::{self, Client, Demand};
@@ -155,4 +156,79 @@ fn a_refill_that_serves_no_future_leaves_the_waiter_thread_asleep() {
     // Its liveness check runs every 100 ms; each refill would add one.
     assert!((1..=6).contains(&runs), "the waiter thread ran {runs} times in 300 ms (30 refills)");
     assert!(admitted >= Duration::from_millis(350) && admitted < Duration::from_secs(6), "admitted after {admitted:?}");
+}
+
+/// The waiter thread's CPU is the keyspace's: the thread that sleeps for
+/// the futures in line is charged to no tag by the kernel, so it charges
+/// itself, sharing what it ran out among the futures it wakes, to their
+/// keyspace and their tickets. Here the executor's thread is not
+/// registered, so the keyspace's whole charge is the waiter thread's, held
+/// against that thread's schedstat.
+#[test]
+fn the_waiter_threads_cpu_is_charged_to_the_keyspace_it_wakes_futures_of() {
+    let _s = serial();
+    const KS: u32 = 73;
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+    let agent = Agent::start("ebpf", &bare_cap_config(0.02 / cores)).unwrap();
+    let client = Client::connect(&agent.socket).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let (w0, runs0) = waiter_schedstat();
+    let c0 = agent.keyspace_seconds(KS).unwrap_or(0.0);
+    let end = Instant::now() + Duration::from_secs(2);
+    // Eight tasks hold tickets for 3 ms of sleep each, one at a time by
+    // the tokens: the others wait in line, woken by the waiter thread.
+    let (consumed, waited, admitted) = rt.block_on(async {
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let (mut consumed, mut waited, mut admitted) = (0u64, 0u32, 0u32);
+                    while Instant::now() < end {
+                        let demand = Demand::new().estimate_us(1_000).timeout(Duration::from_secs(5));
+                        let ticket = client.acquire_async(KS, demand).await.expect("admitted");
+                        tokio::time::sleep(Duration::from_millis(3)).await;
+                        consumed += ticket.consumed_ns();
+                        waited += u32::from(ticket.did_wait());
+                        admitted += 1;
+                    }
+                    (consumed, waited, admitted)
+                })
+            })
+            .collect();
+        let mut sum = (0, 0, 0);
+        for t in tasks {
+            let (c, w, a) = t.await.unwrap();
+            sum = (sum.0 + c, sum.1 + w, sum.2 + a);
+        }
+        sum
+    });
+    let charged = (agent.keyspace_seconds(KS).unwrap() - c0) * 1e9;
+    let (w1, runs1) = waiter_schedstat();
+    let waiter = (w1 - w0) as f64;
+    eprintln!(
+        "{admitted} admitted, {waited} waited; the waiter thread ran {} times, {:.3} ms; charged {:.3} ms, \
+         tickets consumed {:.3} ms",
+        runs1 - runs0,
+        waiter / 1e6,
+        charged / 1e6,
+        consumed as f64 / 1e6
+    );
+    assert!(waited >= 50, "the tokens held the tasks in line: {waited} of {admitted} waited");
+    // Charged no more than the thread ran (and what a stretch of the test
+    // before left to the first future served here), and most of it: what
+    // it ran while nothing waited is no one's.
+    assert!(
+        charged >= waiter * 0.8 && charged <= waiter + 100_000.0,
+        "charged {charged} ns for a waiter thread that ran {waiter} ns"
+    );
+    // And each part went to a ticket too (every woken future polled again).
+    assert!(
+        (consumed as f64 - charged).abs() <= charged * 0.01 + 1_000.0,
+        "tickets consumed {consumed} ns, the keyspace was charged {charged} ns"
+    );
+    // With nothing to wait for, the thread sleeps until a future needs it
+    // (it used to wake every 100 ms for a liveness check).
+    let idle0 = waiter_schedstat().1;
+    std::thread::sleep(Duration::from_millis(350));
+    assert_eq!(waiter_schedstat().1 - idle0, 0, "the waiter thread woke with nothing to wait for");
 }

@@ -347,7 +347,10 @@ impl Ticket {
     }
 
     /// CPU the ticket's work consumed so far, ns (the measurement
-    /// protocol's own count, not wall time).
+    /// protocol's own count, not wall time), with what its admission and
+    /// its top-ups cost: the polls of its wait in line and, for the async
+    /// forms, its part of the waiter thread's CPU. What the keyspace was
+    /// charged for it.
     pub fn consumed_ns(&self) -> u64 {
         self.consumed_ns
     }

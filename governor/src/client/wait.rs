@@ -7,7 +7,9 @@
 //! Nothing polls on a timer: the only timeout is the liveness check that
 //! turns a dead agent into fail-open admission. The CPU a future spends
 //! polling its place in line is charged to its keyspace (and, once
-//! admitted, to its ticket), like the work itself.
+//! admitted, to its ticket), like the work itself; so is its part of the
+//! waiter thread's CPU, which the thread shares out among the futures it
+//! wakes.
 
 use super::attachment::Attachment;
 use super::conn::Client;
@@ -58,7 +60,8 @@ impl Line {
 
     fn poll_untagged(&mut self, cx: &mut Context<'_>) -> Poll<LineResult> {
         if let Some(id) = self.registered.take() {
-            unregister(id);
+            // The waiter thread's CPU for this wait, charged to the keyspace.
+            self.cpu_ns += unregister(id);
         }
         let r = &self.att.admission;
         loop {
@@ -87,7 +90,7 @@ impl Line {
                         return Poll::Ready(LineResult::FailOpen);
                     }
                     self.waited = true;
-                    match register(&self.att, bucket, pos, self.deadline, cx.waker()) {
+                    match register(&self.att, bucket, pos, self.deadline, self.cell, cx.waker()) {
                         Some(id) => {
                             self.registered = Some(id);
                             return Poll::Pending;
@@ -115,6 +118,7 @@ impl Line {
 impl Drop for Line {
     fn drop(&mut self) {
         if let Some(id) = self.registered.take() {
+            // A credit not taken stays with the keyspace, charged.
             unregister(id);
         }
         if let Some(q) = self.q.take() {

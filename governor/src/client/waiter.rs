@@ -6,6 +6,17 @@
 //! wakes only the futures whose place in line that head reached (and those
 //! past their deadline, or whose agent went), which poll again: a refill
 //! wakes the one future it serves, not the whole line.
+//!
+//! The thread is not registered, so the kernel charges its CPU to no one.
+//! It charges itself: what it ran since it last woke futures (sleeping,
+//! being woken, looking at the heads) is shared out equally among the
+//! futures it wakes whose place was reached, added to each one's keyspace
+//! cell and handed to the future, which counts it into its ticket with the
+//! CPU of its own polls (a future woken at its deadline leaves its part to
+//! the next one served).
+//! So the keyspace's charge and its tickets agree, and the CPU that
+//! waiting for admission costs is the keyspace's (docs/design.md,
+//! "Waiting"). A stretch in which nothing waited is no one's.
 
 use super::attachment::Attachment;
 use super::line::{LIVENESS_CHECK, agent_alive};
@@ -18,15 +29,21 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::task::Waker;
 use std::time::Instant;
 
-/// One future's wait: which bucket, for which place in line, until when.
+/// One future's wait: which bucket, for which place in line, until when,
+/// and the keyspace cell its wait is charged to.
 struct Entry {
     id: u64,
     att: Arc<Attachment>,
     bucket: u32,
     pos: u64,
     deadline_ns: u64,
+    cell: Option<u32>,
     waker: Waker,
 }
+
+/// Credits kept for woken futures that have not polled again; a future
+/// leaked after its wake leaves one behind, so no more than this are kept.
+const MAX_CREDITS: usize = 4096;
 
 /// What the waiter thread waits for, under one lock.
 #[derive(Default)]
@@ -39,6 +56,9 @@ struct Waits {
     /// The attachment is named by its address (only compared).
     covered: Vec<(usize, u32, u64)>,
     wakes_by_ns: u64,
+    /// The thread's CPU given to futures it woke, by registration, until
+    /// each polls again and takes it ([`unregister`]).
+    credits: Vec<(u64, u64)>,
 }
 
 struct Waiter {
@@ -185,8 +205,56 @@ impl Drop for Counted {
     }
 }
 
+/// The waiter thread's own CPU, by its thread clock: what it ran since it
+/// last shared it out.
+struct OwnCpu {
+    /// The clock at the last reading.
+    last_ns: u64,
+    /// Run for futures since the last share.
+    owed_ns: u64,
+    /// The last wake found futures waiting: what the thread runs until it
+    /// sleeps again (waking them) is theirs too.
+    serving: bool,
+}
+
+impl OwnCpu {
+    /// Reads the clock; the stretch since the last reading is owed when it
+    /// was run for futures (`for_futures`), else it is no one's.
+    fn read(&mut self, for_futures: bool) {
+        let now = sys::thread_cputime_ns();
+        if for_futures {
+            self.owed_ns = self.owed_ns.saturating_add(now.saturating_sub(self.last_ns));
+        }
+        self.last_ns = now;
+    }
+
+    /// Shares what is owed equally among the futures woken now (with the
+    /// remainder to the first): each part goes to the future's keyspace
+    /// cell and to its credit. Owed CPU with no future to take it waits
+    /// for the next wake.
+    fn share(&mut self, woken: &[(u64, Arc<Attachment>, u32)], credits: &mut Vec<(u64, u64)>) {
+        if woken.is_empty() || self.owed_ns == 0 {
+            return;
+        }
+        let n = woken.len() as u64;
+        let (each, rest) = (self.owed_ns / n, self.owed_ns % n);
+        for (i, (id, att, cell)) in woken.iter().enumerate() {
+            let ns = if i == 0 { each + rest } else { each };
+            if let Some(k) = att.measure.keyspaces.get(*cell) {
+                k.cpu_ns.fetch_add(ns, Ordering::Relaxed);
+            }
+            credits.push((*id, ns));
+        }
+        if credits.len() > MAX_CREDITS {
+            credits.drain(..credits.len() - MAX_CREDITS);
+        }
+        self.owed_ns = 0;
+    }
+}
+
 fn waiter_loop(w: &'static Waiter) {
     let mut counted: Vec<Counted> = Vec::new();
+    let mut own = OwnCpu { last_ns: sys::thread_cputime_ns(), owed_ns: 0, serving: false };
     loop {
         let kick = w.kick.load(Ordering::SeqCst);
         // What to wait on, gathered under the lock; the wait itself runs
@@ -195,8 +263,17 @@ fn waiter_loop(w: &'static Waiter) {
         // words mapped.
         let (words, deadline, due) = {
             let mut waits = w.lock();
-            let Waits { entries, covered, wakes_by_ns } = &mut *waits;
-            let mut deadline = sys::monotonic_ns() + LIVENESS_CHECK.as_nanos() as u64;
+            let Waits { entries, covered, wakes_by_ns, .. } = &mut *waits;
+            // About to sleep with nothing to wait for: what it ran since
+            // its last wake (waking futures) is owed if that wake served
+            // some; the sleep itself is owed only if a registration ends it.
+            if entries.is_empty() {
+                own.read(own.serving);
+                own.serving = false;
+            }
+            // Nothing waits: it sleeps until a registration kicks it.
+            let mut deadline =
+                if entries.is_empty() { u64::MAX } else { sys::monotonic_ns() + LIVENESS_CHECK.as_nanos() as u64 };
             // The thread counts itself asleep on each bucket a future waits
             // on, at the first place there (before it reads the words and
             // the heads, as a blocked waiter does), and no longer on the
@@ -245,21 +322,40 @@ fn waiter_loop(w: &'static Waiter) {
         // at once, which registers again.)
         let now = sys::monotonic_ns();
         let mut ready = Vec::new();
-        w.lock().entries.retain_mut(|e| {
-            let done = bucket(&e.att, e.bucket).reached(e.pos) || now >= e.deadline_ns || !agent_alive(&e.att);
-            if done {
-                ready.push(std::mem::replace(&mut e.waker, Waker::noop().clone()));
-            }
-            !done
-        });
+        let mut woken = Vec::new();
+        {
+            let mut waits = w.lock();
+            // Futures wait (since before the sleep, or registered during
+            // it): the stretch since the last reading was run for them.
+            own.serving = !waits.entries.is_empty();
+            waits.entries.retain_mut(|e| {
+                let alive = agent_alive(&e.att);
+                let served = bucket(&e.att, e.bucket).reached(e.pos);
+                let done = served || now >= e.deadline_ns || !alive;
+                if done {
+                    ready.push(std::mem::replace(&mut e.waker, Waker::noop().clone()));
+                    // Only a future served pays: one woken at its deadline
+                    // is refused and holds no ticket to count it in.
+                    if let Some(cell) = e.cell.filter(|_| served && alive) {
+                        woken.push((e.id, e.att.clone(), cell));
+                    }
+                }
+                !done
+            });
+            // Credited before the wakes: a woken future may poll at once.
+            // (Waking them is part of the next share.)
+            own.read(own.serving);
+            own.share(&woken, &mut waits.credits);
+        }
         ready.into_iter().for_each(Waker::wake);
     }
 }
 
 static NEXT_ENTRY: AtomicU64 = AtomicU64::new(1);
 
-/// Registers a wait for `bucket` of `att` reaching `pos`; `None` if it
-/// already did (poll again at once). The waiter thread counts itself
+/// Registers a wait for `bucket` of `att` reaching `pos`, charged to
+/// keyspace cell `cell`; `None` if it already did (poll again at once).
+/// The waiter thread counts itself
 /// asleep on the bucket before it looks whether the place was reached; it
 /// is kicked unless its sleep already wakes for an earlier place of the
 /// same bucket, and by the registration's deadline.
@@ -268,6 +364,7 @@ pub(super) fn register(
     bucket_i: u32,
     pos: u64,
     deadline: Option<Instant>,
+    cell: Option<u32>,
     waker: &Waker,
 ) -> Option<u64> {
     if bucket(att, bucket_i).reached(pos) {
@@ -282,7 +379,15 @@ pub(super) fn register(
     let id = NEXT_ENTRY.fetch_add(1, Ordering::Relaxed);
     let covered = {
         let mut waits = w.lock();
-        waits.entries.push(Entry { id, att: att.clone(), bucket: bucket_i, pos, deadline_ns, waker: waker.clone() });
+        waits.entries.push(Entry {
+            id,
+            att: att.clone(),
+            bucket: bucket_i,
+            pos,
+            deadline_ns,
+            cell,
+            waker: waker.clone(),
+        });
         deadline_ns >= waits.wakes_by_ns
             && waits
                 .covered
@@ -296,12 +401,18 @@ pub(super) fn register(
     Some(id)
 }
 
-/// Forgets a registration that has not fired yet. (The waiter thread moves
-/// its slot, or stops counting itself on a bucket nobody waits on, at its
-/// next wake.)
-pub(super) fn unregister(id: u64) {
+/// Ends a registration: forgets it if it has not fired yet (the waiter
+/// thread moves its slot, or stops counting itself on a bucket nobody
+/// waits on, at its next wake); if it fired, returns the waiter thread's
+/// CPU credited to it (ns), already charged to its keyspace, for its ticket.
+pub(super) fn unregister(id: u64) -> u64 {
     let mut waits = waiter().lock();
     if let Some(i) = waits.entries.iter().position(|e| e.id == id) {
         waits.entries.swap_remove(i);
+        return 0;
+    }
+    match waits.credits.iter().position(|&(c, _)| c == id) {
+        Some(i) => waits.credits.swap_remove(i).1,
+        None => 0,
     }
 }

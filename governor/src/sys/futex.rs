@@ -98,17 +98,13 @@ pub fn futex_waitv(words: &[(&std::sync::atomic::AtomicU32, u32)], deadline_ns: 
         tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
     };
+    // No deadline: no timeout.
+    let timeout = if deadline_ns == u64::MAX { std::ptr::null() } else { &ts as *const libc::timespec };
     // SAFETY: v holds valid futex_waitv entries for aligned u32 words that
-    // outlive the call; ts is an absolute CLOCK_MONOTONIC deadline.
+    // outlive the call; ts, when passed, is an absolute CLOCK_MONOTONIC
+    // deadline.
     let rc = unsafe {
-        libc::syscall(
-            SYS_FUTEX_WAITV,
-            v.as_ptr(),
-            v.len() as libc::c_uint,
-            0,
-            &ts as *const libc::timespec,
-            libc::CLOCK_MONOTONIC,
-        )
+        libc::syscall(SYS_FUTEX_WAITV, v.as_ptr(), v.len() as libc::c_uint, 0, timeout, libc::CLOCK_MONOTONIC)
     };
     if rc < 0 {
         let e = io::Error::last_os_error();
