@@ -284,14 +284,23 @@ fn a_keyspaces_waits_name_whom_they_were_behind() {
         );
         assert!(total >= 0.2, "keyspace {ks} waited only {total} s: no contention");
         // Other tasks of CPU 0 (kernel threads, the agent) take a sliver
-        // (0.2-7 % here and in the emulated VMs; more beside a busy core).
-        // Once in CI the emulated aarch64 guest read 44 % behind tasks
-        // governor does not measure (0.23 s of a 0.5 s span: something of
-        // the guest's own ran on CPU 0 meanwhile; three runs of the step
-        // after read 1.5-6.8 %): there, at least 40 % behind the other.
-        let floor = if std::env::var_os("GOVERNOR_TEST_EMULATED").is_some() { 0.4 } else { 0.6 };
-        let share = behind_other / total;
-        assert!((floor..=1.0).contains(&share), "keyspace {ks}: {:.1} % behind keyspace {other}", share * 100.0);
+        // (0.2-7 % here and in the emulated VMs; more beside a busy core):
+        // at least 60 % behind the other. In the emulated guests of `cargo
+        // xtask vm-test` tasks governor does not measure took 44 % and 66 %
+        // of CPU 0 in two CI runs of the aarch64 guest (something of the
+        // guest's own ran there meanwhile; other runs read 1.5-6.8 %): there
+        // the share is of the waits not behind those tasks (behind the
+        // other keyspace, a registered thread with no tag, the idle task),
+        // and the other keyspace still holds 0.1 s of it.
+        let unmeasured = k.cpu_wait_behind.iter().filter(|b| b.behind == "unmeasured").map(|b| b.seconds).sum::<f64>();
+        let emulated = std::env::var_os("GOVERNOR_TEST_EMULATED").is_some();
+        let share = if emulated { behind_other / (total - unmeasured).max(1e-9) } else { behind_other / total };
+        assert!(
+            (0.6..=1.0).contains(&share) && behind_other >= 0.1,
+            "keyspace {ks}: {:.1} % behind keyspace {other} ({behind_other:.3} s; {unmeasured:.3} s behind unmeasured \
+             tasks)",
+            share * 100.0
+        );
     }
     let out = std::process::Command::new(governor_tests::governor_bin())
         .args(["keyspace", &OTHER.to_string(), "--socket"])

@@ -247,7 +247,7 @@ esac
 # Per-keyspace profiles: the perf_event program, stacks and symbols on this
 # kernel and architecture.
 case ",${vm_test_only:-}," in
-*",profile,"*) step profile ./profile --test-threads 1 --nocapture --exact \
+*",profile,"*) step profile env GOVERNOR_TEST_EMULATED=1 ./profile --test-threads 1 --nocapture --exact \
     keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu \
     request_kinds_of_one_keyspace_get_their_own_stacks ;;
 esac

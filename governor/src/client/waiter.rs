@@ -304,13 +304,22 @@ fn waiter_loop(w: &'static Waiter) {
             *wakes_by_ns = deadline;
             (words, deadline, due)
         };
-        if !due {
+        if !due && counted.is_empty() {
+            // Nothing waits: only the kick word, with a plain futex wait
+            // (every kernel has it), for an hour at a time.
+            let hour = std::time::Duration::from_secs(3600);
+            sys::futex_wait(
+                &w.kick,
+                kick,
+                std::time::Duration::from_nanos(deadline - sys::monotonic_ns().min(deadline)).min(hour),
+            );
+        } else if !due {
             let refs: Vec<(&AtomicU32, u32)> = std::iter::once((&w.kick, kick))
                 .chain(counted.iter().zip(&words).map(|(c, &seen)| (&bucket(&c.att, c.bucket).wake_seq, seen)))
                 .collect();
             if let Err(e) = sys::futex_waitv(&refs, deadline) {
-                // A kernel without futex_waitv (before 5.16): wake everyone
-                // each liveness period instead.
+                // A kernel without futex_waitv (before 5.16): every future
+                // looks at its place each millisecond instead.
                 log::debug!("futex_waitv: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }

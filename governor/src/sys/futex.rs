@@ -78,8 +78,8 @@ pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
 }
 
 /// Waits until any of `words` (address, expected value) no longer holds
-/// its value, or until CLOCK_MONOTONIC reaches `deadline_ns`
-/// (`futex_waitv`, Linux 5.16). At most 128 words.
+/// its value, or until CLOCK_MONOTONIC reaches `deadline_ns` (`u64::MAX`:
+/// no timeout) (`futex_waitv`, Linux 5.16). At most 128 words.
 pub fn futex_waitv(words: &[(&std::sync::atomic::AtomicU32, u32)], deadline_ns: u64) -> io::Result<()> {
     #[repr(C)]
     struct Waitv {
