@@ -294,9 +294,10 @@ fn a_keyspaces_waits_name_whom_they_were_behind() {
         // and the other keyspace still holds 0.1 s of it.
         let unmeasured = k.cpu_wait_behind.iter().filter(|b| b.behind == "unmeasured").map(|b| b.seconds).sum::<f64>();
         let emulated = std::env::var_os("GOVERNOR_TEST_EMULATED").is_some();
+        // (A sum less a part can be a rounding short of the part it holds.)
         let share = if emulated { behind_other / (total - unmeasured).max(1e-9) } else { behind_other / total };
         assert!(
-            (0.6..=1.0).contains(&share) && behind_other >= 0.1,
+            (0.6..=1.0 + 1e-9).contains(&share) && behind_other >= 0.1,
             "keyspace {ks}: {:.1} % behind keyspace {other} ({behind_other:.3} s; {unmeasured:.3} s behind unmeasured \
              tasks)",
             share * 100.0
