@@ -101,6 +101,7 @@ fn a_tenant_back_from_idle_takes_no_more_than_its_cap_in_its_first_second() {
     let mut firsts = Vec::new();
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(1500));
+        let steal = governor_tests::Steal::start();
         let before = agent.keyspace_seconds(1).unwrap();
         let report = governor_tests::run_workload(&agent.socket, &one_second).unwrap();
         std::thread::sleep(Duration::from_millis(100));
@@ -109,13 +110,20 @@ fn a_tenant_back_from_idle_takes_no_more_than_its_cap_in_its_first_second() {
         let tickets = report["ticket_consumed_ns"].as_f64().unwrap() / 1e9;
         eprintln!("after idle: charged {charged:.4} s, tickets {tickets:.4} s in {wall:.4} s; {report}");
         firsts.push(tickets / wall.max(1.0));
-        // Held back: the cap, not a lack of demand.
-        assert!(report["granted"].as_u64().unwrap() > 300 && charged >= cap * 0.9, "{report}");
+        // Held back: the cap, not a lack of demand. (Tickets pay by the
+        // thread clock, which counts what the host stole within a slice;
+        // the kernel's charge does not.)
+        let steal = steal.share();
+        assert!(report["granted"].as_u64().unwrap() > 300 && charged >= cap * (0.9 - steal), "{report}");
     }
     let worst = firsts.iter().copied().fold(0.0, f64::max);
     let err = (worst - cap) / cap * 100.0;
     eprintln!("cap {cap:.3} cores; first seconds after idle {firsts:.4?}: worst {err:+.2} %");
-    assert!((-5.0..=2.0).contains(&err), "the first second after idle off the cap by {err:+.2} %: {firsts:.4?}");
+    // An idle bucket keeps one refill interval's tokens (+1 % of the
+    // second), and the loop's second may hold one refill more than its
+    // share of the 10 ms grid (+1 %): +2 % at worst by that count, +0.5 to
+    // +1.3 % read. A bucket left full would give +10 %.
+    assert!((-5.0..=3.0).contains(&err), "the first second after idle off the cap by {err:+.2} %: {firsts:.4?}");
 }
 
 #[test]

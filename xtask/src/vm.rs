@@ -21,11 +21,14 @@
 //!   (read with the processes stopped, or bracketing the tagged span from
 //!   both sides), so an emulated vCPU's lost milliseconds fall inside both.
 //!   One exception: a guest whose kernel stops altogether (its heartbeat,
-//!   a line every 10 s, silent for [`SILENCE`]; seen a few times in x86_64
-//!   TCG guests, both vCPUs spinning and no RCU stall printed) is stopped
-//!   and booted again once, for the step it stopped in and those after. A
-//!   step that failed, or a test that hangs while the kernel still beats,
-//!   is never run again.
+//!   a line every 10 s from its user space, silent for [`SILENCE`]; seen a
+//!   few times in x86_64 TCG guests, both vCPUs spinning and no RCU stall
+//!   printed, and once with the kernel printing a soft lockup every 28 s,
+//!   one vCPU looping on the breakpoint of a tracepoint's patch while the
+//!   other, detaching the agent's program, waited for it) is stopped and
+//!   booted again once, for the step it stopped in and those after. The
+//!   kernel's own lines do not count as a heartbeat. A step that failed,
+//!   or a test that hangs while the guest still beats, is never run again.
 
 use crate::dist::Arch;
 use crate::{cargo, cross_env, root, run};
@@ -427,10 +430,22 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
         stopped_in: None,
     };
     let mut current = String::from("boot");
+    // The last line from the guest's user space (the kernel's own lines,
+    // lockup reports among them, say nothing of whether it still runs).
+    let mut alive_at = Instant::now();
     loop {
         let left = limit.checked_sub(start.elapsed()).unwrap_or_default();
-        match rx.recv_timeout(left.min(SILENCE)) {
+        let quiet = SILENCE.saturating_sub(alive_at.elapsed());
+        let got = if quiet.is_zero() {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        } else {
+            rx.recv_timeout(left.min(quiet))
+        };
+        match got {
             Ok(line) => {
+                if !is_kernel_line(&line) {
+                    alive_at = Instant::now();
+                }
                 // The heartbeat may land inside a test's line: taken out.
                 let line = if line.contains(ALIVE) { line.replace(ALIVE, "") } else { line };
                 if line.trim().is_empty() {
@@ -467,7 +482,7 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
             }
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 eprintln!(
-                    "the guest printed nothing for {} s, not even its heartbeat: stopping qemu",
+                    "the guest's user space printed nothing for {} s, not even its heartbeat: stopping qemu",
                     SILENCE.as_secs()
                 );
                 // What the host ran meanwhile (a host process starving the
@@ -488,4 +503,27 @@ fn boot(arch: Arch, vmlinuz: &Path, initramfs: &Path, only: Option<&str>) -> Res
         eprintln!("{qemu} exited with {status}");
     }
     Ok(run)
+}
+
+/// A line of the guest kernel's log on the console: `[  120.428775] …`.
+fn is_kernel_line(line: &str) -> bool {
+    line.trim_start()
+        .strip_prefix('[')
+        .and_then(|rest| rest.split_once(']'))
+        .is_some_and(|(stamp, _)| stamp.trim().parse::<f64>().is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_kernels_console_lines_are_told_from_the_guests_user_space() {
+        assert!(super::is_kernel_line(
+            "[  120.428775] watchdog: BUG: soft lockup - CPU#1 stuck for 45s! [governor:478]"
+        ));
+        assert!(super::is_kernel_line("[   95.449175] Call Trace:"));
+        assert!(!super::is_kernel_line("VM-TEST-STEP profile rc=0 seconds=30.1"));
+        assert!(!super::is_kernel_line("[ok] 3 samples"));
+        assert!(!super::is_kernel_line("test keyspaces_on_the_same_threads ... ok"));
+        assert!(!super::is_kernel_line(""));
+    }
 }

@@ -43,18 +43,22 @@ fn compress_rows(rounds: u64) -> u64 {
     std::hint::black_box(run)
 }
 
-/// Rounds of `f` that take about `d`.
+/// Rounds of `f` that take about `d` of the thread's CPU: the fastest of
+/// five timings of at least 2 ms each (one timing alone reads long after a
+/// preemption, or on a first run, which emulation makes slow, and the two
+/// kinds' turns would then be calibrated off their 3:1).
 fn calibrate(f: fn(u64) -> u64, d: Duration) -> u64 {
-    let mut rounds = 1000u64;
-    loop {
-        let t = Instant::now();
+    let timed = |rounds| {
+        let t = thread_cputime_ns();
         f(rounds);
-        let took = t.elapsed();
-        if took >= Duration::from_millis(2) {
-            return (rounds as f64 * d.as_secs_f64() / took.as_secs_f64()).max(1.0) as u64;
-        }
+        (thread_cputime_ns() - t).max(1)
+    };
+    let mut rounds = 1000u64;
+    while timed(rounds) < 2_000_000 {
         rounds *= 2;
     }
+    let took = (0..5).map(|_| timed(rounds)).min().unwrap_or(1);
+    (rounds as f64 * d.as_nanos() as f64 / took as f64).max(1.0) as u64
 }
 
 /// Writes the time spent in each kind to `path`, whole (through a rename).
