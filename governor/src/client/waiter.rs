@@ -271,9 +271,9 @@ fn waiter_loop(w: &'static Waiter) {
                 own.read(own.serving);
                 own.serving = false;
             }
-            // Nothing waits: it sleeps until a registration kicks it.
-            let mut deadline =
-                if entries.is_empty() { u64::MAX } else { sys::monotonic_ns() + LIVENESS_CHECK.as_nanos() as u64 };
+            // The liveness check bounds a sleep with futures waiting; with
+            // none, it sleeps until a registration kicks it (below).
+            let mut deadline = sys::monotonic_ns() + LIVENESS_CHECK.as_nanos() as u64;
             // The thread counts itself asleep on each bucket a future waits
             // on, at the first place there (before it reads the words and
             // the heads, as a blocked waiter does), and no longer on the
@@ -301,18 +301,13 @@ fn waiter_loop(w: &'static Waiter) {
                     counted.iter().filter_map(|c| c.slot.map(|(_, at)| (Arc::as_ptr(&c.att) as usize, c.bucket, at))),
                 );
             }
-            *wakes_by_ns = deadline;
+            *wakes_by_ns = if entries.is_empty() { u64::MAX } else { deadline };
             (words, deadline, due)
         };
         if !due && counted.is_empty() {
             // Nothing waits: only the kick word, with a plain futex wait
             // (every kernel has it), for an hour at a time.
-            let hour = std::time::Duration::from_secs(3600);
-            sys::futex_wait(
-                &w.kick,
-                kick,
-                std::time::Duration::from_nanos(deadline - sys::monotonic_ns().min(deadline)).min(hour),
-            );
+            sys::futex_wait(&w.kick, kick, std::time::Duration::from_secs(3600));
         } else if !due {
             let refs: Vec<(&AtomicU32, u32)> = std::iter::once((&w.kick, kick))
                 .chain(counted.iter().zip(&words).map(|(c, &seen)| (&bucket(&c.att, c.bucket).wake_seq, seen)))

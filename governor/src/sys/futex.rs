@@ -78,8 +78,8 @@ pub fn futex_wake(word: &std::sync::atomic::AtomicU32, n: i32) {
 }
 
 /// Waits until any of `words` (address, expected value) no longer holds
-/// its value, or until CLOCK_MONOTONIC reaches `deadline_ns` (`u64::MAX`:
-/// no timeout) (`futex_waitv`, Linux 5.16). At most 128 words.
+/// its value, or until CLOCK_MONOTONIC reaches `deadline_ns`
+/// (`futex_waitv`, Linux 5.16). At most 128 words.
 pub fn futex_waitv(words: &[(&std::sync::atomic::AtomicU32, u32)], deadline_ns: u64) -> io::Result<()> {
     #[repr(C)]
     struct Waitv {
@@ -98,13 +98,17 @@ pub fn futex_waitv(words: &[(&std::sync::atomic::AtomicU32, u32)], deadline_ns: 
         tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
     };
-    // No deadline: no timeout.
-    let timeout = if deadline_ns == u64::MAX { std::ptr::null() } else { &ts as *const libc::timespec };
     // SAFETY: v holds valid futex_waitv entries for aligned u32 words that
-    // outlive the call; ts, when passed, is an absolute CLOCK_MONOTONIC
-    // deadline.
+    // outlive the call; ts is an absolute CLOCK_MONOTONIC deadline.
     let rc = unsafe {
-        libc::syscall(SYS_FUTEX_WAITV, v.as_ptr(), v.len() as libc::c_uint, 0, timeout, libc::CLOCK_MONOTONIC)
+        libc::syscall(
+            SYS_FUTEX_WAITV,
+            v.as_ptr(),
+            v.len() as libc::c_uint,
+            0,
+            &ts as *const libc::timespec,
+            libc::CLOCK_MONOTONIC,
+        )
     };
     if rc < 0 {
         let e = io::Error::last_os_error();
