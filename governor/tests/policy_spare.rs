@@ -5,7 +5,9 @@
 mod common;
 
 use common::essential;
-use keyspace_governor::policy::{Demand, Policy, Refusal, SPARE_MAX_US, Spare, acquire_with, release_with};
+use keyspace_governor::policy::{
+    Demand, Policy, Refusal, SPARE_MAX_US, Spare, acquire_spared, acquire_with, release_with,
+};
 use keyspace_governor::region::{AdmissionRegions, BucketView, CellRef, GLOBAL};
 use std::sync::atomic::Ordering;
 
@@ -140,4 +142,74 @@ fn a_refund_goes_to_the_buckets_while_anyone_waits_and_an_overrun_is_paid_from_t
     assert_eq!(p.keyspace(1).unwrap().bucket().inflight_us(), 0);
     let b = p.keyspace(1).unwrap().bucket().snapshot();
     assert_eq!(b.ledger_available_us(), b.available_us);
+}
+
+/// Two policies in the same state, each thread holding a spare of 400 µs
+/// of keyspace 1.
+fn spared_pair() -> [(Policy, Option<CellRef>, Spare); 2] {
+    [0, 1].map(|_| {
+        let p = essential(0.4);
+        let cell = setup(&p, 1);
+        let mut s = Spare::default();
+        let r = p.regions();
+        let k = r.header().knobs.snapshot();
+        let g = acquire_with(r, &k, 1, cell, &demand(400), Some(&mut s)).unwrap();
+        release_with(r, &g, 0, Some(&mut s));
+        assert_eq!(s.us, 400);
+        (p, cell, s)
+    })
+}
+
+#[test]
+fn the_spared_lane_grants_what_the_ordinary_path_grants_from_the_spare() {
+    let [(p1, cell1, mut s1), (p2, cell2, mut s2)] = spared_pair();
+    assert_eq!(cell1, cell2);
+    let (r1, r2) = (p1.regions(), p2.regions());
+    let k1 = r1.header().knobs.snapshot();
+    for (us, kind) in [(150, 0), (100, 3), (50, 7)] {
+        let d = Demand { kind, ..demand(us) };
+        let ordinary = acquire_with(r1, &k1, 1, cell1, &d, Some(&mut s1)).unwrap();
+        let lane = acquire_spared(r2, 1, &d, &mut s2).expect("the lane takes it");
+        assert_eq!(lane, ordinary, "the same grant");
+        assert_eq!(s2, s1, "the same spare left");
+        let (e1, e2) = (p1.keyspace(1).unwrap(), p2.keyspace(1).unwrap());
+        assert_eq!(e2.bucket().snapshot(), e1.bucket().snapshot(), "the same bucket");
+        assert_eq!(*e2.counters(), *e1.counters(), "the same counters");
+        assert_eq!(p2.global_bucket(), p1.global_bucket(), "the same global bucket");
+        release_with(r1, &ordinary, us / 2, Some(&mut s1));
+        release_with(r2, &lane, us / 2, Some(&mut s2));
+    }
+}
+
+#[test]
+fn the_spared_lane_leaves_everything_else_to_the_ordinary_path_untouched() {
+    let [(p, cell, mut s), _] = spared_pair();
+    let r = p.regions();
+    let before = (p.keyspace(1).unwrap().bucket().snapshot(), *p.keyspace(1).unwrap().counters(), s);
+    let untouched = |s: &Spare| {
+        assert_eq!((p.keyspace(1).unwrap().bucket().snapshot(), *p.keyspace(1).unwrap().counters(), *s), before);
+    };
+    let declines = [
+        ("write bytes", Demand { write_bytes: 10, ..demand(100) }, 1),
+        ("low priority", Demand { low_priority: true, ..demand(100) }, 1),
+        ("more than the spare holds", demand(500), 1),
+        ("another keyspace", demand(100), 2),
+    ];
+    for (what, d, ks) in declines {
+        assert_eq!(acquire_spared(r, ks, &d, &mut s), None, "{what}");
+        untouched(&s);
+    }
+    // Someone asleep on the global bucket: the spare is not to be used.
+    r.bucket(GLOBAL).sleepers.fetch_add(1, Ordering::SeqCst);
+    assert_eq!(acquire_spared(r, 1, &demand(100), &mut s), None, "a sleeper");
+    r.bucket(GLOBAL).sleepers.fetch_sub(1, Ordering::SeqCst);
+    untouched(&s);
+    // The cell given to another keyspace since: the spare is not its.
+    let stale = Spare { cell: cell.map(|c| CellRef { generation: c.generation + 1, ..c }), ..s };
+    let mut stale2 = stale;
+    assert_eq!(acquire_spared(r, 1, &demand(100), &mut stale2), None, "a stale cell");
+    assert_eq!(stale2, stale);
+    // Quiet again, the same request goes through.
+    assert!(acquire_spared(r, 1, &demand(100), &mut s).is_some());
+    assert_eq!(s.us, 300);
 }

@@ -202,22 +202,40 @@ impl Client {
             *t = self.fail_open(keyspace, None);
             return Ok(None);
         };
-        let cell = match known {
-            Some(c) => c,
-            None => match att.cell_of(keyspace) {
-                Ok(c) => Some(c),
-                // No cell (the table is full, or the uid's quota of cells is
-                // spent): the overflow bucket holds it to the tenant limits.
-                Err(ClientError::Refused { .. }) => None,
-                Err(_) => {
-                    *t = self.fail_open(keyspace, None);
-                    return Ok(None);
-                }
-            },
-        };
-        let k = att.admission.header().knobs.snapshot();
         home::with_home(att, true, |mut home| {
-            let Some(idx) = home.as_ref().and_then(|h| h.claim()).or_else(|| claim_shared(att)) else {
+            let mine = home.as_ref().and_then(|h| h.claim());
+            // Almost every ticket of a busy thread: its spare tokens pay.
+            if let (Some(h), Some(idx)) = (home.as_deref_mut(), mine)
+                && known.is_none_or(|c| c.is_some() && c == h.spare.cell)
+                && let Some(g) = policy::acquire_spared(&att.admission, keyspace, demand, &mut h.spare)
+            {
+                write_record(att, idx, &g);
+                t.att = Some(h.take_ref());
+                t.record = idx;
+                t.grant = g;
+                t.deadline = demand.deadline;
+                h.sync();
+                return Ok(None);
+            }
+            let cell = match known {
+                Some(c) => c,
+                None => match att.cell_of(keyspace) {
+                    Ok(c) => Some(c),
+                    // No cell (the table is full, or the uid's quota of cells
+                    // is spent): the overflow bucket holds it to the tenant
+                    // limits.
+                    Err(ClientError::Refused { .. }) => None,
+                    Err(_) => {
+                        if let Some(idx) = mine {
+                            record(att, idx).state.store(TICKET_FREE, Ordering::Release);
+                        }
+                        *t = self.fail_open(keyspace, None);
+                        return Ok(None);
+                    }
+                },
+            };
+            let k = att.admission.header().knobs.snapshot();
+            let Some(idx) = mine.or_else(|| claim_shared(att)) else {
                 return Err(Refused {
                     reason: Refusal::TooManyTickets { limit: att.ledger.len() },
                     waited: Duration::ZERO,

@@ -55,8 +55,8 @@ mod tick;
 mod window;
 
 pub use admit::{
-    Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Knobs, Progress, Queued, acquire, acquire_queued, acquire_with,
-    release, release_with, top_up, top_up_queued,
+    Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Knobs, Progress, Queued, acquire, acquire_queued, acquire_spared,
+    acquire_with, release, release_with, top_up, top_up_queued,
 };
 pub use error::{Refusal, TENANT_ADMISSION_CONTROL_MARKER, WriteLimitKind};
 pub use spare::{SPARE_MAX_US, Spare, return_tokens as return_spare};

@@ -4,7 +4,7 @@ use super::{Demand, Grant, KEYSPACE_PENDING_WRITE_RATIO, Knobs, RequestBuckets, 
 use crate::policy::bucket::give_back;
 use crate::policy::error::{Refusal, WriteLimitKind};
 use crate::policy::spare::Spare;
-use crate::region::{AdmissionRegions, BucketView, CellRef, LOW_PRIORITY};
+use crate::region::{AdmissionRegions, BucketView, CellRef, LOW_PRIORITY, ParamsView};
 use keyspace_governor_common::admission::{
     KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_BURST, KNOB_ENABLED, KNOB_ENFORCE_GLOBAL, KNOB_RUNTIME_TOPUP,
     KNOB_THROTTLE, KNOB_TRACK_DEMAND, P_BURST_ALLOWED, P_BURST_ENABLED, P_CAP, P_THROTTLED, counter as c,
@@ -166,18 +166,41 @@ pub(super) fn enter_writes(
 /// global buckets hold (it tops up as it runs).
 #[inline]
 pub(super) fn estimate(k: &Knobs, buckets: &RequestBuckets<'_>, demand: &Demand) -> (u64, u64) {
-    let published = buckets.tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
-    let estimated = demand.estimate_us.unwrap_or(if published > 0 { published } else { k.default_estimate_us }).max(1);
+    estimate_of(k.flags, k.default_estimate_us, buckets.global, buckets.tenant, demand)
+}
+
+/// [`estimate`] from the knobs' flags and default estimate alone (what the
+/// spared lane reads of the knobs).
+#[inline(always)]
+pub(super) fn estimate_of(
+    flags: u64,
+    default_estimate_us: u64,
+    global: &BucketView,
+    tenant: Option<(&BucketView, &ParamsView)>,
+    demand: &Demand,
+) -> (u64, u64) {
+    let published = tenant.map(|(_, p)| p.estimate_us.load(Ordering::Relaxed)).unwrap_or(0);
+    let estimated = demand.estimate_us.unwrap_or(if published > 0 { published } else { default_estimate_us }).max(1);
     let mut est = estimated;
-    if k.has(KNOB_RUNTIME_TOPUP)
-        && let Some((tenant, _)) = buckets.tenant
+    if flags & KNOB_RUNTIME_TOPUP != 0
+        && let Some((tenant, _)) = tenant
     {
-        let room = buckets.global.available_us().min(tenant.available_us()) / 10;
+        let room = global.available_us().min(tenant.available_us()) / 10;
         if room > 0 {
             est = est.min(room as u64);
         }
     }
     (est, estimated)
+}
+
+/// Stamps the keyspace's bucket as used now: idle eviction reads it. The
+/// agent's coarse clock, so no clock read.
+#[inline(always)]
+pub(super) fn touch(r: &AdmissionRegions, b: &BucketView) {
+    let now = r.header().agent.now_ms.load(Ordering::Relaxed);
+    if b.last_used_ms.load(Ordering::Relaxed) != now {
+        b.last_used_ms.store(now, Ordering::Relaxed);
+    }
 }
 
 /// Where a request stands after the checks that never wait.
@@ -215,11 +238,7 @@ pub(super) fn prepare(
     let tenant = buckets.tenant.map(|t| t.0);
     if let Some(b) = tenant {
         g.counted = enter_concurrency(k, b, keyspace)?;
-        // Idle eviction reads it; the agent's coarse clock, so no clock read.
-        let now = r.header().agent.now_ms.load(Ordering::Relaxed);
-        if b.last_used_ms.load(Ordering::Relaxed) != now {
-            b.last_used_ms.store(now, Ordering::Relaxed);
-        }
+        touch(r, b);
     }
     if demand.write_bytes > 0
         && let Some(b) = tenant

@@ -19,7 +19,7 @@ mod checks;
 mod queue;
 mod release;
 
-use checks::{Prep, finish, prepare, take_cpu, take_global_only, undo};
+use checks::{Prep, estimate_of, finish, prepare, take_cpu, take_global_only, touch, undo};
 pub use queue::{Progress, Queued, acquire_queued, top_up_queued};
 pub use release::{release, release_with};
 
@@ -27,7 +27,10 @@ use super::error::Refusal;
 use super::spare::Spare;
 use crate::region::{AdmissionRegions, BucketView, CellRef, GLOBAL, ParamsView};
 // (FIRST_KEYSPACE is named in full where a bucket index is computed.)
-use keyspace_governor_common::admission::{P_THROTTLED, counter as c};
+use keyspace_governor_common::admission::{
+    DIR_LIVE, KNOB_ADMISSION_ENFORCED, KNOB_ADMISSION_MONITOR, KNOB_ENABLED, KNOB_THROTTLE, KNOB_TRACK_DEMAND,
+    P_THROTTLED, counter as c,
+};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -285,6 +288,57 @@ pub fn acquire_with(
             Err(e.refusal)
         }
     }
+}
+
+/// The spared lane: a request that asks only CPU tokens (no write bytes,
+/// not low priority), of the keyspace whose spare tokens the calling thread
+/// holds, while the knobs count no concurrency and the spare's buckets are
+/// quiet ([`super::spare::may_keep`]). It gets the grant [`acquire_with`]
+/// gives from the spare, with the same stores, in one straight pass that
+/// reads the knobs' flags and default estimate instead of a snapshot, and
+/// the keyspace's cell from the spare instead of the directory: the path
+/// of almost every ticket of a busy thread. `None`: nothing was done (the
+/// spare too small, a check that asks for the ordinary path); take
+/// [`acquire_with`].
+#[inline(always)]
+pub fn acquire_spared(r: &AdmissionRegions, keyspace: u32, demand: &Demand, spare: &mut Spare) -> Option<Grant> {
+    if spare.us == 0 || demand.write_bytes != 0 || demand.low_priority {
+        return None;
+    }
+    let knobs = &r.header().knobs;
+    let flags = knobs.flags.load(Ordering::Acquire);
+    if flags & (KNOB_ENABLED | KNOB_THROTTLE) != KNOB_ENABLED | KNOB_THROTTLE
+        || flags & (KNOB_ADMISSION_ENFORCED | KNOB_ADMISSION_MONITOR) != 0
+    {
+        return None;
+    }
+    // The spare's cell, while it is still this keyspace's (the directory's
+    // live entry for it, at the generation the tokens came from).
+    let cell = spare.cell?;
+    let (tenant, params) = super::spare::tenant_of(r, Some(cell))?;
+    if params.entry() != (DIR_LIVE, keyspace) || !params.has(P_THROTTLED) || !super::spare::may_keep(r, tenant, params)
+    {
+        return None;
+    }
+    let default_estimate_us = knobs.default_estimate_us.load(Ordering::Relaxed);
+    let (est, estimated) = estimate_of(flags, default_estimate_us, r.bucket(GLOBAL), Some((tenant, params)), demand);
+    if spare.us < est {
+        return None;
+    }
+    touch(r, tenant);
+    if flags & KNOB_TRACK_DEMAND != 0 {
+        tenant.count(c::DEMAND_US, est);
+    }
+    spare.us -= est;
+    tenant.count(c::GRANTED, 1);
+    Some(Grant {
+        kind: demand.kind,
+        tenant_us: est,
+        global_us: est,
+        skipped: false,
+        estimate_us: estimated,
+        ..Grant::unchecked(keyspace, Some(cell))
+    })
 }
 
 /// Runtime top-up: `us` more for a running request, from the same tenant
