@@ -156,11 +156,13 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
             "keyspace {ks}: {sample_share:.3} of the samples against {cpu_share:.3} of the CPU (σ {sigma:.4})"
         );
     }
-    // 150 µs against 50 µs turns, calibrated on the thread clock and
-    // steered on it every 16 turns: 0.749–0.751 here, 0.747–0.751 in the
-    // emulated aarch64 guest, 0.740–0.742 in the emulated x86_64 one. (With
-    // one calibration by the wall clock it read 0.70–0.76 and 0.81–0.83
-    // there, and 0.83–0.86 in x86_64 with the calibration alone.)
+    // 600 µs against 200 µs turns (150 against 50 until 2026-12-06, when
+    // these figures were taken), calibrated on the thread clock and steered
+    // on it every 16 turns: 0.749–0.751 here, 0.747–0.751 in the emulated
+    // aarch64 guest, 0.740–0.742 in the emulated x86_64 one; 0.742–0.744
+    // in the two guests with the longer turns. (With one calibration
+    // by the wall clock it read 0.70–0.76 and 0.81–0.83 there, and
+    // 0.83–0.86 in x86_64 with the calibration alone.)
     assert!((0.6..=0.9).contains(&(cpu(A) / (cpu(A) + cpu(B)))), "A's CPU share");
     check_rows(&r, "json", 0.90);
     assert_eq!(r.frequency_hz, 499);
@@ -240,8 +242,8 @@ fn keyspaces_on_the_same_threads_get_their_own_stacks_in_proportion_to_their_cpu
     // read 89.1 % in its function once (92.3 to 98.8 in eighteen other
     // runs): it has some 200 samples there, and a few tens of ms of other
     // work under its tag move the share by 5 % (the workload's loop read
-    // the clock, a system call there, after each of its turns; it now
-    // reads it every 16 turns). The floor there is 85 %.
+    // the clock, a system call there, under its tag; it now reads it every
+    // 16 turns, untagged). The floor there is 85 %.
     let emulated = std::env::var_os("GOVERNOR_TEST_EMULATED").is_some();
     check_rows(&r, "exited mid-profile", if emulated { 0.85 } else { 0.90 });
 }
