@@ -178,6 +178,17 @@ fn tid_entry(tid: u32) -> Option<*mut u32> {
     GOV_TID_SLOT.get_ptr_mut(tid).map(|p| p as *mut u32)
 }
 
+/// Whether `entry` names a slot or a rule tag: one load for both halves, so
+/// a switch of a task no one measures costs a single test per side.
+///
+/// # Safety
+/// `entry` is a tid entry (8 bytes, 8-aligned in the array map).
+#[inline(always)]
+unsafe fn measured(entry: *mut u32) -> bool {
+    // SAFETY: as the caller promises.
+    unsafe { read_volatile(entry as *const u64) != 0 }
+}
+
 /// The live slot of `tid` (with its index), given its entry, if registered.
 /// A slot handed to another thread since the entry was read is not it.
 ///
@@ -601,7 +612,9 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         let prev_tid = task_field::<u32>(prev, &GOV_OFF_PID);
         // Whom next takes the CPU from, if next is measured.
         let mut runner = if prev_tid == 0 { BEHIND_IDLE } else { BEHIND_UNMEASURED };
-        if let Some(entry) = tid_entry(prev_tid) {
+        if let Some(entry) = tid_entry(prev_tid)
+            && measured(entry)
+        {
             if let Some((slot, _)) = registered(prev_tid, entry) {
                 // The kernel brought prev's runtime up to date before the switch.
                 let runtime = task_field::<u64>(prev, &GOV_OFF_RUNTIME);
@@ -633,7 +646,7 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
             }
         }
         let next_tid = task_field::<u32>(next, &GOV_OFF_PID);
-        let Some(entry) = tid_entry(next_tid) else { return 0 };
+        let Some(entry) = tid_entry(next_tid).filter(|&e| measured(e)) else { return 0 };
         if let Some((slot, index)) = registered(next_tid, entry) {
             if pressure_on() {
                 unmark_waiting(slot);

@@ -61,15 +61,20 @@ pub struct WaitCpu {
     /// later by another thread): the least a wait that sleeps can cost.
     pub park_p50: f64,
     pub park_p99: f64,
+    /// The same with sleeps as long as the blocking waits' median (`gap`):
+    /// in this guest a wake costs more the longer the sleep before it
+    /// (a thread woken 2 ms on 4–6 µs, 20–80 ms on 10–15 µs).
+    pub park_long_p50: f64,
+    pub park_long_p99: f64,
+    pub park_long_gap: Duration,
 }
 
 /// p50 and p99 of the CPU a thread spends across one park / unpark. The
 /// waker waits for each wake to be taken before the next: two unparks
 /// before the sleeper parks again leave one token, and a sleeper counting
 /// wakes by its parks then waited for one that never came.
-fn park_cpu_us() -> (f64, f64) {
+fn park_cpu_us(wakes: u32, gap: Duration) -> (f64, f64) {
     use std::sync::atomic::{AtomicU32, Ordering};
-    const WAKES: u32 = 300;
     let (go, taken) = (std::sync::Arc::new(AtomicU32::new(0)), std::sync::Arc::new(AtomicU32::new(0)));
     let (go2, taken2) = (go.clone(), taken.clone());
     let (tx, rx) = std::sync::mpsc::channel::<std::thread::Thread>();
@@ -77,7 +82,7 @@ fn park_cpu_us() -> (f64, f64) {
         tx.send(std::thread::current()).unwrap();
         let mut v = Vec::new();
         let mut seen = 0;
-        while seen < WAKES {
+        while seen < wakes {
             let c0 = sys::thread_cputime_ns();
             while go2.load(Ordering::Acquire) == seen {
                 std::thread::park();
@@ -89,8 +94,8 @@ fn park_cpu_us() -> (f64, f64) {
         v
     });
     let t = rx.recv().unwrap();
-    for i in 1..=WAKES {
-        std::thread::sleep(Duration::from_millis(2));
+    for i in 1..=wakes {
+        std::thread::sleep(gap);
         go.store(i, Ordering::Release);
         t.unpark();
         while taken.load(Ordering::Acquire) < i {
@@ -110,9 +115,10 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
     let demand = || Demand::new().estimate_us(2_000).timeout(Duration::from_secs(1));
     let end = Instant::now() + Duration::from_secs(3);
     let waits = Mutex::new(Vec::new());
+    let walls = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..4 {
-            let (client, waits) = (&client, &waits);
+            let (client, waits, walls) = (&client, &waits, &walls);
             s.spawn(move || {
                 client.register_current_thread().expect("registered");
                 while Instant::now() < end {
@@ -121,6 +127,7 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
                     let cpu = sys::thread_cputime_ns() - c0;
                     if t.did_wait() {
                         waits.lock().unwrap().push(cpu as f64 / 1e3);
+                        walls.lock().unwrap().push(t.waited().as_secs_f64());
                     }
                     let _g = t.enter();
                     let stop = sys::thread_cputime_ns() + 2_000_000;
@@ -177,7 +184,11 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
     let waiter_cpu_us_per_wait = (waiter1.0 - waiter0.0) as f64 / 1e3 / waited;
     let async_p99 = percentile(&mut waits.borrow_mut(), 0.99);
     keyspace_governor::client::unregister_current_thread();
-    let (park_p50, park_p99) = park_cpu_us();
+    let (park_p50, park_p99) = park_cpu_us(300, Duration::from_millis(2));
+    let mut walls = walls.into_inner().unwrap();
+    let median_wall = if walls.is_empty() { 0.0 } else { percentile(&mut walls, 0.5) };
+    let park_long_gap = Duration::from_millis((median_wall * 1e3).round().max(2.0) as u64);
+    let (park_long_p50, park_long_p99) = park_cpu_us(40, park_long_gap);
     Ok(WaitCpu {
         blocking_p50,
         blocking_p99,
@@ -186,6 +197,9 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
         waiter_cpu_us_per_wait,
         park_p50,
         park_p99,
+        park_long_p50,
+        park_long_p99,
+        park_long_gap,
     })
 }
 

@@ -36,6 +36,9 @@ fn wait_cpu_keys(o: &mut serde_json::Map<String, serde_json::Value>, w: &adoptio
     o.insert("async_waiter_cpu_us_per_wait".into(), json!(round2(w.waiter_cpu_us_per_wait)));
     o.insert("baseline_park_cpu_us_p50".into(), json!(round2(w.park_p50)));
     o.insert("baseline_park_cpu_us_p99".into(), json!(round2(w.park_p99)));
+    o.insert("baseline_park_long_cpu_us_p50".into(), json!(round2(w.park_long_p50)));
+    o.insert("baseline_park_long_cpu_us_p99".into(), json!(round2(w.park_long_p99)));
+    o.insert("baseline_park_long_gap_ms".into(), json!(w.park_long_gap.as_millis() as u64));
 }
 
 fn profile_keys(o: &mut serde_json::Map<String, serde_json::Value>, p: &profile::ProfileCost) {
@@ -295,13 +298,13 @@ fn main() -> Result<()> {
             json!({
                 "tag_switch_ns": round2(tag_switch_ns),
                 "ebpf_stats_floor_ns": round(e("floor")),
-                "ebpf_sched_switch_net_ns": round(e("registered") - e("floor")),
-                "ebpf_sched_switch_unregistered_ns": round(e("unregistered") - e("floor")),
+                "ebpf_sched_switch_net_ns": round(e("registered_net")),
+                "ebpf_sched_switch_unregistered_ns": round(e("unregistered_net")),
                 "ebpf_timer_ns": round(e("timer")),
-                "ebpf_sched_switch_pressure_net_ns": round(p("registered") - p("floor")),
-                "ebpf_sched_switch_pressure_unregistered_ns": round(p("unregistered") - p("floor")),
-                "ebpf_wakeup_net_ns": round(p("wakeup_registered") - p("floor")),
-                "ebpf_wakeup_unregistered_ns": round(p("wakeup_unregistered") - p("floor")),
+                "ebpf_sched_switch_pressure_net_ns": round(p("registered_net")),
+                "ebpf_sched_switch_pressure_unregistered_ns": round(p("unregistered_net")),
+                "ebpf_wakeup_net_ns": round(p("wakeup_registered_net")),
+                "ebpf_wakeup_unregistered_ns": round(p("wakeup_unregistered_net")),
             })
         );
         return Ok(());
@@ -408,16 +411,16 @@ fn main() -> Result<()> {
         "clock_thread_cputime_ns": round(clock_thread_cputime_ns),
         "tag_switch_ns": round(tag_switch_ns),
         "ebpf_stats_floor_ns": round(e("floor")),
-        "ebpf_clock_read_ns": round(e("clock") - e("floor")),
+        "ebpf_clock_read_ns": round(e("clock_net")),
         "ebpf_sched_switch_ns": round(e("registered")),
-        "ebpf_sched_switch_net_ns": round(e("registered") - e("floor")),
+        "ebpf_sched_switch_net_ns": round(e("registered_net")),
         "ebpf_sched_switch_unregistered_raw_ns": round(e("unregistered")),
-        "ebpf_sched_switch_unregistered_ns": round(e("unregistered") - e("floor")),
+        "ebpf_sched_switch_unregistered_ns": round(e("unregistered_net")),
         "ebpf_timer_ns": round(e("timer")),
-        "ebpf_sched_switch_pressure_net_ns": round(p("registered") - p("floor")),
-        "ebpf_sched_switch_pressure_unregistered_ns": round(p("unregistered") - p("floor")),
-        "ebpf_wakeup_net_ns": round(p("wakeup_registered") - p("floor")),
-        "ebpf_wakeup_unregistered_ns": round(p("wakeup_unregistered") - p("floor")),
+        "ebpf_sched_switch_pressure_net_ns": round(p("registered_net")),
+        "ebpf_sched_switch_pressure_unregistered_ns": round(p("unregistered_net")),
+        "ebpf_wakeup_net_ns": round(p("wakeup_registered_net")),
+        "ebpf_wakeup_unregistered_ns": round(p("wakeup_unregistered_net")),
         "pingpong_round_trip_ns": round(overhead.baseline_ns),
         "ctx_switch_overhead_empty_program_pct": round2(overhead.empty_program_pct),
         "ctx_switch_overhead_unregistered_pct": round2(overhead.unregistered_pct),
