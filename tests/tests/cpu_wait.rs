@@ -131,8 +131,9 @@ fn a_keyspaces_cpu_pressure_is_the_time_one_of_its_threads_waited() {
     // from such a wakeup to the switch-in is pressure, not schedstat's
     // wait). The two ends move the figure by a few µs a wakeup each way:
     // −1.7 to +1.7 % here, and once +3.3 % (CI at 6c185e3; eight runs
-    // after it read −0.1 to +1.4 %): from above, 5 %. The emulated guests of `vm-test` (which set
-    // GOVERNOR_TEST_EMULATED) read −80 to +280 % of schedstat for a lone
+    // after it read −0.1 to +1.4 %): from above, 5 %. The emulated guests
+    // of `vm-test` (which set GOVERNOR_TEST_EMULATED) read −80 to +280 %
+    // of schedstat for a lone
     // ticker's short waits (docs/design.md): there the test checks only
     // that the programs load, count and close on that kernel (some
     // pressure, never more than the run's wall time, none left open).

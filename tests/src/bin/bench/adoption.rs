@@ -114,11 +114,11 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
     let client = Client::connect(&agent.socket)?;
     let demand = || Demand::new().estimate_us(2_000).timeout(Duration::from_secs(1));
     let end = Instant::now() + Duration::from_secs(3);
+    // Each acquire that waited: its CPU (µs) and its time in line (s).
     let waits = Mutex::new(Vec::new());
-    let walls = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..4 {
-            let (client, waits, walls) = (&client, &waits, &walls);
+            let (client, waits) = (&client, &waits);
             s.spawn(move || {
                 client.register_current_thread().expect("registered");
                 while Instant::now() < end {
@@ -126,8 +126,7 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
                     let Ok(mut t) = client.acquire(2, demand()) else { continue };
                     let cpu = sys::thread_cputime_ns() - c0;
                     if t.did_wait() {
-                        waits.lock().unwrap().push(cpu as f64 / 1e3);
-                        walls.lock().unwrap().push(t.waited().as_secs_f64());
+                        waits.lock().unwrap().push((cpu as f64 / 1e3, t.waited().as_secs_f64()));
                     }
                     let _g = t.enter();
                     let stop = sys::thread_cputime_ns() + 2_000_000;
@@ -136,7 +135,7 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
             });
         }
     });
-    let mut blocking = waits.into_inner().unwrap();
+    let (mut blocking, mut walls): (Vec<f64>, Vec<f64>) = waits.into_inner().unwrap().into_iter().unzip();
     let (blocking_p50, blocking_p99) = (percentile(&mut blocking, 0.5), percentile(&mut blocking, 0.99));
     // The same with four futures on one executor thread: CPU over the
     // polls of each acquire that waited.
@@ -185,7 +184,6 @@ pub fn wait_cpu_us() -> Result<WaitCpu> {
     let async_p99 = percentile(&mut waits.borrow_mut(), 0.99);
     keyspace_governor::client::unregister_current_thread();
     let (park_p50, park_p99) = park_cpu_us(300, Duration::from_millis(2));
-    let mut walls = walls.into_inner().unwrap();
     let median_wall = if walls.is_empty() { 0.0 } else { percentile(&mut walls, 0.5) };
     let park_long_gap = Duration::from_millis((median_wall * 1e3).round().max(2.0) as u64);
     let (park_long_p50, park_long_p99) = park_cpu_us(40, park_long_gap);

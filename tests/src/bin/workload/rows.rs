@@ -1,8 +1,9 @@
 //! `workload rows`: two keyspaces served by the same threads, in turns of
 //! 600 and 200 µs by default, each in a function of its own (`hash_rows`
 //! for the first, `compress_rows` for the second): what a per-keyspace
-//! profile must tell apart. With `--kinds`, the two are request kinds of the first keyspace
-//! instead: kind 1 tagged with `client::set_tag_with_kind`, kind 2 run
+//! profile must tell apart. With `--kinds`, the two are request kinds of
+//! the first keyspace instead: kind 1 tagged with
+//! `client::set_tag_with_kind`, kind 2 run
 //! under a ticket of `Demand::kind(2)`; `--totals FILE` then keeps in FILE
 //! the CPU time the threads spent in each kind so far, by the kernel's
 //! thread CPU clock (`KIND1_NS KIND2_NS ADMISSION_NS`, rewritten every
