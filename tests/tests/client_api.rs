@@ -252,12 +252,24 @@ fn a_forked_child_leaves_the_parents_registration_alone() {
         // emulated guest, and the parent need not have switched out since).
         drop(forked_tagged);
         let before = c2.keyspace_cpu_ns(31).unwrap_or(0);
+        let outer = sys::thread_cputime_ns();
         let tagged = client::tag(31).unwrap();
         let spent = cpu_of(|| burn(Duration::from_millis(50)));
         drop(tagged);
+        let outer = sys::thread_cputime_ns() - outer;
         let charged = c2.keyspace_cpu_ns(31).unwrap() - before;
-        // All of the burn, plus the few µs around it that were tagged too.
-        assert!(charged >= spent && charged <= spent + 2_000_000, "charged {charged} ns for {spent} ns of CPU");
+        eprintln!("charged {charged} ns: the burn {spent} ns, the thread {outer} ns from before the tag to after it");
+        // All of the burn, and no more than the thread ran from before the
+        // tag to after it by CLOCK_THREAD_CPUTIME_ID. Bounded by the burn
+        // alone, CI read 55.3 ms charged for a 50.1 ms burn in the emulated
+        // x86_64 guest, once in many runs (72 runs there read 0.26 ms more
+        // at most): the kernel's count of the whole tagged stretch tells a
+        // slow stretch around the burn from an overcharge. The millisecond
+        // covers the two clocks' reads.
+        assert!(
+            charged >= spent && charged <= outer + 1_000_000,
+            "charged {charged} ns for a {spent} ns burn; the thread ran {outer} ns"
+        );
         assert_eq!(c2.keyspace_cpu_ns(32), None, "the child created keyspace 32");
         let status = keyspace_governor::cli::status::run(&socket).unwrap();
         assert_eq!(status.threads.registered, 1, "the parent's slot was given back");
