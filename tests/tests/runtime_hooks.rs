@@ -123,30 +123,9 @@ fn cpu_spread_pins_each_worker_to_a_cpu_of_its_own() {
     assert!(!cpus.is_empty());
     let all = allowed_cpus();
     let workers = cpus.len().min(4);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .on_thread_park(spread.pin_on_park())
-        .build()
-        .unwrap();
+    let rt = spread_runtime(&spread, workers);
     std::thread::sleep(Duration::from_millis(200));
-    // One task per worker at once: each holds its worker until all run.
-    let barrier = std::sync::Arc::new(std::sync::Barrier::new(workers));
-    let seen: Vec<(u32, String, u32)> = rt.block_on(async {
-        let tasks: Vec<_> = (0..workers)
-            .map(|_| {
-                let b = barrier.clone();
-                tokio::spawn(async move {
-                    b.wait();
-                    (sys::gettid(), allowed_cpus(), sys::current_cpu())
-                })
-            })
-            .collect();
-        let mut out = Vec::new();
-        for t in tasks {
-            out.push(t.await.unwrap());
-        }
-        out
-    });
+    let seen = on_each_worker(&rt, workers, || (sys::gettid(), allowed_cpus(), sys::current_cpu()));
     let blocking = rt.block_on(async { tokio::task::spawn_blocking(allowed_cpus).await.unwrap() });
     drop(rt);
     eprintln!("allowed {all}; workers (tid, allowed, running on): {seen:?}; blocking thread {blocking}");
@@ -175,4 +154,111 @@ fn cpu_spread_pins_each_worker_to_a_cpu_of_its_own() {
     let mut expect = cpus.clone();
     expect.push(cpus[0]);
     assert_eq!(got, expect);
+}
+
+/// A runtime of `workers` whose workers follow `spread` at each park.
+fn spread_runtime(spread: &client::CpuSpread, workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .on_thread_park(spread.pin_on_park())
+        .build()
+        .unwrap()
+}
+
+/// `f` run on each of the runtime's `workers` at once: one task per
+/// worker, each holding its worker until all run.
+fn on_each_worker<T: Send + 'static>(rt: &tokio::runtime::Runtime, workers: usize, f: fn() -> T) -> Vec<T> {
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(workers));
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..workers)
+            .map(|_| {
+                let b = barrier.clone();
+                tokio::spawn(async move {
+                    b.wait();
+                    f()
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    })
+}
+
+/// Each worker's allowed CPUs, read on the worker, the second of two
+/// rounds: every worker has parked (and applied what the spread says now)
+/// before it.
+fn worker_masks(rt: &tokio::runtime::Runtime, workers: usize) -> Vec<String> {
+    on_each_worker(rt, workers, allowed_cpus);
+    std::thread::sleep(Duration::from_millis(20));
+    on_each_worker(rt, workers, allowed_cpus)
+}
+
+/// With `watch_other_processes`, the workers are let go (onto all of the
+/// spread's CPUs) while another process takes a core, and pinned again,
+/// one each, once it has stopped.
+#[test]
+fn cpu_spread_lets_workers_go_while_another_process_holds_a_cpu() {
+    let spread = client::CpuSpread::new().unwrap();
+    let cpus = spread.cpus().to_vec();
+    if cpus.len() < 2 {
+        eprintln!("one CPU: nothing to spread");
+        return;
+    }
+    spread.watch_other_processes().unwrap();
+    let all = allowed_cpus();
+    let workers = cpus.len().min(4);
+    let rt = spread_runtime(&spread, workers);
+    let pinned_apart = |masks: &[String]| {
+        let mut one: Vec<&String> = masks.iter().filter(|m| m.parse::<u32>().is_ok()).collect();
+        one.sort();
+        one.dedup();
+        one.len() == workers
+    };
+    // Before the watch's first period, the workers keep to a CPU each.
+    let masks = worker_masks(&rt, workers);
+    assert!(spread.pinning());
+    assert!(pinned_apart(&masks), "workers pinned one to a CPU at first: {masks:?}");
+
+    // Another process takes a core: let go within two periods or so.
+    let mut burner = std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap();
+    let t = std::time::Instant::now();
+    while spread.pinning() && t.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let let_go = t.elapsed();
+    let others = spread.other_processes_cores().unwrap_or(0.0);
+    let masks = worker_masks(&rt, workers);
+    eprintln!("a burner: let go after {let_go:?}, other processes {others:.2} cores; workers allowed on {masks:?}");
+    assert!(!spread.pinning(), "still pinned after {let_go:?} with a burner beside (others {others:.2} cores)");
+    // Half a core over a half-second period: the burner ran 0.25 s of it.
+    assert!(let_go >= Duration::from_millis(200), "let go {let_go:?} after the burner started");
+    assert!(
+        (0.8..=cpus.len() as f64 + 0.2).contains(&others),
+        "the burner's core, as the watch read it: {others:.2} cores"
+    );
+    assert!(masks.iter().all(|m| *m == all), "let go: every worker on {all}: {masks:?}");
+    burner.kill().unwrap();
+    burner.wait().unwrap();
+
+    // Back to calm: pinned again after two calm periods, unless something
+    // else on this machine keeps the CPUs busy (a busy round of the tests).
+    let t = std::time::Instant::now();
+    while !spread.pinning() && t.elapsed() < Duration::from_secs(4) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let others = spread.other_processes_cores().unwrap_or(0.0);
+    if !spread.pinning() && others > 0.3 {
+        eprintln!("other processes still take {others:.2} cores here: the workers stay let go");
+        return;
+    }
+    let masks = worker_masks(&rt, workers);
+    eprintln!("burner gone: pinned again after {:?} (others {others:.2} cores); workers on {masks:?}", t.elapsed());
+    assert!(spread.pinning(), "not pinned again {:?} after the burner stopped", t.elapsed());
+    // The period the burner stopped in counts as calm when it ran less
+    // than 0.3 of it: 0.85 s after at the least.
+    assert!(t.elapsed() >= Duration::from_millis(700), "pinned again before two calm periods: {:?}", t.elapsed());
+    assert!(pinned_apart(&masks), "pinned again one to a CPU: {masks:?}");
 }

@@ -28,6 +28,18 @@ pub fn thread_cputime_ns() -> u64 {
     clock(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
+/// The calling process's CPU time, all its threads (a syscall).
+pub fn process_cputime_ns() -> u64 {
+    clock(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// The unit of `/proc/stat` and `/proc/<pid>/stat` times, per second.
+pub fn clock_ticks_per_second() -> u64 {
+    // SAFETY: sysconf reads a constant of the C library.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 { hz as u64 } else { 100 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

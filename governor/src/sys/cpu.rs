@@ -136,110 +136,41 @@ pub fn set_task_slice(tid: u32, slice: std::time::Duration) -> io::Result<()> {
     if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
-/// One CPU for each of a runtime's worker threads, in turn: for a server
-/// whose pool has about as many workers as it has CPUs.
-///
-/// Left to itself, the kernel may place a woken worker on the CPU where
-/// another worker runs, when the other CPU is busy for a moment (a network
-/// thread's few µs), and an idle CPU does not pull it back while its idle
-/// stretches are shorter than the scheduler's migration cost (0.5 ms): two
-/// workers then share one core, a slice each in turn, while the other core
-/// idles, and a request that arrives waits for a slice. One worker per CPU
-/// keeps them apart. Pinning also keeps a worker where it is when another
-/// process takes its CPU, so it suits a node whose cores the server owns.
-///
-/// ```no_run
-/// # struct Builder; impl Builder { fn on_thread_park(self, _f: impl Fn() + Send + Sync + 'static) -> Self { self } }
-/// # let builder = Builder;
-/// let spread = keyspace_governor::client::CpuSpread::new()?;
-/// let builder = builder.on_thread_park(spread.pin_on_park());
-/// # Ok::<(), std::io::Error>(())
-/// ```
-#[derive(Clone, Debug)]
-pub struct CpuSpread {
-    inner: std::sync::Arc<SpreadInner>,
-}
-
-#[derive(Debug)]
-struct SpreadInner {
-    cpus: Vec<u32>,
-    next: std::sync::atomic::AtomicUsize,
-}
-
-thread_local! {
-    static PINNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-impl CpuSpread {
-    /// The CPUs the calling thread may run on now (its affinity mask, as
-    /// its cgroup's cpuset and `taskset` left it), lowest first.
-    pub fn new() -> io::Result<CpuSpread> {
-        // SAFETY: a zeroed cpu_set_t is valid; the kernel writes at most its size.
-        let set = unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            set
-        };
-        // SAFETY: CPU_ISSET reads the set within its size.
-        let cpus: Vec<u32> = (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
-            .map(|c| c as u32)
-            .collect();
-        Ok(CpuSpread { inner: std::sync::Arc::new(SpreadInner { cpus, next: std::sync::atomic::AtomicUsize::new(0) }) })
-    }
-
-    /// The CPUs handed out in turn.
-    pub fn cpus(&self) -> &[u32] {
-        &self.inner.cpus
-    }
-
-    /// Pins the calling thread to the next CPU in turn (after the last, the
-    /// first again) and returns it.
-    pub fn pin_current_thread(&self) -> io::Result<u32> {
-        let cpus = &self.inner.cpus;
-        if cpus.is_empty() {
-            return Err(io::Error::new(io::ErrorKind::NotFound, "no CPU in the affinity mask"));
-        }
-        let cpu = cpus[self.inner.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % cpus.len()];
-        pin_current_thread_to(cpu)?;
-        PINNED.with(|p| p.set(true));
-        Ok(cpu)
-    }
-
-    /// For tokio's `Builder::on_thread_park`: pins each worker thread the
-    /// first time it parks (a worker parks as soon as it starts idle), and
-    /// never a blocking-pool thread, which does not park this way. Later
-    /// parks cost a thread-local check. A failure is logged, not raised:
-    /// the thread runs where the kernel puts it. To register the workers
-    /// too, call both closures from one `on_thread_park`.
-    pub fn pin_on_park(&self) -> impl Fn() + Send + Sync + 'static {
-        let spread = self.clone();
-        move || {
-            if !PINNED.with(|p| p.get())
-                && let Err(e) = spread.pin_current_thread()
-            {
-                PINNED.with(|p| p.set(true));
-                log::warn!("pinning a runtime worker to a CPU: {e}");
-            }
-        }
-    }
-}
-
 /// Pins the calling thread to CPU `cpu` (its affinity mask: that CPU only).
 pub fn pin_current_thread_to(cpu: u32) -> io::Result<()> {
-    if cpu as usize >= libc::CPU_SETSIZE as usize {
+    set_current_thread_cpus(&[cpu])
+}
+
+/// Sets the calling thread's affinity mask to `cpus`.
+pub fn set_current_thread_cpus(cpus: &[u32]) -> io::Result<()> {
+    if let Some(&cpu) = cpus.iter().find(|&&c| c as usize >= libc::CPU_SETSIZE as usize) {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("CPU {cpu} is past the affinity mask's size")));
     }
-    // SAFETY: a zeroed cpu_set_t is valid; `cpu` is within it; the kernel
-    // only reads it.
+    // SAFETY: a zeroed cpu_set_t is valid; every CPU is within it; the
+    // kernel only reads it.
     let r = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu as usize, &mut set);
+        for &cpu in cpus {
+            libc::CPU_SET(cpu as usize, &mut set);
+        }
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
     };
     if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// The CPUs the calling thread may run on now (its affinity mask), lowest
+/// first.
+pub fn current_thread_cpus() -> io::Result<Vec<u32>> {
+    // SAFETY: a zeroed cpu_set_t is valid; the kernel writes at most its size.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        set
+    };
+    // SAFETY: CPU_ISSET reads the set within its size.
+    Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).map(|c| c as u32).collect())
 }
 
 /// Number of possible CPUs (the size of per-CPU tables).

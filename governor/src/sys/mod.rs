@@ -1,8 +1,10 @@
 //! The syscall seam: every raw libc call governor makes outside the region
 //! views lives here, each behind a safe function, in a file by kind of call:
 //!
-//! - `cpu` — the CPU a thread runs on (rseq), the node's CPUs, the
-//!   scheduler's slice, the time-stamp counter;
+//! - `cpu` — the CPU a thread runs on (rseq), the node's CPUs, affinity,
+//!   the scheduler's slice, the time-stamp counter;
+//! - `spread` — runtime workers one to a CPU, let go while other processes
+//!   hold the CPUs;
 //! - `clock` — CLOCK_MONOTONIC and the thread's CPU clock;
 //! - `memory` — mappings, memfds and seals, BPF map descriptors, memlock;
 //! - `futex` — the waits and wakes of the token lines;
@@ -24,14 +26,15 @@ mod futex;
 mod memory;
 mod process;
 mod socket;
+mod spread;
 
 #[cfg(test)]
 pub(crate) mod fake;
 
-pub use clock::{monotonic_ns, thread_cputime_ns};
+pub use clock::{clock_ticks_per_second, monotonic_ns, process_cputime_ns, thread_cputime_ns};
 pub use cpu::{
-    CpuSpread, current_cpu, current_cpu_ordered, logical_cores, online_cpus, pin_current_thread_to, possible_cpus,
-    rdtsc, set_task_slice, set_thread_slice,
+    current_cpu, current_cpu_ordered, current_thread_cpus, logical_cores, online_cpus, pin_current_thread_to,
+    possible_cpus, rdtsc, set_current_thread_cpus, set_task_slice, set_thread_slice,
 };
 pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};
 pub use memory::{Mapping, bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, seal};
@@ -40,3 +43,4 @@ pub use process::{
     raise_fd_limit, random_u64,
 };
 pub use socket::{peer_cred, peer_pid, recv_with_fds, send_with_fds};
+pub use spread::CpuSpread;

@@ -236,6 +236,18 @@ pub struct ServerStats {
     /// Whether an agent answers now.
     pub attached: bool,
     pub keyspaces: BTreeMap<u32, KeyspaceStats>,
+    /// With `--pin-workers auto`: whether the workers keep to a CPU each
+    /// now (they are let go while other processes take half a core of the
+    /// server's CPUs)...
+    #[serde(default)]
+    pub workers_pinned: Option<bool>,
+    /// ...and what other processes took of those CPUs over the last half
+    /// second, in cores.
+    #[serde(default)]
+    pub other_processes_cores: Option<f64>,
+    /// Times the workers were let go so far.
+    #[serde(default)]
+    pub workers_let_go: u64,
 }
 
 #[cfg(test)]

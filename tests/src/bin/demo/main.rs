@@ -2,7 +2,7 @@
 //! governed.
 //!
 //! ```text
-//! demo [--json] [--short] [--phase-seconds N] [--svg PATH] [--guard] [--guard-target-us N]
+//! demo [--json] [--short] [--phase-seconds N] [--svg PATH] [--guard] [--guard-target-us N] [--pin-workers auto|on|off]
 //! demo --profile-overhead ROUNDS [--json]
 //! ```
 //!
@@ -10,8 +10,10 @@
 //! measures; its CPU throttle is off) and the reader server
 //! (`tests/reader`: tokio workers registered with the agent, every request
 //! under a ticket of its keyspace; a request whose keyspace had to wait for
-//! its tokens steps aside for the others, `--levels`; `--pin-workers on`
-//! gives each worker a CPU of its own). Three light tenants
+//! its tokens steps aside for the others, `--levels`; `--pin-workers`,
+//! `auto` by default, gives each worker a CPU of its own and lets them go
+//! while other processes take half a core or more of the server's CPUs;
+//! `on` keeps them pinned, `off` leaves them to the kernel). Three light tenants
 //! send point gets and short scans open-loop at a fixed rate; the noisy
 //! tenant sends long scans closed-loop, as fast as it is answered. Three
 //! phases of equal length:
@@ -96,7 +98,7 @@ fn parse_opts() -> Result<Opts> {
         chunk_blocks: 1,
         worker_slice_us: 100,
         levels: "on".into(),
-        pin_workers: "off".into(),
+        pin_workers: "auto".into(),
         guard_target_us: None,
         profile_overhead_rounds: None,
     };
@@ -236,7 +238,10 @@ fn main() -> Result<()> {
         server.addr,
         o.worker_slice_us,
         o.levels,
-        o.pin_workers
+        match o.pin_workers.as_str() {
+            "auto" => "while other processes take under half a core",
+            other => other,
+        }
     ));
     progress.say(&format!(
         "tenants: light-1..3 open-loop {} req/s each (gets, 1 in 10 a {}-row scan); noisy closed-loop, {} connections of {}-row scans",

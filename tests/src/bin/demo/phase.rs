@@ -228,6 +228,11 @@ pub struct PhaseResult {
     /// and so the charges, do not).
     pub windows_steal_pct: Vec<f64>,
     pub noisy: Option<CapCheck>,
+    /// With `--pin-workers auto`: what other processes took of the
+    /// server's CPUs each second, as its watch read it (cores), and the
+    /// times it let the workers go in the phase.
+    pub windows_other_processes_cores: Vec<Option<f64>>,
+    pub workers_let_go: u64,
 }
 
 fn merged<'a>(hs: impl Iterator<Item = &'a Histogram<u64>>) -> Histogram<u64> {
@@ -370,5 +375,7 @@ fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap
         light_p99_per_second_us,
         tenants,
         noisy,
+        windows_other_processes_cores: samples.iter().skip(1).map(|s| s.server.other_processes_cores).collect(),
+        workers_let_go: last.server.workers_let_go.saturating_sub(first.server.workers_let_go),
     }
 }

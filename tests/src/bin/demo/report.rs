@@ -80,6 +80,16 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
             fine(p.light_runq_wait_per_request_us),
             p.light_runq_wait_p99_us.map_or("-".into(), fine),
         );
+        if p.windows_other_processes_cores.iter().any(Option::is_some) {
+            let w: Vec<String> =
+                p.windows_other_processes_cores.iter().map(|c| c.map_or("-".into(), |c| format!("{c:.2}"))).collect();
+            println!(
+                "  other processes on the server's CPUs each second (cores; the workers are let go at 0.5): {}; let go \
+                 {} times",
+                w.join(" "),
+                p.workers_let_go
+            );
+        }
         if let Some(n) = &p.noisy {
             let w: Vec<String> = n.windows_cores.iter().map(|w| format!("{w:.3}")).collect();
             println!(

@@ -3,7 +3,7 @@
 //! ```text
 //! reader-server [--listen 127.0.0.1:0] [--socket /run/governor/governor.sock]
 //!               [--keyspaces 101,102,103,900] [--rows 32768] [--chunk-blocks 2] [--workers N]
-//!               [--worker-slice-us 100] [--levels on|off] [--pin-workers on|off]
+//!               [--worker-slice-us 100] [--levels on|off] [--pin-workers on|off|auto]
 //! ```
 //!
 //! Generates each keyspace's rows, connects to the governor agent, starts a
@@ -20,9 +20,11 @@
 //!
 //! `--pin-workers on` pins each worker to a CPU of its own (`CpuSpread`):
 //! left to the kernel, two busy workers can end up sharing one core while
-//! the other idles, and a request that arrives then waits for a slice. Off
-//! by default: a pinned worker cannot leave a core that a process outside
-//! the server keeps busy.
+//! the other idles, and a request that arrives then waits for a slice. But
+//! a pinned worker cannot leave a core that a process outside the server
+//! keeps busy: `auto` pins them too and lets them go while other processes
+//! take half a core or more of the server's CPUs
+//! (`CpuSpread::watch_other_processes`). Off by default.
 //!
 //! Admitted requests run on two levels (`--levels`, see `serve::Levels`):
 //! a request of a keyspace the governor holds to its cap steps aside for
@@ -49,7 +51,15 @@ struct Args {
     workers: usize,
     worker_slice_us: u64,
     levels: bool,
-    pin_workers: bool,
+    pin_workers: Pin,
+}
+
+/// `--pin-workers`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Pin {
+    Off,
+    On,
+    Auto,
 }
 
 fn parse_args() -> Result<Args> {
@@ -62,7 +72,7 @@ fn parse_args() -> Result<Args> {
         workers: std::thread::available_parallelism().map_or(1, |n| n.get()),
         worker_slice_us: 100,
         levels: true,
-        pin_workers: false,
+        pin_workers: Pin::Off,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -79,7 +89,14 @@ fn parse_args() -> Result<Args> {
             "--workers" => a.workers = value()?.parse().context("--workers")?,
             "--worker-slice-us" => a.worker_slice_us = value()?.parse().context("--worker-slice-us")?,
             "--levels" => a.levels = on_off(&flag, &value()?)?,
-            "--pin-workers" => a.pin_workers = on_off(&flag, &value()?)?,
+            "--pin-workers" => {
+                a.pin_workers = match value()?.as_str() {
+                    "on" => Pin::On,
+                    "off" => Pin::Off,
+                    "auto" => Pin::Auto,
+                    v => bail!("{flag} takes on, off or auto, not {v:?}"),
+                }
+            }
             other => bail!("unknown argument {other:?} (see the doc comment of reader-server)"),
         }
     }
@@ -140,6 +157,13 @@ fn main() -> Result<()> {
     eprintln!("reader-server: a point get costs {:.1} µs, a scanned block {:.1} µs", costs.get_us, costs.scan_block_us);
     let client = Client::connect(&args.socket)
         .with_context(|| format!("connecting to the governor agent at {}", args.socket))?;
+    let spread = (args.pin_workers != Pin::Off)
+        .then(keyspace_governor::client::CpuSpread::new)
+        .transpose()
+        .context("reading the CPUs this process may use")?;
+    if let Some(spread) = spread.as_ref().filter(|_| args.pin_workers == Pin::Auto) {
+        spread.watch_other_processes().context("watching what other processes take of this process's CPUs")?;
+    }
     let server = SERVER.get_or_init(|| Server {
         client,
         stats: stats::Stats::new(data.keys().copied()),
@@ -149,13 +173,9 @@ fn main() -> Result<()> {
         estimate_margin: 1.25,
         workers: args.workers,
         levels: serve::Levels::new(args.levels, std::time::Duration::from_millis(2)),
+        spread: spread.clone().filter(|_| args.pin_workers == Pin::Auto),
     });
     let slice = std::time::Duration::from_micros(args.worker_slice_us);
-    let spread = args
-        .pin_workers
-        .then(keyspace_governor::client::CpuSpread::new)
-        .transpose()
-        .context("reading the CPUs this process may use")?;
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(spread) = &spread {
         builder.on_thread_park(spread.pin_on_park());
@@ -186,13 +206,17 @@ fn main() -> Result<()> {
             "reader-server: {} workers (scheduler slice {}, {}), {} keyspaces, listening on {addr}",
             args.workers,
             if slice.is_zero() { "the kernel's default".to_string() } else { format!("{slice:?}") },
-            spread.as_ref().map_or("not pinned".into(), |s| format!("one each on CPUs {:?}", s.cpus())),
+            spread.as_ref().map_or("not pinned".into(), |s| format!(
+                "one each on CPUs {:?}{}",
+                s.cpus(),
+                if args.pin_workers == Pin::Auto { ", all of them while other processes take half a core" } else { "" }
+            )),
             server.data.len()
         );
         serve::run(server, listener, shutdown_signal()).await;
         anyhow::Ok(())
     })?;
-    let s = server.stats.snapshot(&server.client, server.workers);
+    let s = server.stats_now();
     eprintln!("reader-server: stopped; {}", serde_json::to_string(&s)?);
     Ok(())
 }

@@ -14,7 +14,7 @@
 //! work, becomes a busy reply carrying the governor's refusal code.
 
 use crate::stats::{Counters, Stats};
-use governor_reader::proto::{MAX_FRAME, Op, Reply, Request};
+use governor_reader::proto::{MAX_FRAME, Op, Reply, Request, ServerStats};
 use governor_reader::store::{CostModel, KeyspaceData, Scan, StoreError};
 use keyspace_governor::client::thread_cputime_ns;
 use keyspace_governor::client::{Client, Demand};
@@ -46,6 +46,8 @@ pub struct Server {
     pub workers: usize,
     /// Two levels of priority among admitted requests.
     pub levels: Levels,
+    /// The workers' CPUs, when a watch lets them go (`--pin-workers auto`).
+    pub spread: Option<keyspace_governor::client::CpuSpread>,
 }
 
 /// Two scheduling levels among admitted requests, the way a storage
@@ -170,9 +172,20 @@ fn busy(c: &Counters, code: &'static str, waited: Duration) -> Reply {
 }
 
 impl Server {
+    /// What a `stats` request answers.
+    pub fn stats_now(&self) -> ServerStats {
+        let mut s = self.stats.snapshot(&self.client, self.workers);
+        if let Some(spread) = &self.spread {
+            s.workers_pinned = Some(spread.pinning());
+            s.other_processes_cores = spread.other_processes_cores();
+            s.workers_let_go = spread.times_let_go();
+        }
+        s
+    }
+
     async fn handle(&'static self, req: Request) -> Reply {
         if req.op == Op::Stats {
-            let s = self.stats.snapshot(&self.client, self.workers);
+            let s = self.stats_now();
             return Reply::Stats(serde_json::to_vec(&s).expect("stats serialize"));
         }
         let (Some(ks), Some(c)) = (self.data.get(&req.keyspace), self.stats.keyspace(req.keyspace)) else {

@@ -110,6 +110,7 @@ impl Stats {
             attachments: client.attachments(),
             attached: client.attached(),
             keyspaces: self.keyspaces.iter().map(|(k, c)| (*k, c.snapshot())).collect(),
+            ..ServerStats::default()
         }
     }
 }
