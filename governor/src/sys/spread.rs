@@ -138,17 +138,11 @@ impl CpuSpread {
     pub fn at_idle(&self) {
         let mode = self.inner.mode.load(Ordering::Relaxed);
         let place = PLACE.with(|p| p.get());
-        if let Some((_, applied)) = place
-            && applied == mode
-        {
+        if place.is_some_and(|(_, applied)| applied == mode) {
             return;
         }
-        let cpu = match place {
-            Some((cpu, _)) => Ok(cpu),
-            None => self.next_cpu(),
-        };
-        PLACE.with(|p| p.set(Some((*cpu.as_ref().unwrap_or(&0), mode))));
-        let result = cpu.and_then(|cpu| {
+        let result = place.map_or_else(|| self.next_cpu(), |(cpu, _)| Ok(cpu)).and_then(|cpu| {
+            PLACE.with(|p| p.set(Some((cpu, mode))));
             if mode.is_multiple_of(2) {
                 set_current_thread_cpus(&[cpu])
             } else {
@@ -156,6 +150,8 @@ impl CpuSpread {
             }
         });
         if let Err(e) = result {
+            // Not again for this mode.
+            PLACE.with(|p| p.set(Some((place.map_or(0, |(cpu, _)| cpu), mode))));
             log::warn!("setting the CPUs of a runtime worker: {e}");
         }
     }

@@ -161,7 +161,8 @@ fn main() -> Result<()> {
         .then(keyspace_governor::client::CpuSpread::new)
         .transpose()
         .context("reading the CPUs this process may use")?;
-    if let Some(spread) = spread.as_ref().filter(|_| args.pin_workers == Pin::Auto) {
+    let watched = spread.clone().filter(|_| args.pin_workers == Pin::Auto);
+    if let Some(spread) = &watched {
         spread.watch_other_processes().context("watching what other processes take of this process's CPUs")?;
     }
     let server = SERVER.get_or_init(|| Server {
@@ -173,7 +174,7 @@ fn main() -> Result<()> {
         estimate_margin: 1.25,
         workers: args.workers,
         levels: serve::Levels::new(args.levels, std::time::Duration::from_millis(2)),
-        spread: spread.clone().filter(|_| args.pin_workers == Pin::Auto),
+        spread: watched,
     });
     let slice = std::time::Duration::from_micros(args.worker_slice_us);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
@@ -209,7 +210,7 @@ fn main() -> Result<()> {
             spread.as_ref().map_or("not pinned".into(), |s| format!(
                 "one each on CPUs {:?}{}",
                 s.cpus(),
-                if args.pin_workers == Pin::Auto { ", all of them while other processes take half a core" } else { "" }
+                if server.spread.is_some() { ", all of them while other processes take half a core" } else { "" }
             )),
             server.data.len()
         );
