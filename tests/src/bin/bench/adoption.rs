@@ -17,7 +17,8 @@ fn cores() -> f64 {
     sys::logical_cores() as f64
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+/// The `p` quantile of `v` (nearest rank; sorts `v`).
+pub fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f64 * p).round() as usize]
 }

@@ -9,6 +9,7 @@ mod profile;
 mod rules;
 mod switch;
 mod tickets;
+mod wake;
 
 use anyhow::{Context, Result};
 use governor_tests::{Agent, run_workload};
@@ -17,7 +18,7 @@ use keyspace_governor::policy::{Policy, Settings};
 use keyspace_governor::sys;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Short demos behind each demo figure (their median).
 const DEMO_RUNS: usize = 5;
@@ -167,6 +168,20 @@ fn policy_allocate_release_ns() -> f64 {
     })
 }
 
+/// How many idle wakeups the machine's wake baseline takes, and how long
+/// apart (the sleeper's CPU goes idle, and halts, meanwhile).
+const IDLE_WAKES: u32 = 300;
+const IDLE_WAKE_GAP: Duration = Duration::from_millis(2);
+
+/// The machine's idle-wake keys, beside the demo's ratios: a light
+/// request's threads on two CPUs take such wakeups.
+fn idle_wake_keys(o: &mut serde_json::Map<String, serde_json::Value>, w: &wake::IdleWake) {
+    let (p50, p99) = w.latency_us.map_or((None, None), |(a, b)| (Some(round2(a)), Some(round2(b))));
+    o.insert("baseline_idle_wake_us_p50".into(), json!(p50));
+    o.insert("baseline_idle_wake_us_p99".into(), json!(p99));
+    o.insert("cpuidle_halt_poll_ns".into(), json!(w.halt_poll_ns));
+}
+
 /// `n` short demos without the latency guard and `n` with it, alternating:
 /// each run's JSON.
 fn short_demos(n: usize) -> Result<(Vec<serde_json::Value>, Vec<serde_json::Value>)> {
@@ -203,15 +218,22 @@ fn main() -> Result<()> {
             r.sort_by(f64::total_cmp);
             r.get(r.len() / 2).copied().map(round3)
         };
-        println!(
-            "{}",
-            json!({
-                "demo_victim_p99_ratio": sorted(&plain),
-                "demo_victim_p99_ratio_runs": ratios(&plain),
-                "demo_victim_p99_ratio_guarded": sorted(&guarded),
-                "demo_victim_p99_ratio_guarded_runs": ratios(&guarded),
-            })
-        );
+        let mut o = json!({
+            "demo_victim_p99_ratio": sorted(&plain),
+            "demo_victim_p99_ratio_runs": ratios(&plain),
+            "demo_victim_p99_ratio_guarded": sorted(&guarded),
+            "demo_victim_p99_ratio_guarded_runs": ratios(&guarded),
+        });
+        if let Some(o) = o.as_object_mut() {
+            idle_wake_keys(o, &wake::idle_wake(IDLE_WAKES, IDLE_WAKE_GAP));
+        }
+        println!("{o}");
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--wake") {
+        let mut o = serde_json::Map::new();
+        idle_wake_keys(&mut o, &wake::idle_wake(IDLE_WAKES, IDLE_WAKE_GAP));
+        println!("{}", serde_json::Value::Object(o));
         return Ok(());
     }
     if std::env::args().any(|a| a == "--cold") {
@@ -386,6 +408,7 @@ fn main() -> Result<()> {
     // moves from run to run: the median of five short demos, and of five
     // with the latency guard on, alternating.
     let (demos, guarded) = short_demos(DEMO_RUNS)?;
+    let idle_wake = wake::idle_wake(IDLE_WAKES, IDLE_WAKE_GAP);
     let median_of = |demos: &[serde_json::Value], f: &dyn Fn(&serde_json::Value) -> Option<f64>| {
         let mut runs = demos.iter().map(|d| f(d).context("a demo figure")).collect::<Result<Vec<f64>>>()?;
         let runs_in_order = runs.clone();
@@ -460,6 +483,7 @@ fn main() -> Result<()> {
     // macro above is at its recursion limit).
     if let Some(o) = result.as_object_mut() {
         o.insert("metrics_scrape_ms".into(), json!(round2(load.scrape_ms)));
+        idle_wake_keys(o, &idle_wake);
         o.insert("ticket_acquire_cold_ns".into(), json!(round(cold_ns)));
         o.insert("baseline_mutex_bucket_cold_ns".into(), json!(round(mutex_cold_ns)));
         o.insert("ticket_cold_vs_mutex".into(), json!(round3(cold_ns / mutex_cold_ns)));
