@@ -424,9 +424,16 @@ pub struct LatencyGuardStatus {
     /// interval it is met.
     pub decrease: f64,
     pub increase: f64,
-    /// Keyspaces under their fair share waiting past the target now: the
-    /// refills of those above their share are being lowered.
+    /// Keyspaces under their fair share waiting past the target now, most
+    /// of it behind the work of keyspaces above their share: the refills of
+    /// those (the ones they waited behind) are being lowered.
     pub suffering: Vec<u32>,
+    /// Keyspaces under their fair share waiting past the target now, most
+    /// of it behind something no keyspace's refill changes (an idle CPU's
+    /// wakeup, tasks governor does not measure, registered threads with no
+    /// tag): nobody is lowered for them.
+    #[serde(default)]
+    pub waiting_elsewhere: Vec<u32>,
 }
 
 /// The overflow bucket: keyspaces that got no cell (the table is full, or

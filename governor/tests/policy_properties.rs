@@ -178,7 +178,7 @@ fn run_stream(settings: Settings, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     Some(&UsageSample {
                         global_cpu_cumulative_us: cum,
                         keyspace_cpu_us: vec![(1, cum / 7)],
-                        keyspace_wait_p99_us: vec![],
+                        ..UsageSample::default()
                     }),
                 );
             }

@@ -45,7 +45,7 @@ fn premium(f: impl FnOnce(&mut Settings)) -> Settings {
 }
 
 fn sample(global_cum_us: u64, ks: &[(u32, u64)]) -> UsageSample {
-    UsageSample { global_cpu_cumulative_us: global_cum_us, keyspace_cpu_us: ks.to_vec(), keyspace_wait_p99_us: vec![] }
+    UsageSample { global_cpu_cumulative_us: global_cum_us, keyspace_cpu_us: ks.to_vec(), ..UsageSample::default() }
 }
 
 #[test]

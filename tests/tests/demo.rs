@@ -216,6 +216,21 @@ fn a_governed_noisy_neighbour_keeps_its_cap_and_the_light_tenants_keep_their_tai
         }
     }
 
+    // Whom the light tenants' kernel wait was behind: shares of it that
+    // add up, each phase's own (the agent keeps them over its window).
+    for p in phases {
+        let by = p["light_wait_behind_pct"].as_object().expect("light_wait_behind_pct");
+        if by.is_empty() {
+            continue;
+        }
+        let total: f64 = by.values().map(f).sum();
+        assert!(
+            by.values().all(|v| (0.0..=100.0).contains(&f(v))) && (99.9..=100.1).contains(&total),
+            "{}: the light tenants' wait behind {by:?} adds up to {total:.2} %\n{numbers}",
+            p["name"]
+        );
+    }
+
     // The picture: a well-formed SVG with one line series per tenant, in
     // the colour the demo says it drew that tenant in, and its name in a
     // legend.

@@ -197,6 +197,7 @@ impl Shared {
                     decrease: s.latency_guard.decrease,
                     increase: s.latency_guard.increase,
                     suffering: snap.latency_guard_suffering.clone(),
+                    waiting_elsewhere: snap.latency_guard_waiting_elsewhere.clone(),
                 },
             },
             keyspaces,

@@ -84,8 +84,7 @@ impl Usage {
     /// (`servers`) ran untagged.
     pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, servers: &ServersRan) -> UsageSample {
         let now = sys::monotonic_ns();
-        let keyspace_wait_p99_us =
-            self.waits.sample(m, policy, now, policy.settings().window_size_us().saturating_mul(1000));
+        let waits = self.waits.sample(m, policy, now, policy.settings().window_size_us().saturating_mul(1000));
         let elapsed = now.saturating_sub(self.last_sample_ns).max(1);
         self.last_sample_ns = now;
         let bound = self.bound(elapsed);
@@ -126,7 +125,12 @@ impl Usage {
         let untagged = self.untagged(servers, tagged_by_servers);
         self.untagged_ns += untagged;
         self.global_ns += untagged;
-        UsageSample { global_cpu_cumulative_us: self.global_ns / 1000, keyspace_cpu_us: out, keyspace_wait_p99_us }
+        UsageSample {
+            global_cpu_cumulative_us: self.global_ns / 1000,
+            keyspace_cpu_us: out,
+            keyspace_wait_p99_us: waits.p99_us,
+            keyspace_wait_behind: waits.behind,
+        }
     }
 
     /// What the servers ran beyond their tagged CPU. Their counters move in

@@ -11,7 +11,7 @@
 //! got the cell, as the CPU totals do (`agent::usage`).
 
 use crate::measure::Measurement;
-use crate::policy::Policy;
+use crate::policy::{Policy, WaitsBehind};
 use crate::region::WaitView;
 #[cfg(test)]
 use keyspace_governor_common::wait_bucket_le_ns;
@@ -179,6 +179,27 @@ impl Slots {
     }
 }
 
+/// What one sample found of the keyspaces' waits since the one before.
+#[derive(Debug, Default)]
+pub(crate) struct IntervalWaits {
+    /// One wait's p99, µs, of each keyspace that waited.
+    pub p99_us: Vec<(u32, u64)>,
+    /// Whom each keyspace's waits were behind.
+    pub behind: Vec<(u32, WaitsBehind)>,
+}
+
+/// The policy's view of `moved`: the whole, and the part behind each
+/// keyspace.
+fn waits_behind(moved: &[(Behind, u64)]) -> WaitsBehind {
+    WaitsBehind {
+        total_ns: moved.iter().map(|(_, ns)| ns).sum(),
+        keyspaces: by_behind(moved.iter().copied())
+            .into_iter()
+            .filter_map(|(b, ns)| b.keyspace_id().map(|id| (id, ns)))
+            .collect(),
+    }
+}
+
 /// Sums `(whom, ns)` pairs by whom, the largest first.
 fn by_behind(parts: impl IntoIterator<Item = (Behind, u64)>) -> Vec<(Behind, u64)> {
     let mut sums: HashMap<Behind, u64> = HashMap::new();
@@ -243,13 +264,15 @@ impl Waits {
     }
 
     /// One sample of every live cell at `now_ns`, keeping `window_ns` of
-    /// history. Returns one wait's p99 (µs) since the last sample, for each
-    /// keyspace that waited in between.
-    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, now_ns: u64, window_ns: u64) -> Vec<(u32, u64)> {
+    /// history. Returns, for each keyspace that waited since the last
+    /// sample, one wait's p99 (µs) in between, and whom its waits in between
+    /// were behind.
+    pub(crate) fn sample(&mut self, m: &Measurement, policy: &Policy, now_ns: u64, window_ns: u64) -> IntervalWaits {
         let r = policy.regions();
         let start = now_ns.saturating_sub(window_ns);
         let mut seen = Vec::new();
         let mut p99s = Vec::new();
+        let mut behind = Vec::new();
         let holders: HashMap<u32, u32> = r.directory().live().map(|(id, c)| (c, id)).collect();
         for (id, c) in r.directory().live() {
             let generation = r.keyspace_cell(c).map_or(0, |(_, p)| p.generation.load(Ordering::Acquire));
@@ -260,6 +283,7 @@ impl Waits {
             };
             let h = self.holder(m, c, id, generation);
             if !moved.is_empty() {
+                behind.push((id, waits_behind(&moved)));
                 h.behind.push_back((now_ns, moved));
             }
             while h.behind.front().is_some_and(|(t, _)| *t <= start) {
@@ -280,7 +304,7 @@ impl Waits {
             seen.push(c);
         }
         self.holders.retain(|c, _| seen.contains(c));
-        p99s
+        IntervalWaits { p99_us: p99s, behind }
     }
 
     /// Whom keyspace `id`'s waits were behind over the monitor window, the
@@ -377,6 +401,22 @@ mod tests {
         // A cell no keyspace holds any more is "other".
         v.behind_ns[1].store(36, Ordering::Relaxed);
         assert_eq!(s.step(&v, &HashMap::new(), 13_000, idle), vec![(Behind::Other, 1)]);
+    }
+
+    #[test]
+    fn the_guard_sees_the_whole_wait_and_the_part_behind_each_keyspace() {
+        let moved = [
+            (Behind::Keyspace(5), 100),
+            (Behind::Idle, 50),
+            (Behind::Keyspace(5), 20),
+            (Behind::Unmeasured, 30),
+            (Behind::Keyspace(7), 40),
+            (Behind::Other, 10),
+        ];
+        let b = waits_behind(&moved);
+        assert_eq!(b.total_ns, 250);
+        assert_eq!(b.keyspaces, vec![(5, 120), (7, 40)]);
+        assert_eq!(waits_behind(&[]), WaitsBehind::default());
     }
 
     #[test]

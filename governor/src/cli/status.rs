@@ -53,11 +53,18 @@ pub fn render(s: &StatusReport) -> String {
     let _ = writeln!(out, "admission    {}", admission_line(a));
     let g = &a.latency_guard;
     if g.enabled {
-        let now = if g.suffering.is_empty() {
-            "every keyspace under its fair share meets it".to_string()
+        let mut now = if g.suffering.is_empty() {
+            "no keyspace under its fair share waits past it behind those above".to_string()
         } else {
-            format!("keyspaces {:?} wait past it: lowering those above their share", g.suffering)
+            format!("keyspaces {:?} wait past it behind those above their share: lowering those", g.suffering)
         };
+        if !g.waiting_elsewhere.is_empty() {
+            now.push_str(&format!(
+                "; keyspaces {:?} wait past it mostly behind no keyspace above its share (an idle CPU, tasks \
+                 governor does not measure): nobody is lowered for them",
+                g.waiting_elsewhere
+            ));
+        }
         let _ = writeln!(
             out,
             "latency      guard on, run-queue wait p99 target {} µs, floor {:.0}% of a refill; {now}",

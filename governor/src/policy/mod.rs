@@ -75,7 +75,7 @@ pub use {
     settings::{Settings, millicores_to_us_per_interval},
     snapshot::{KeyspaceSnapshot, OverflowSnapshot, PendingWritesSnapshot, PolicyCountersSnapshot, PolicySnapshot},
     tick::TickReport,
-    window::{MonitorWindow, UsageSample},
+    window::{MonitorWindow, UsageSample, WaitsBehind},
 };
 
 /// How firmly the per-tenant concurrency limit is applied

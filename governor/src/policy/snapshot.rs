@@ -87,9 +87,12 @@ pub struct PolicySnapshot {
     pub keyspaces: Vec<KeyspaceSnapshot>,
     pub overflow: OverflowSnapshot,
     /// Keyspaces under their fair share that waited past the latency
-    /// guard's target in its last step (their neighbours above it are
-    /// being lowered), ascending.
+    /// guard's target in its last step, mostly behind the keyspaces above
+    /// it (those are being lowered), ascending.
     pub latency_guard_suffering: Vec<u32>,
+    /// The same past the target mostly behind something else (an idle CPU,
+    /// tasks governor does not measure): nobody is lowered for them.
+    pub latency_guard_waiting_elsewhere: Vec<u32>,
 }
 
 /// The overflow bucket: what holds keyspaces without a cell.
@@ -145,6 +148,10 @@ impl Policy {
             .collect();
         keyspaces.sort_by_key(|k| k.keyspace);
         let threshold = s.pending_write_threshold_bytes();
+        let (latency_guard_suffering, latency_guard_waiting_elsewhere) = {
+            let e = self.engine();
+            (e.guard.suffering.clone(), e.guard.waiting_elsewhere.clone())
+        };
         PolicySnapshot {
             global: self.global_bucket(),
             low_priority: self.low_priority_bucket(),
@@ -163,7 +170,8 @@ impl Policy {
             },
             keyspaces,
             overflow: self.overflow(),
-            latency_guard_suffering: self.engine().guard.suffering.clone(),
+            latency_guard_suffering,
+            latency_guard_waiting_elsewhere,
         }
     }
 

@@ -265,6 +265,8 @@ impl Policy {
     fn guard(e: &mut Engine, s: &super::Settings, r: &crate::region::AdmissionRegions, sample: &UsageSample) {
         let cpu: std::collections::HashMap<u32, u64> = sample.keyspace_cpu_us.iter().copied().collect();
         let waits: std::collections::HashMap<u32, u64> = sample.keyspace_wait_p99_us.iter().copied().collect();
+        let behind: std::collections::HashMap<u32, &super::WaitsBehind> =
+            sample.keyspace_wait_behind.iter().map(|(id, b)| (*id, b)).collect();
         let cells: Vec<u32> = e.live.iter().copied().collect();
         let inputs: Vec<super::GuardInput> = cells
             .iter()
@@ -273,6 +275,7 @@ impl Policy {
                 keyspace: st.id,
                 cpu_us: cpu.get(&st.id).copied().unwrap_or(0),
                 wait_p99_us: waits.get(&st.id).copied(),
+                behind: behind.get(&st.id).map_or_else(Default::default, |b| (*b).clone()),
                 factor: st.guard_factor,
             })
             .collect();
@@ -293,10 +296,20 @@ impl Policy {
             log::info!(
                 "latency guard: {}",
                 if step.missed {
-                    format!("keyspaces {:?} wait past the target; lowering those above their share", step.suffering)
+                    format!(
+                        "keyspaces {:?} wait past the target behind those above their share; lowering those",
+                        step.suffering
+                    )
                 } else {
                     "targets met; giving the refills back".into()
                 }
+            );
+        }
+        if !step.waiting_elsewhere.is_empty() && step.waiting_elsewhere != e.guard.waiting_elsewhere {
+            log::info!(
+                "latency guard: keyspaces {:?} wait past the target, mostly behind no keyspace above its share \
+                 (an idle CPU, tasks governor does not measure): nobody is lowered for them",
+                step.waiting_elsewhere
             );
         }
         e.guard = step;

@@ -22,6 +22,19 @@ pub struct UsageSample {
     /// One run-queue wait's p99 in this stats interval, µs, of each
     /// keyspace that waited (the latency guard reads it).
     pub keyspace_wait_p99_us: Vec<(u32, u64)>,
+    /// Whom each keyspace's waits in this stats interval were behind, for
+    /// each keyspace whose waits the kernel attributed (the guard reads it).
+    pub keyspace_wait_behind: Vec<(u32, WaitsBehind)>,
+}
+
+/// Whom a keyspace's run-queue waits in one interval were behind: what
+/// held the CPU each of its waits ended on.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WaitsBehind {
+    /// All of its wait the kernel attributed in the interval, ns.
+    pub total_ns: u64,
+    /// Of that, the part behind each keyspace's work: (keyspace, ns).
+    pub keyspaces: Vec<(u32, u64)>,
 }
 
 #[derive(Debug)]
@@ -120,7 +133,7 @@ impl MonitorWindow {
             let sample = UsageSample {
                 global_cpu_cumulative_us: st.global_cum_us,
                 keyspace_cpu_us: st.keyspace,
-                keyspace_wait_p99_us: Vec::new(),
+                ..UsageSample::default()
             };
             self.push(st.at_us, &sample);
         }
@@ -162,7 +175,7 @@ mod tests {
             let s = UsageSample {
                 global_cpu_cumulative_us: i * 500_000,
                 keyspace_cpu_us: vec![(1, 250_000), (2, 100_000 * i)],
-                keyspace_wait_p99_us: vec![],
+                ..UsageSample::default()
             };
             w.push(i * 1_000_000, &s);
         }

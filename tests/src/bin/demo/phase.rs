@@ -87,6 +87,20 @@ impl Sample {
         self.agent.get(&ks).map_or(0.0, |k| k.cpu_wait_seconds)
     }
 
+    /// Whom the keyspace's threads waited behind over the agent's monitor
+    /// window (seconds, by the agent's word for the runner).
+    fn behind(&self, ks: u32) -> BTreeMap<String, f64> {
+        let mut out = BTreeMap::new();
+        for b in self.agent.get(&ks).map_or(&[][..], |k| &k.cpu_wait_behind[..]) {
+            let who = match b.keyspace_id {
+                Some(id) => format!("keyspace {id}"),
+                None => b.behind.clone(),
+            };
+            *out.entry(who).or_default() += b.seconds;
+        }
+        out
+    }
+
     /// Its single waits so far, by the agent's log-2 buckets.
     fn runq_hist(&self, ks: u32) -> Vec<u64> {
         let mut h = self.agent.get(&ks).map_or_else(Vec::new, |k| k.cpu_wait_buckets.clone());
@@ -113,6 +127,26 @@ fn runq(first: &Sample, last: &Sample, kss: &[u32]) -> (f64, Option<f64>) {
     }
     let p99 = keyspace_governor_common::wait_quantile_ns(&hist, 0.99).map(|ns| ns / 1e3);
     (wait * 1e6 / served.max(1) as f64, p99)
+}
+
+/// Whom the threads of `kss` waited behind between two samples, as shares
+/// of that wait (%). The agent keeps this over its monitor window (a
+/// minute), and a phase's agent has run less than that at its end (the
+/// enforcing phases start a new one), so the later sample less the earlier
+/// is the phase's.
+fn behind(first: &Sample, last: &Sample, kss: &[u32]) -> BTreeMap<String, f64> {
+    let mut secs: BTreeMap<String, f64> = BTreeMap::new();
+    for &k in kss {
+        let before = first.behind(k);
+        for (who, s) in last.behind(k) {
+            let d = s - before.get(&who).copied().unwrap_or(0.0);
+            if d > 0.0 {
+                *secs.entry(who).or_default() += d;
+            }
+        }
+    }
+    let total: f64 = secs.values().sum();
+    secs.into_iter().map(|(who, s)| (who, if total > 0.0 { s / total * 100.0 } else { 0.0 })).collect()
 }
 
 /// The Instant of a CLOCK_MONOTONIC reading taken between `before` and
@@ -222,6 +256,9 @@ pub struct PhaseResult {
     /// wait's p99 (µs), together: the kernel's part of their latency.
     pub light_runq_wait_per_request_us: f64,
     pub light_runq_wait_p99_us: Option<f64>,
+    /// Whom that wait was behind (what held the CPU when each wait ended:
+    /// `idle` is the machine's own wakeup latency), % of it.
+    pub light_wait_behind_pct: BTreeMap<String, f64>,
     /// The machine's steal time in each 1 s window, as a share of all its
     /// CPU then, %: the hypervisor ran something else while it wanted to
     /// run (the thread clock counts that time within a slice; the kernel,
@@ -366,6 +403,7 @@ fn summarize(spec: &Spec<'_>, samples: &[Sample], tail: &Sample, logs: &BTreeMap
     PhaseResult {
         light_runq_wait_per_request_us,
         light_runq_wait_p99_us,
+        light_wait_behind_pct: behind(first, last, &light_kss),
         windows_steal_pct,
         name: spec.name,
         mode: spec.mode.clone(),

@@ -80,6 +80,13 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
             fine(p.light_runq_wait_per_request_us),
             p.light_runq_wait_p99_us.map_or("-".into(), fine),
         );
+        if !p.light_wait_behind_pct.is_empty() {
+            // (Shares under half a per cent left out.)
+            let mut by: Vec<(&String, &f64)> = p.light_wait_behind_pct.iter().filter(|(_, pct)| **pct >= 0.5).collect();
+            by.sort_by(|a, b| b.1.total_cmp(a.1));
+            let w: Vec<String> = by.iter().map(|(who, pct)| format!("{} {pct:.0} %", behind_words(who))).collect();
+            println!("  that wait was behind: {}", w.join(", "));
+        }
         if p.windows_other_processes_cores.iter().any(Option::is_some) {
             let w: Vec<String> =
                 p.windows_other_processes_cores.iter().map(|c| c.map_or("-".into(), |c| format!("{c:.2}"))).collect();
@@ -113,4 +120,16 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
          around each request's work; busy: busy replies; waited/refused: the agent's admission counters; \
          mean wait: time in admission per request; latency from each request's intended send time)"
     );
+}
+
+/// The agent's word for whom a wait was behind, for the reader.
+fn behind_words(who: &str) -> String {
+    match who {
+        "idle" => "an idle CPU (the machine's own wakeup latency)".into(),
+        "unmeasured" => "tasks governor does not measure (the load generator, the agent, kernel threads)".into(),
+        "untagged" => "registered threads with no tag (the runtime between requests)".into(),
+        "unknown" => "not seen".into(),
+        "other" => "others".into(),
+        k => k.to_string(),
+    }
 }
