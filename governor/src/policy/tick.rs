@@ -305,7 +305,8 @@ impl Policy {
                 }
             );
         }
-        if !step.waiting_elsewhere.is_empty() && step.waiting_elsewhere != e.guard.waiting_elsewhere {
+        // Said when it starts, not at every interval it lasts.
+        if !step.waiting_elsewhere.is_empty() && e.guard.waiting_elsewhere.is_empty() {
             log::info!(
                 "latency guard: keyspaces {:?} wait past the target, mostly behind no keyspace above its share \
                  (an idle CPU, tasks governor does not measure): nobody is lowered for them",
