@@ -8,7 +8,9 @@
 //! keeps the token buckets the tickets draw on.
 //!
 //! ```toml
-//! keyspace-governor = "0.1"   # the client alone: stable Rust, no eBPF toolchain
+//! # The client alone: stable Rust, no eBPF toolchain. Not on crates.io
+//! # yet: a path (or git) dependency on the repository's `governor/`.
+//! keyspace-governor = { path = "../governor/governor" }
 //! ```
 //!
 //! # Features

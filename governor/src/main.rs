@@ -146,9 +146,13 @@ enum ConfigVerb {
         #[arg(long)]
         json: bool,
     },
-    /// Print the configuration FILE gives (or the embedded default).
+    /// Print the configuration FILE gives (or the embedded default); with
+    /// --socket, the configuration the running agent holds, changes made
+    /// online included.
     Show {
         file: Option<PathBuf>,
+        #[arg(long, conflicts_with = "file")]
+        socket: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -420,7 +424,13 @@ fn main() {
             Ok(c) => print(json, &c, |c| c.to_toml_string()),
             Err(e) => fail(json, &e),
         },
-        Verb::Config { verb: ConfigVerb::Show { file, json } } => match cli::config_cmd::show(file.as_deref()) {
+        Verb::Config { verb: ConfigVerb::Show { file: None, socket: Some(socket), json } } => {
+            match cli::config_cmd::show_running(&socket) {
+                Ok(r) => print(json, &r, cli::config_cmd::render_running),
+                Err(e) => fail(json, &e),
+            }
+        }
+        Verb::Config { verb: ConfigVerb::Show { file, json, .. } } => match cli::config_cmd::show(file.as_deref()) {
             Ok(c) => print(json, &c, |c| c.to_toml_string()),
             Err(e) => fail(json, &e),
         },

@@ -9,7 +9,9 @@ use crate::region::RegionSizes;
 use serde::{Deserialize, Serialize};
 
 mod profile;
+mod waits;
 pub use profile::{ProfileKeyspace, ProfileReport, ProfileStack};
+pub use waits::{WaitBehind, behind_in_words};
 
 /// Which measurement backend the agent runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,6 +70,8 @@ pub enum Request {
     /// Re-reads the agent's configuration file (as SIGHUP does). Root or the
     /// agent's own uid only.
     ConfigReload,
+    /// The configuration in force, with every key spelled out.
+    ConfigShow,
     /// Changes one key of the running configuration (`value` is TOML, or a
     /// bare string). Root or the agent's own uid only.
     ConfigSet { key: String, value: String },
@@ -135,6 +139,15 @@ pub enum Reply {
     /// the new configuration equals the running one).
     ConfigUpdated {
         changes: Vec<ConfigChange>,
+    },
+    /// The configuration in force: `toml` spells out every key; `file` is
+    /// the one the agent started from (none: the embedded default), and
+    /// `changes_accepted` counts the changes made to it since (`config
+    /// set`, `config reload`, rules, SIGHUP).
+    Config {
+        toml: String,
+        file: Option<String>,
+        changes_accepted: u64,
     },
     /// A refused configuration change, with every reason; the running
     /// configuration stays.
@@ -474,22 +487,6 @@ pub struct BucketStatus {
     /// its futures (one per process, however many futures wait).
     #[serde(default)]
     pub sleepers: u32,
-}
-
-/// What a keyspace's threads waited behind: what held the CPU each of them
-/// got when its wait ended (the kernel's count, eBPF backend only).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct WaitBehind {
-    /// `keyspace` (with `keyspace_id`: that keyspace's work), `untagged` (a
-    /// registered thread with no tag), `unmeasured` (a task governor does
-    /// not measure), `idle` (the CPU was free: the wakeup's own latency),
-    /// `unknown` (the switch-in was not seen) or `other` (a runner the
-    /// kernel kept no slot for, or a keyspace gone since).
-    pub behind: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub keyspace_id: Option<u32>,
-    /// Seconds waited behind it over the monitor window.
-    pub seconds: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

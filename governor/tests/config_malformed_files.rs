@@ -250,3 +250,31 @@ max-threads = 1
     );
     assert_eq!(errors.to_string().lines().count(), 4);
 }
+
+#[test]
+fn every_unknown_key_and_wrong_type_in_one_file_is_listed() {
+    let source = "\
+tenant-max-cpu-ratio = 0.3
+[resource-control.cpu-throttle]
+profile = \"essentail\"
+tennant-max-cpu-ratio = 0.2
+tenant-max-cpu-ratio = 0.25
+[agent]
+max-keyspaces = \"many\"
+";
+    let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
+    let lines: Vec<_> = errors.errors.iter().map(|e| (e.key(), e.line())).collect();
+    assert_eq!(
+        lines,
+        vec![
+            ("tenant-max-cpu-ratio", Some(1)),
+            ("resource-control.cpu-throttle.profile", Some(3)),
+            ("resource-control.cpu-throttle.tennant-max-cpu-ratio", Some(4)),
+            ("agent.max-keyspaces", Some(7)),
+        ]
+    );
+    // A value spread over lines cannot be set aside: the listing stops there.
+    let errors = ValidatedConfig::from_toml_str("bogus = [\n1,\n]\n[agent]\nmax-keyspaces = \"many\"\n").unwrap_err();
+    assert_eq!(errors.errors.len(), 1, "{errors}");
+    assert_eq!(errors.errors[0].key(), "bogus");
+}

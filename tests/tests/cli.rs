@@ -54,7 +54,7 @@ fn config_validate_prints_the_validated_configuration() {
 #[test]
 fn config_validate_of_a_missing_file_fails_naming_it() {
     let (code, _, err) = governor(&["config", "validate", "/tmp/governor-no-such-file.toml"]);
-    assert_ne!(code, 0);
+    assert_eq!(code, 66, "EX_NOINPUT: {err}");
     assert!(err.contains("/tmp/governor-no-such-file.toml"), "{err}");
 }
 

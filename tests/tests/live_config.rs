@@ -91,6 +91,13 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     let s = agent.status().expect("status");
     assert_eq!((s.config_updates.accepted, s.config_updates.rejected), (3, 5), "{:?}", s.config_updates);
     assert_eq!(s.config_updates.path.as_deref(), Some(path.canonicalize().unwrap().to_str().unwrap()));
+    // `config show --socket`: what the agent holds now, and where it came from.
+    let o = governor(&agent, &["config", "show", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let shown: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(shown["config"]["resource-control"]["cpu-throttle"]["tenant-max-cpu-ratio"], 0.1, "{shown}");
+    assert_eq!(shown["changes_accepted"], 3, "{shown}");
+    assert_eq!(shown["file"].as_str(), s.config_updates.path.as_deref());
     let log = agent.log_text();
     assert!(log.contains("tenant-max-cpu-ratio 0.25 -> 0.5"), "{log}");
     assert!(log.contains("SIGHUP") && log.contains("tenant-max-cpu-ratio 0.5 -> 0.1"), "{log}");

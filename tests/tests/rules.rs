@@ -320,6 +320,9 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     assert_eq!(s.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["keep"]);
     let removed = governor(&agent, &["rules", "remove", "keep"]);
     assert!(removed.status.success(), "{}", text(&removed));
+    // The reply says what changed: the last rule went, so `rules` is unset.
+    let said = String::from_utf8_lossy(&removed.stdout);
+    assert!(said.contains("rules unset") && said.contains("keep"), "{}", text(&removed));
     assert!(agent.status().unwrap().rules.is_empty());
 }
 

@@ -1,12 +1,13 @@
 //! The tokio hooks: `register_on_park` registers a runtime's workers and
-//! not its blocking-pool threads; `register_on_start` registers both, so a
+//! not its blocking-pool threads (a worker busy from its start, which never
+//! parks, at its first admission); `register_on_start` registers both, so a
 //! ticket moved into `spawn_blocking` charges the kernel's count of that
 //! work to its keyspace. `CpuSpread` pins each worker to a CPU of its own.
 
 use governor_tests::{Agent, essential_config};
 use keyspace_governor::client::{self, Client, Demand};
 use keyspace_governor::sys;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 fn burn(ns: u64) -> u64 {
     let t0 = sys::thread_cputime_ns();
@@ -65,6 +66,64 @@ fn workers_register_on_park_and_blocking_threads_on_start() {
     eprintln!("work {ran} ns on a blocking thread, keyspace charged {charged:.0} ns ({err:+.3} %)");
     // The charge is the kernel's count of the tagged span; the thread clock
     // read inside it misses only the tag switches at its edges.
+    assert!((-0.5..=1.0).contains(&err), "charged {err:+.3} % off the work");
+}
+
+/// A worker that finds work as it starts never parks while it has some: the
+/// park hook cannot register it. It is registered at its first admission
+/// instead, in the background (no round trip in its poll), and its tickets'
+/// work is charged from then on. A current-thread runtime whose one future
+/// is never pending is that worker, deterministically: it never parks.
+#[test]
+fn a_worker_busy_from_its_start_registers_at_its_first_admission() {
+    const KS: u32 = 13;
+    let agent = Agent::start("ebpf", &essential_config(1.0)).unwrap();
+    let client = Client::connect(&agent.socket).unwrap();
+    // The keyspace's cell made beforehand, on another thread, so the
+    // worker's admissions are ready at once and its future never pending.
+    let c = client.clone();
+    std::thread::spawn(move || drop(c.acquire(KS, Demand::new()).unwrap())).join().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().on_thread_park(client.register_on_park()).build().unwrap();
+    let (registered_before, first_admission, measured_after, ran, charged) = rt.block_on(async {
+        let registered_before = client::is_registered();
+        let demand = || Demand::new().timeout(Duration::from_secs(1));
+        let t0 = Instant::now();
+        let ticket = client.acquire_async(KS, demand()).await.unwrap();
+        let first_admission = t0.elapsed();
+        drop(ticket);
+        // Tickets' work, until the registration is in (the thread clock
+        // then reads from the shared page, and the tag takes).
+        let mut measured_after = None;
+        while t0.elapsed() < Duration::from_secs(3) {
+            let mut ticket = client.acquire_async(KS, demand()).await.unwrap();
+            let _g = ticket.enter();
+            burn(100_000);
+            if client::thread_cpu_ns().is_some() {
+                measured_after = Some(t0.elapsed());
+                break;
+            }
+        }
+        // A second of tickets' work, with the kernel's count of it beside.
+        let before = agent.keyspace_seconds(KS).unwrap();
+        let (mut ran, t1) = (0, Instant::now());
+        while t1.elapsed() < Duration::from_secs(1) {
+            let mut ticket = client.acquire_async(KS, demand()).await.unwrap();
+            let _g = ticket.enter();
+            ran += burn(1_000_000);
+        }
+        let charged = (agent.keyspace_seconds(KS).unwrap() - before) * 1e9;
+        (registered_before, first_admission, measured_after, ran, charged)
+    });
+    assert!(!registered_before, "the worker had not parked, so the park hook had not registered it");
+    eprintln!("first admission {first_admission:?}; registration in after {measured_after:?}");
+    let measured_after = measured_after.expect("the worker was registered within 3 s of its first admission");
+    // Nothing in the poll waited for the agent: the first admission took no
+    // round trip (the registration is the background thread's).
+    assert!(first_admission < Duration::from_millis(20), "first admission took {first_admission:?}");
+    assert!(measured_after < Duration::from_secs(1), "registered {measured_after:?} after its first admission");
+    let err = (charged - ran as f64) / ran as f64 * 100.0;
+    eprintln!("work {ran} ns, keyspace charged {charged:.0} ns ({err:+.3} %)");
+    assert!(ran > 500_000_000, "the worker ran its tickets' work: {ran} ns");
     assert!((-0.5..=1.0).contains(&err), "charged {err:+.3} % off the work");
 }
 

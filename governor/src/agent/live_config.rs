@@ -176,6 +176,15 @@ impl Running {
         Ok(Proposal { next, diff, effects: Effects { rules, access }, what })
     }
 
+    /// The configuration in force, as `config show --socket` prints it.
+    pub(crate) fn reply(&self) -> crate::proto::Reply {
+        crate::proto::Reply::Config {
+            toml: self.config.to_toml_string(),
+            file: self.path.as_ref().map(|p| p.display().to_string()),
+            changes_accepted: self.accepted,
+        }
+    }
+
     /// Puts an applied proposal in the record: it is the running
     /// configuration now.
     pub(crate) fn accept(&mut self, p: Proposal) -> ConfigDiff {
@@ -183,8 +192,9 @@ impl Running {
         if p.diff.changes.is_empty() {
             log::info!("{}: accepted, nothing changed", p.what);
         } else {
+            let shown = |v: &str| if v.is_empty() { "(unset)".to_string() } else { v.to_string() };
             let list: Vec<String> =
-                p.diff.changes.iter().map(|c| format!("{} {} -> {}", c.key, c.old, c.new)).collect();
+                p.diff.changes.iter().map(|c| format!("{} {} -> {}", c.key, shown(&c.old), shown(&c.new))).collect();
             log::info!("{}: accepted: {}", p.what, list.join(", "));
         }
         self.config = p.next;

@@ -169,6 +169,11 @@ impl Shared {
         self.config.lock()
     }
 
+    /// The configuration in force, for `config show --socket`.
+    pub(crate) fn config_reply(&self) -> crate::proto::Reply {
+        self.lock_config().reply()
+    }
+
     /// The configuration in force now.
     fn running_config(&self) -> ValidatedConfig {
         self.lock_config().config.clone()

@@ -75,7 +75,7 @@ fn peer_of(fd: RawFd) -> Peer {
 fn needs(request: &Request) -> Option<(Role, &'static str)> {
     Some(match request {
         Request::Watch { .. } => return None,
-        Request::Status | Request::Threads => (Role::Reader, "read status"),
+        Request::Status | Request::Threads | Request::ConfigShow => (Role::Reader, "read status"),
         Request::ConfigReload | Request::ConfigSet { .. } | Request::RuleAdd { .. } | Request::RuleRemove { .. } => {
             (Role::Admin, "change the configuration")
         }
@@ -235,6 +235,7 @@ async fn connection(stream: UnixStream, conn: u64, shared: Arc<Shared>) {
                 .await,
                 None,
             ),
+            Request::ConfigShow => (blocking(&shared, |s| s.config_reply()).await, None),
             Request::ConfigSet { key, value } => {
                 (blocking(&shared, move |s| config_reply(s.change_config(Change::Set(&key, &value)))).await, None)
             }

@@ -46,7 +46,11 @@ pub fn render_applied(a: &Applied) -> String {
     }
     let mut out = String::new();
     for c in &a.changes {
-        let _ = writeln!(out, "{} = {}   (was {})", c.key, c.new, c.old);
+        let _ = match (c.new.is_empty(), c.old.is_empty()) {
+            (true, _) => writeln!(out, "{} unset   (was {})", c.key, c.old),
+            (false, true) => writeln!(out, "{} = {}   (was unset)", c.key, c.new),
+            (false, false) => writeln!(out, "{} = {}   (was {})", c.key, c.new, c.old),
+        };
     }
     out
 }
@@ -54,6 +58,42 @@ pub fn render_applied(a: &Applied) -> String {
 /// Validates `path`; the validated configuration on success.
 pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {
     load_config(path)
+}
+
+/// The configuration a running agent holds.
+#[derive(Debug, serde::Serialize)]
+pub struct Running {
+    /// The file it started from (none: the embedded default).
+    pub file: Option<String>,
+    /// Changes accepted since it started (`config set`, `config reload`,
+    /// rules, SIGHUP).
+    pub changes_accepted: u64,
+    /// Every key, as a file would write it.
+    pub config: toml::Table,
+}
+
+/// `governor config show --socket PATH`: the running agent's configuration.
+pub fn show_running(socket: &Path) -> Result<Running, CliError> {
+    match crate::client::request(socket, &Request::ConfigShow)? {
+        Reply::Config { toml, file, changes_accepted } => {
+            let config = toml.parse().map_err(|e| CliError::Reply { detail: format!("the configuration: {e}") })?;
+            Ok(Running { file, changes_accepted, config })
+        }
+        Reply::Error { message } => Err(CliError::Agent { message }),
+        other => Err(CliError::Reply { detail: format!("{other:?}") }),
+    }
+}
+
+/// Human-readable: a TOML file of the running configuration, its origin in
+/// a comment.
+pub fn render_running(r: &Running) -> String {
+    let from = r.file.as_deref().map_or("the embedded default".to_string(), |f| format!("--config {f}"));
+    format!(
+        "# the running agent's configuration: from {from}, {} change{} accepted since it started\n{}",
+        r.changes_accepted,
+        if r.changes_accepted == 1 { "" } else { "s" },
+        toml::to_string(&r.config).unwrap_or_default()
+    )
 }
 
 /// The configuration in force for `path`, or the embedded default.

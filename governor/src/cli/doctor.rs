@@ -209,7 +209,7 @@ fn custom_slice(v: Option<(u32, u32)>) -> Check {
     if v.is_some_and(|v| v >= (6, 12)) {
         ok(
             "sched-slice",
-            "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (keyspace_governor::sys::set_thread_slice)",
+            "EEVDF custom slices (6.12+): servers can bound how long one request holds a core (keyspace_governor::client::set_thread_slice)",
         )
     } else {
         warn(

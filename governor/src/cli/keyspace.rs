@@ -142,17 +142,7 @@ fn behind_line(behind: &[crate::proto::WaitBehind]) -> Option<String> {
         .take(3)
         .enumerate()
         .filter(|(i, b)| *i == 0 || b.seconds / total >= 0.005)
-        .map(|(_, b)| {
-            let whom = match (b.behind.as_str(), b.keyspace_id) {
-                ("keyspace", Some(id)) => format!("keyspace {id}"),
-                ("untagged", _) => "registered threads with no tag".into(),
-                ("unmeasured", _) => "tasks governor does not measure".into(),
-                ("idle", _) => "an idle CPU (the wakeup's own latency)".into(),
-                ("unknown", _) => "not known".into(),
-                (other, _) => format!("{other} runners"),
-            };
-            format!("{whom} {:.0} %", b.seconds / total * 100.0)
-        })
+        .map(|(_, b)| format!("{} {:.0} %", b.whom(), b.seconds / total * 100.0))
         .collect();
     Some(format!(
         "over the monitor window its threads waited behind (what held the CPU each got when its wait ended): {}",

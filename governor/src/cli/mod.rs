@@ -49,6 +49,8 @@ impl CliError {
     pub fn exit_code(&self) -> i32 {
         match self {
             CliError::Config { .. } | CliError::Rejected { .. } | CliError::Usage(_) => EXIT_USAGE,
+            // EX_NOINPUT: the file named cannot be read.
+            CliError::Read { .. } => 66,
             // EX_NOPERM: the agent refused the peer itself.
             CliError::Agent { message } if message.starts_with(crate::proto::NOT_PERMITTED) => 77,
             CliError::Client(crate::client::ClientError::Refused { message })

@@ -13,7 +13,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -45,6 +45,10 @@ pub(crate) struct Inner {
     /// Registrations made for threads on a new attachment, waiting for
     /// their thread to pick them up: tid → (epoch, slot, generation).
     prereg: Mutex<HashMap<u32, (u64, u32, u64)>>,
+    /// Set by [`Client::register_on_park`]: a thread that admits its first
+    /// request through this client unregistered (a worker busy from its
+    /// start, which has not parked yet) is registered in the background.
+    register_on_admit: AtomicBool,
     /// The background thread's jobs (cells, registrations).
     pub(crate) helper: super::helper::Helper,
 }
@@ -110,6 +114,7 @@ impl Client {
             watch: Mutex::new(watch.as_ref().map(UnixStream::try_clone).transpose()?),
             threads: Mutex::new(BTreeSet::new()),
             prereg: Mutex::new(HashMap::new()),
+            register_on_admit: AtomicBool::new(false),
             helper: super::helper::Helper::default(),
         });
         spawn_helper(&inner)?;
@@ -186,11 +191,18 @@ impl Client {
     }
 
     /// For tokio's `Builder::on_thread_park`: registers each worker thread
-    /// of the runtime the first time it parks (before its first task, as a
-    /// worker parks as soon as it starts idle), and never a blocking-pool
-    /// thread, which does not park this way. Later parks cost a
-    /// thread-local check. A failed registration is logged, not raised: the
-    /// thread runs unmeasured.
+    /// of the runtime the first time it parks, and never a blocking-pool
+    /// thread, which does not park this way. A worker that finds tasks
+    /// waiting as it starts (a server that starts under load) does not park
+    /// while it has work: it is registered instead when it first admits a
+    /// request through this client (the first [`Client::acquire`] or
+    /// [`Client::acquire_async`] on that thread), in the background, with no
+    /// round trip on the way; its work is measured once the registration is
+    /// in, one round trip to the agent later. From then on, any thread that
+    /// admits its first request through this client unregistered is
+    /// registered the same way. Later parks cost a thread-local check. A
+    /// failed registration is logged (through the `log` crate), not raised:
+    /// the thread runs unmeasured.
     ///
     /// ```no_run
     /// # let client = keyspace_governor::client::Client::new("/run/governor/governor.sock")?;
@@ -200,6 +212,7 @@ impl Client {
     /// # Ok::<(), keyspace_governor::client::ClientError>(())
     /// ```
     pub fn register_on_park(&self) -> impl Fn() + Send + Sync + 'static {
+        self.inner.register_on_admit.store(true, Ordering::Relaxed);
         let client = self.clone();
         move || {
             if !super::is_registered()
@@ -221,6 +234,34 @@ impl Client {
             if let Err(e) = client.register_current_thread() {
                 log::warn!("registering a runtime thread: {e}");
             }
+        }
+    }
+
+    /// The calling thread admits its first request through this client
+    /// (its home in the ledger was just made): registers it in the
+    /// background if [`Client::register_on_park`] asked for it and it is
+    /// not registered. No round trip: the background thread registers it by
+    /// its tid, and the thread picks the registration up at its next tag
+    /// switch, as after an agent's restart.
+    #[cold]
+    pub(crate) fn first_admission_on_thread(&self) {
+        if !self.inner.register_on_admit.load(Ordering::Relaxed) || self.check_fork().is_err() {
+            return;
+        }
+        let tid = sys::gettid();
+        let adopted = super::CURRENT.try_with(|c| match c.try_borrow_mut() {
+            Ok(mut slot) if slot.is_none() => {
+                *slot = Some(ThreadState { client: self.clone(), tid, ctx: None });
+                true
+            }
+            _ => false,
+        });
+        if adopted != Ok(true) {
+            return;
+        }
+        self.inner.threads.lock().unwrap_or_else(|p| p.into_inner()).insert(tid);
+        if let Some(att) = self.attachment().filter(|a| a.alive()) {
+            self.inner.helper.register(att.epoch, tid);
         }
     }
 

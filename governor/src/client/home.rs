@@ -39,6 +39,9 @@ pub(crate) struct Home {
     /// and, dropped on this thread, puts it back, so an owned ticket costs
     /// no write to the attachment's shared reference count.
     refs: Vec<Arc<Attachment>>,
+    /// Made for this thread's admission now under way: the thread's first
+    /// on this attachment (cleared by the admission that reads it).
+    pub(crate) just_made: bool,
 }
 
 thread_local! {
@@ -59,6 +62,7 @@ impl Home {
             spare: Spare::default(),
             mirrored: Spare::default(),
             refs: Vec::with_capacity(REFS),
+            just_made: true,
         };
         let r = home.record(home.first);
         r.cell.store(0, Ordering::Relaxed);

@@ -217,6 +217,13 @@ impl Client {
                 h.sync();
                 return Ok(None);
             }
+            // A thread's first admission here cannot take the spared lane
+            // (its spare is empty): the thread may want registering.
+            if let Some(h) = home.as_deref_mut()
+                && std::mem::take(&mut h.just_made)
+            {
+                self.first_admission_on_thread();
+            }
             let cell = match known {
                 Some(c) => c,
                 None => match att.cell_of(keyspace) {

@@ -155,6 +155,13 @@ impl Client {
     /// Like [`Client::acquire`], but waits for CPU tokens without blocking
     /// the executor's thread; the first request of a keyspace the agent has
     /// no cell for waits for it without blocking too.
+    ///
+    /// Ready at its first poll when the tokens are there (as are
+    /// [`Ticket::checkpoint_async`] and [`Ticket::run`] with nothing to
+    /// wait for): it does not yield to the executor by itself, so a task
+    /// that loops on admissions with no other `.await` (a load generator
+    /// inside the server) should call `tokio::task::yield_now().await`
+    /// between them.
     pub fn acquire_async(&self, keyspace: u32, demand: Demand) -> AcquireFuture {
         if let Some(att) = self.attachment().filter(|a| a.alive())
             && att.admission.directory().find(keyspace).is_none()

@@ -16,6 +16,8 @@ pub struct SourceMap {
     line_starts: Vec<usize>,
     /// Keys whose value is an inline table (`key = { ... }`).
     inline_tables: Vec<String>,
+    /// `(line, value as written)` of each key on one line.
+    values: Vec<(usize, String)>,
 }
 
 impl SourceMap {
@@ -28,6 +30,7 @@ impl SourceMap {
     pub fn new(source: &str) -> Self {
         let mut entries = Vec::new();
         let mut inline_tables = Vec::new();
+        let mut values = Vec::new();
         let mut line_starts = vec![0];
         let mut table = String::new();
         let mut in_multiline: Option<&str> = None;
@@ -63,13 +66,14 @@ impl SourceMap {
                 inline_tables.push(full.clone());
             }
             entries.push((number, full, false));
+            values.push((number, value.trim().to_string()));
             for delim in ["\"\"\"", "'''"] {
                 if value.matches(delim).count() == 1 {
                     in_multiline = Some(delim);
                 }
             }
         }
-        Self { entries, line_starts, inline_tables }
+        Self { entries, line_starts, inline_tables, values }
     }
 
     /// The line of the last definition of `dotted` (a key or a table).
@@ -90,6 +94,18 @@ impl SourceMap {
     /// The table in effect at `line` ("" for the root table).
     pub fn table_at_line(&self, line: usize) -> &str {
         self.entries.iter().rev().find(|(l, _, header)| *header && *l <= line).map(|(_, k, _)| k.as_str()).unwrap_or("")
+    }
+
+    /// The line and key of `table`'s own key whose value is the string
+    /// `value`.
+    fn key_with_value(&self, table: &str, value: &str) -> Option<(usize, &str)> {
+        let quoted = [format!("\"{value}\""), format!("'{value}'")];
+        self.values.iter().find_map(|(l, v)| {
+            let (_, key, _) = self.entries.iter().find(|(el, _, h)| el == l && !h)?;
+            let own = key.strip_prefix(table)?.strip_prefix('.').is_some_and(|rest| !rest.contains('.'));
+            let holds = quoted.iter().any(|q| v.split('#').next().unwrap_or_default().trim() == q);
+            (own && holds).then_some((*l, key.as_str()))
+        })
     }
 
     /// Turns a toml/serde error into a [`ConfigError`] naming key and line.
@@ -123,6 +139,15 @@ impl SourceMap {
             let key = if table.is_empty() { field.to_string() } else { format!("{table}.{field}") };
             let line = self.line_of(&key).or(line);
             return ConfigError::UnknownKey { key, line };
+        }
+        // A value no variant matches is reported at its table: the key is
+        // the table's one holding that value.
+        if let (Some(l), Some(bad)) =
+            (line, message.strip_prefix("unknown variant `").and_then(|rest| rest.split('`').next()))
+            && let Some(table) = self.entries.iter().find(|(el, _, h)| *h && *el == l).map(|(_, k, _)| k.as_str())
+            && let Some((kl, key)) = self.key_with_value(table, bad)
+        {
+            return ConfigError::Syntax { key: key.to_string(), line: Some(kl), message };
         }
         let key = line.and_then(|l| self.key_at_line(l)).map(str::to_string).unwrap_or_else(|| "<file>".to_string());
         ConfigError::Syntax { key, line, message }

@@ -112,7 +112,7 @@ fn diff_tables(old: &toml::Table, new: &toml::Table) -> ConfigDiff {
     let (mut a, mut b) = (BTreeMap::new(), BTreeMap::new());
     flatten("", old, &mut a);
     flatten("", new, &mut b);
-    let changes = b
+    let mut changes: Vec<KeyChange> = b
         .iter()
         .filter(|(k, v)| a.get(*k) != Some(*v))
         .map(|(k, v)| KeyChange {
@@ -121,6 +121,14 @@ fn diff_tables(old: &toml::Table, new: &toml::Table) -> ConfigDiff {
             new: v.to_string(),
         })
         .collect();
+    // Keys the new configuration no longer writes (the last rule removed,
+    // an optional key unset): their new value is empty.
+    changes.extend(a.iter().filter(|(k, _)| !b.contains_key(*k)).map(|(k, v)| KeyChange {
+        key: k.clone(),
+        old: v.to_string(),
+        new: String::new(),
+    }));
+    changes.sort_by(|x, y| x.key.cmp(&y.key));
     ConfigDiff { changes }
 }
 
@@ -137,8 +145,7 @@ impl ValidatedConfig {
     /// Validates a reloaded file against the running configuration. Errors
     /// carry the line in `source`.
     pub fn apply_update(&self, source: &str) -> Result<ValidatedConfig, UpdateRejected> {
-        let (raw, map) =
-            super::validated::parse_file(source).map_err(|e| UpdateRejected { errors: ConfigErrors::one(e) })?;
+        let (raw, map) = super::validated::parse_file(source).map_err(|errors| UpdateRejected { errors })?;
         self.check_update(&raw, &map)
     }
 
@@ -246,6 +253,21 @@ mod tests {
         assert!(diff.changed("a.b.x") && diff.changed("a.b") && diff.changed("a"));
         assert!(!diff.changed("a.b.y") && !diff.changed("c") && !diff.changed("a.b.x2"));
         assert!(diff_tables(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn diff_reports_keys_added_and_keys_gone() {
+        let old: toml::Table = toml::from_str("r = [1]\n[c]\nz = true\n").unwrap();
+        let new: toml::Table = toml::from_str("[a]\nx = 2\n[c]\nz = true\n").unwrap();
+        let diff = diff_tables(&old, &new);
+        assert_eq!(
+            diff.changes,
+            vec![
+                KeyChange { key: "a.x".into(), old: String::new(), new: "2".into() },
+                KeyChange { key: "r".into(), old: "[1]".into(), new: String::new() },
+            ]
+        );
+        assert!(diff.changed("r") && !diff.changed("c"));
     }
 
     #[test]

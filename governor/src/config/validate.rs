@@ -81,7 +81,7 @@ impl ValidatedConfig {
     /// Parses and validates a whole file. All problems are reported together,
     /// each with its dotted key and line.
     pub fn from_toml_str(source: &str) -> Result<Self, ConfigErrors> {
-        let (raw, map) = parse_file(source).map_err(ConfigErrors::one)?;
+        let (raw, map) = parse_file(source)?;
         validate(&raw, &map)
     }
 

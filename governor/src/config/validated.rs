@@ -37,9 +37,40 @@ pub struct ValidatedConfig {
 
 /// A file as written, with its profile's values for the keys it leaves
 /// out, and where each key sits.
-pub(crate) fn parse_file(source: &str) -> Result<(RawConfig, SourceMap), super::ConfigError> {
+pub(crate) fn parse_file(source: &str) -> Result<(RawConfig, SourceMap), super::ConfigErrors> {
     let map = SourceMap::new(source);
-    let mut raw: RawConfig = toml::from_str(source).map_err(|e| map.convert(&e))?;
+    // Serde stops at the first unknown key or value of the wrong type. So
+    // that one run names them all, the line of each is blanked (when it
+    // holds the whole `key = value`) and the file read again; the lines
+    // keep their numbers. Range and consistency checks follow once the
+    // file reads.
+    let mut errors = Vec::new();
+    let mut lines: Vec<&str> = source.lines().collect();
+    let mut text = std::borrow::Cow::Borrowed(source);
+    let mut raw: RawConfig = loop {
+        match toml::from_str(&text) {
+            Ok(raw) if errors.is_empty() => break raw,
+            Ok(_) => return Err(super::ConfigErrors { errors }),
+            Err(e) => {
+                // The blanked lines moved the byte offsets, not the lines.
+                let error = match &text {
+                    std::borrow::Cow::Borrowed(_) => map.convert(&e),
+                    std::borrow::Cow::Owned(t) => SourceMap::new(t).convert(&e),
+                };
+                let line = error.line().filter(|l| {
+                    let at = l.wrapping_sub(1);
+                    errors.len() < 64
+                        && lines.get(at).is_some_and(|t| {
+                            !t.trim().is_empty() && !t.trim_start().starts_with('[') && t.parse::<toml::Table>().is_ok()
+                        })
+                });
+                errors.push(error);
+                let Some(l) = line else { return Err(super::ConfigErrors { errors }) };
+                lines[l - 1] = "";
+                text = std::borrow::Cow::Owned(lines.join("\n"));
+            }
+        }
+    };
     let t = &mut raw.resource_control.cpu_throttle;
     t.profile.fill(t, |key| map.line_of(&format!("resource-control.cpu-throttle.{key}")).is_some());
     Ok((raw, map))

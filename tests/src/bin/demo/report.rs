@@ -3,6 +3,7 @@
 
 use crate::load::{Light, Noisy};
 use crate::phase::PhaseResult;
+use keyspace_governor::proto::behind_in_words;
 
 /// µs as milliseconds for a table.
 pub fn ms(us: u64) -> String {
@@ -122,14 +123,13 @@ pub fn print(phases: &[PhaseResult], lights: &[Light], noisy: &Noisy, cores: f64
     );
 }
 
-/// The agent's word for whom a wait was behind, for the reader.
+/// The operator's words for whom a wait was behind (`phase`'s keys: status's
+/// word, or `keyspace N`), with what they stand for in the demo.
 fn behind_words(who: &str) -> String {
     match who {
-        "idle" => "an idle CPU (the machine's own wakeup latency)".into(),
-        "unmeasured" => "tasks governor does not measure (the load generator, the agent, kernel threads)".into(),
-        "untagged" => "registered threads with no tag (the runtime between requests)".into(),
-        "unknown" => "not seen".into(),
-        "other" => "others".into(),
-        k => k.to_string(),
+        "unmeasured" => format!("{} (the load generator, the agent, kernel threads)", behind_in_words(who, None)),
+        "untagged" => format!("{} (the runtime between requests)", behind_in_words(who, None)),
+        k if k.starts_with("keyspace ") => k.to_string(),
+        k => behind_in_words(k, None),
     }
 }
