@@ -123,7 +123,7 @@ enum Verb {
         #[command(subcommand)]
         verb: RulesVerb,
     },
-    /// Validate or show a configuration.
+    /// Validate, show or change a configuration (a file, or the running agent's).
     Config {
         #[command(subcommand)]
         verb: ConfigVerb,

@@ -148,6 +148,11 @@ pub enum Reply {
         toml: String,
         file: Option<String>,
         changes_accepted: u64,
+        /// Keys the agent's command line overrides (`--socket`,
+        /// `--metrics-addr`), dotted, with what is in force: `toml` keeps
+        /// the configuration's own values, which a reload compares with.
+        #[serde(default)]
+        overridden: std::collections::BTreeMap<String, String>,
     },
     /// A refused configuration change, with every reason; the running
     /// configuration stays.

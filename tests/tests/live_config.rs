@@ -98,6 +98,12 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     assert_eq!(shown["config"]["resource-control"]["cpu-throttle"]["tenant-max-cpu-ratio"], 0.1, "{shown}");
     assert_eq!(shown["changes_accepted"], 3, "{shown}");
     assert_eq!(shown["file"].as_str(), s.config_updates.path.as_deref());
+    // The test's agent listens where its command line says, not where its file does.
+    assert_eq!(shown["overridden"]["agent.control-socket"].as_str(), agent.socket.to_str(), "{shown}");
+    let o = governor(&agent, &["status"]);
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(said.contains("3 changes accepted, 5 refused since start"), "{said}");
+    assert!(said.contains(&format!("metrics      http://{}/metrics", s.metrics_addr.as_deref().unwrap())), "{said}");
     let log = agent.log_text();
     assert!(log.contains("tenant-max-cpu-ratio 0.25 -> 0.5"), "{log}");
     assert!(log.contains("SIGHUP") && log.contains("tenant-max-cpu-ratio 0.5 -> 0.1"), "{log}");

@@ -175,6 +175,19 @@ fn real_programs_are_charged_by_rule_within_half_a_percent_of_schedstat() {
     let before = snapshot(&agent, &[&a, &b, &c]);
     std::thread::sleep(Duration::from_secs(4));
     let after = snapshot(&agent, &[&a, &b, &c]);
+    // Measured by rule with no bucket of its own, a keyspace still has its
+    // monitor ratio on /metrics (the seed's: its CPU over the window / cores
+    // × max-read-cpu-ratio × window-size), as status has its window ratio.
+    let status = agent.status().unwrap();
+    let metrics = governor_tests::scrape_metrics(status.metrics_addr.as_deref().unwrap());
+    let ratio: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tikv_cpu_usage_monitor_keyspace_ratio{keyspace_id=\"901\"} "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    let window_ratio = status.keyspaces.iter().find(|k| k.keyspace_id == 901).map_or(0.0, |k| k.window_ratio);
+    eprintln!("keyspace 901: monitor ratio {ratio:.4} on /metrics, window ratio {window_ratio:.4} in status");
+    assert!(ratio > 0.0 && ratio < 1.0 && window_ratio > 0.0, "ratio {ratio} (status {window_ratio})");
     for g in [&mut a, &mut b, &mut c] {
         signal_all(&tree(g.root.id()), libc::SIGKILL);
         let _ = g.root.wait();
@@ -360,6 +373,15 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
             &format!("moved into ks-960, stretch {i}"),
         );
     }
+    // `governor keyspace` says the kernel holds it, and how; the run-queue
+    // wait and the ratio metric count it like any keyspace.
+    let explained = governor(&agent, &["keyspace", "960", "--json"]);
+    let e: serde_json::Value =
+        serde_json::from_slice(&explained.stdout).unwrap_or_else(|_| panic!("{}", text(&explained)));
+    assert_eq!(e["kernel_cap_cores"], 0.5, "{e}");
+    assert!(
+        e["why"].as_array().unwrap().iter().any(|w| w.as_str().unwrap().contains("held to 0.50 cores by the kernel"))
+    );
     // Stopped politely: every process back where it was, no cgroup left.
     assert!(ks_dir.is_dir());
     let quota = std::fs::read_to_string(ks_dir.join("cpu.cfs_quota_us"))

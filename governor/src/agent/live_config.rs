@@ -182,6 +182,7 @@ impl Running {
             toml: self.config.to_toml_string(),
             file: self.path.as_ref().map(|p| p.display().to_string()),
             changes_accepted: self.accepted,
+            overridden: Default::default(),
         }
     }
 

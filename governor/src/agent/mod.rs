@@ -60,6 +60,16 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "cannot give the control socket {path} group {group} and mode {mode:o} (agent.access socket-group, socket-mode): a group the agent's user is not in takes CAP_CHOWN"
+    )]
+    SocketAccess {
+        path: PathBuf,
+        group: String,
+        mode: u32,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("another agent is already serving {path}")]
     AlreadyRunning { path: PathBuf },
     #[error("starting the async runtime failed")]
@@ -171,7 +181,18 @@ impl Shared {
 
     /// The configuration in force, for `config show --socket`.
     pub(crate) fn config_reply(&self) -> crate::proto::Reply {
-        self.lock_config().reply()
+        let config = self.running_config();
+        let mut reply = self.lock_config().reply();
+        if let crate::proto::Reply::Config { overridden, .. } = &mut reply {
+            let a = config.agent();
+            if a.control_socket != self.socket {
+                overridden.insert("agent.control-socket".into(), self.socket.display().to_string());
+            }
+            if let Some(m) = self.metrics_addr.filter(|m| a.metrics_addr != m.to_string()) {
+                overridden.insert("agent.metrics-addr".into(), m.to_string());
+            }
+        }
+        reply
     }
 
     /// The configuration in force now.

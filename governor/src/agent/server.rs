@@ -52,7 +52,12 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<UnixListener, AgentEr
         std::fs::remove_file(path).map_err(listen_err)?;
     }
     let listener = UnixListener::bind(path).map_err(listen_err)?;
-    access.apply_to_socket(path).map_err(listen_err)?;
+    access.apply_to_socket(path).map_err(|source| AgentError::SocketAccess {
+        path: path.to_path_buf(),
+        group: access.written.socket_group.clone().unwrap_or_else(|| "(the agent's own)".into()),
+        mode: access.mode,
+        source,
+    })?;
     Ok(listener)
 }
 

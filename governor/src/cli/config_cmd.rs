@@ -70,14 +70,16 @@ pub struct Running {
     pub changes_accepted: u64,
     /// Every key, as a file would write it.
     pub config: toml::Table,
+    /// Keys the agent's command line overrides, with the value in force.
+    pub overridden: std::collections::BTreeMap<String, String>,
 }
 
 /// `governor config show --socket PATH`: the running agent's configuration.
 pub fn show_running(socket: &Path) -> Result<Running, CliError> {
     match crate::client::request(socket, &Request::ConfigShow)? {
-        Reply::Config { toml, file, changes_accepted } => {
+        Reply::Config { toml, file, changes_accepted, overridden } => {
             let config = toml.parse().map_err(|e| CliError::Reply { detail: format!("the configuration: {e}") })?;
-            Ok(Running { file, changes_accepted, config })
+            Ok(Running { file, changes_accepted, config, overridden })
         }
         Reply::Error { message } => Err(CliError::Agent { message }),
         other => Err(CliError::Reply { detail: format!("{other:?}") }),
@@ -88,8 +90,13 @@ pub fn show_running(socket: &Path) -> Result<Running, CliError> {
 /// a comment.
 pub fn render_running(r: &Running) -> String {
     let from = r.file.as_deref().map_or("the embedded default".to_string(), |f| format!("--config {f}"));
+    let over: String = r
+        .overridden
+        .iter()
+        .map(|(k, v)| format!("# {k}: {v} in force (the agent's command line), the configuration's value below\n"))
+        .collect();
     format!(
-        "# the running agent's configuration: from {from}, {} change{} accepted since it started\n{}",
+        "# the running agent's configuration: from {from}, {} change{} accepted since it started\n{over}{}",
         r.changes_accepted,
         if r.changes_accepted == 1 { "" } else { "s" },
         toml::to_string(&r.config).unwrap_or_default()

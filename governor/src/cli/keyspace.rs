@@ -17,6 +17,9 @@ pub struct Explanation {
     pub throttled_now: bool,
     /// Why, in the order an operator reads it.
     pub why: Vec<String>,
+    /// Cores the kernel holds its processes to, when a rule measures it
+    /// and caps it (its cgroup's bandwidth; the buckets admit tickets only).
+    pub kernel_cap_cores: Option<f64>,
 }
 
 pub fn run(socket: &Path, id: u32) -> Result<Explanation, CliError> {
@@ -118,6 +121,19 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             k.cpu_pressure_some_seconds
         ));
     }
+    // A rule keyspace's processes take no tickets: a cap holds them in the
+    // kernel, through their cgroup's CPU bandwidth.
+    let rule = k.rule.as_deref().and_then(|name| s.rules.iter().find(|r| r.name == name));
+    let kernel_cap_cores = rule.and_then(|r| r.cap_cores);
+    if let (Some(r), Some(cap)) = (rule, kernel_cap_cores) {
+        why.push(format!(
+            "its processes (rule {}) are held to {cap:.2} cores by the kernel: the agent's cgroup for the keyspace gives them that much CPU per bandwidth period (resource-control.rule-cpu-period), and the kernel stops them for the rest of the period once they ran it; the bucket above admits tickets only",
+            r.name
+        ));
+        why.push(
+            "time its processes spent stopped by that cap counts as run-queue wait (below), behind \"an idle CPU\" when the CPU had nothing else to run".into(),
+        );
+    }
     if let Some(behind) = behind_line(&k.cpu_wait_behind) {
         why.push(behind);
     }
@@ -125,7 +141,7 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         "tickets since its cell was created: {} granted, {} waited, {} refused; {} in flight",
         k.granted, k.waited, k.refused, k.inflight_requests
     ));
-    Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why })
+    Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why, kernel_cap_cores })
 }
 
 /// What the keyspace's waits over the window were behind, the three
@@ -152,12 +168,20 @@ fn behind_line(behind: &[crate::proto::WaitBehind]) -> Option<String> {
 
 pub fn render(e: &Explanation) -> String {
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "keyspace {}: {}",
-        e.keyspace.keyspace_id,
-        if e.throttled_now { "throttled now" } else { "not throttled now" }
-    );
+    let _ = match e.kernel_cap_cores {
+        Some(cap) => writeln!(
+            out,
+            "keyspace {}: held by the kernel to {cap:.2} cores (a rule's cgroup); its tickets {}",
+            e.keyspace.keyspace_id,
+            if e.throttled_now { "are throttled now" } else { "are not throttled now" }
+        ),
+        None => writeln!(
+            out,
+            "keyspace {}: {}",
+            e.keyspace.keyspace_id,
+            if e.throttled_now { "throttled now" } else { "not throttled now" }
+        ),
+    };
     for w in &e.why {
         let _ = writeln!(out, "  - {w}");
     }

@@ -49,6 +49,19 @@ pub fn render(s: &StatusReport) -> String {
         s.threads.registered, s.threads.capacity, s.threads.handed_out, s.threads.reclaimed, s.threads.exhausted
     );
     let _ = writeln!(out, "window       {:.1} s", s.window_seconds);
+    let _ = writeln!(
+        out,
+        "metrics      {}",
+        s.metrics_addr.as_deref().map_or("off".into(), |a| format!("http://{a}/metrics"))
+    );
+    let u = &s.config_updates;
+    let _ = writeln!(
+        out,
+        "config       {}; {} changes accepted, {} refused since start",
+        u.path.as_deref().map_or("the embedded default".into(), |p| format!("from {p}")),
+        u.accepted,
+        u.rejected
+    );
     let a = &s.admission;
     let _ = writeln!(out, "admission    {}", admission_line(a));
     let g = &a.latency_guard;

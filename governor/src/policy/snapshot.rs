@@ -93,6 +93,9 @@ pub struct PolicySnapshot {
     /// The same past the target mostly behind something else (an idle CPU,
     /// tasks governor does not measure): nobody is lowered for them.
     pub latency_guard_waiting_elsewhere: Vec<u32>,
+    /// Every keyspace with CPU in the monitor window, its ratio (the
+    /// global ratio's denominator), whether it has a bucket or not.
+    pub keyspace_ratios: Vec<(u32, f64)>,
 }
 
 /// The overflow bucket: what holds keyspaces without a cell.
@@ -148,9 +151,9 @@ impl Policy {
             .collect();
         keyspaces.sort_by_key(|k| k.keyspace);
         let threshold = s.pending_write_threshold_bytes();
-        let (latency_guard_suffering, latency_guard_waiting_elsewhere) = {
+        let (latency_guard_suffering, latency_guard_waiting_elsewhere, keyspace_ratios) = {
             let e = self.engine();
-            (e.guard.suffering.clone(), e.guard.waiting_elsewhere.clone())
+            (e.guard.suffering.clone(), e.guard.waiting_elsewhere.clone(), e.window.keyspace_ratios().collect())
         };
         PolicySnapshot {
             global: self.global_bucket(),
@@ -172,6 +175,7 @@ impl Policy {
             overflow: self.overflow(),
             latency_guard_suffering,
             latency_guard_waiting_elsewhere,
+            keyspace_ratios,
         }
     }
 

@@ -181,6 +181,8 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
 
     // Per keyspace, bounded.
     let buckets: HashMap<u32, &KeyspaceSnapshot> = snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
+    // Every keyspace's ratio, bucket or not (measured by rule, or with no quota).
+    let ratios: HashMap<u32, f64> = snap.keyspace_ratios.iter().copied().collect();
     let mut rows: Vec<(u32, Row)> = status
         .keyspaces
         .iter()
@@ -188,7 +190,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
             let b = buckets.get(&k.keyspace_id);
             let row = Row {
                 cpu_seconds: k.cpu_seconds,
-                ratio: b.map_or(0.0, |b| b.ratio),
+                ratio: ratios.get(&k.keyspace_id).copied().or(b.map(|b| b.ratio)).unwrap_or(0.0),
                 bucket: k.bucket.as_ref().map(|x| {
                     (
                         x.available_us as f64,
