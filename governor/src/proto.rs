@@ -375,9 +375,14 @@ pub struct RuleStatus {
     pub threads_matched: u64,
     /// False on the fallback backend, which cannot measure by rule.
     pub measured: bool,
-    /// The cores the kernel holds its keyspace to (cgroup), when capped.
+    /// The cores the kernel holds its keyspace to (cgroup), when capped:
+    /// the configured cap, times `guard_factor` while the latency guard
+    /// lowers it.
     #[serde(default)]
     pub cap_cores: Option<f64>,
+    /// The latency guard's factor on the cap, while below 1.
+    #[serde(default)]
+    pub guard_factor: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

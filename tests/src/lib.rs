@@ -812,7 +812,7 @@ pub fn blocked_in_futex(tid: u32) -> bool {
 /// A test reads both sides at such a moment instead of sleeping and
 /// hoping the moment has come.
 pub fn stop(pids: &std::collections::BTreeSet<u32>) -> Result<()> {
-    signal(pids, libc::SIGSTOP);
+    signal_all(pids, libc::SIGSTOP);
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let running: Vec<String> = pids
@@ -840,10 +840,11 @@ pub fn stop(pids: &std::collections::BTreeSet<u32>) -> Result<()> {
 
 /// Lets processes [`stop`]ped go on (SIGCONT).
 pub fn resume(pids: &std::collections::BTreeSet<u32>) {
-    signal(pids, libc::SIGCONT);
+    signal_all(pids, libc::SIGCONT);
 }
 
-fn signal(pids: &std::collections::BTreeSet<u32>, sig: i32) {
+/// Sends `sig` to every process of `pids`.
+pub fn signal_all(pids: &std::collections::BTreeSet<u32>, sig: i32) {
     for &p in pids {
         #[allow(unsafe_code)]
         // SAFETY: kill(2) on pids of processes the test started.

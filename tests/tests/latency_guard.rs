@@ -5,9 +5,15 @@
 //! noisy keyspace's work, the guard lowers the noisy keyspace's refill
 //! (never below its floor); once the noisy keyspace has left, it gives the
 //! refill back whole. Waits past the target mostly behind processes
-//! governor does not measure lower nobody.
+//! governor does not measure lower nobody. A rule keyspace, whose processes
+//! take no tickets, is lowered through its cgroup's CPU bandwidth: the
+//! kernel holds it to the lowered cap (schedstat), and the whole cap comes
+//! back once it has left.
 
-use governor_tests::{Agent, Reap, workload_bin};
+use governor_tests::{
+    Agent, Reap, Scratch, bandwidth, cpu_cgroup, cpu_hierarchy, process_schedstat_ns, process_tree, signal_all,
+    workload_bin,
+};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -169,6 +175,138 @@ fn waits_mostly_behind_unmeasured_processes_lower_nobody() {
     assert!(elsewhere * 2 > polls, "waiting elsewhere in {elsewhere} of {polls} polls");
     assert!(suffering * 5 < polls, "suffering in {suffering} of {polls} polls");
     assert!(lowest >= NOISY_BASE_US * 7 / 10, "the noisy refill went down to {lowest} µs (base {NOISY_BASE_US})");
+    let stdin = light.0.stdin.as_mut().expect("stdin");
+    let _ = stdin.write_all(b"go\ngo\n");
+}
+
+const HOG: u32 = 9402;
+
+/// The hog's rule as status reports it: (cores the kernel holds it to,
+/// the guard's factor on that cap).
+fn hog_cap(agent: &Agent) -> (Option<f64>, Option<f64>) {
+    let s = agent.status().expect("status");
+    s.rules.iter().find(|r| r.keyspace == HOG).map_or((None, None), |r| (r.cap_cores, r.guard_factor))
+}
+
+/// The CPU quota written for `dir`, in cores (`cpu.max` or
+/// `cpu.cfs_quota_us` over `cpu.cfs_period_us`).
+fn quota_cores(dir: &std::path::Path) -> f64 {
+    let words: Vec<f64> = bandwidth(dir).split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    match words[..] {
+        [quota, period] => quota / period,
+        _ => panic!("no CPU bandwidth in {}: {:?}", dir.display(), bandwidth(dir)),
+    }
+}
+
+/// Σ schedstat run time of the processes under `root`, in seconds.
+fn tree_cpu_seconds(root: u32) -> f64 {
+    process_tree(root).iter().map(|&p| process_schedstat_ns(p)).sum::<u64>() as f64 / 1e9
+}
+
+#[test]
+fn a_rule_keyspace_is_lowered_through_its_cgroup_cap_and_given_it_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // The hog: four stress-ng workers matched by rule, capped at 1.5
+    // cores of the two (its quota), beside the light keyspace's tickers;
+    // a target of 100 µs, which the tickers miss while the hog runs
+    // (with 1 ms the guard's step up and down takes turns).
+    let config = format!(
+        "[resource-control]\nstats-interval = \"250ms\"\n\
+         [resource-control.cpu-throttle]\nenabled = true\nenable-dynamic-adjustment = false\n\
+         enable-burst = false\nenable-fair-allocation = false\n\
+         keyspace-cpu-quotas = \"{HOG}:1500,{LIGHT}:1000\"\n\
+         [latency-guard]\nenabled = true\ntarget-wait-p99 = \"100us\"\nfloor-ratio = 0.2\n\n\
+         [[rules]]\nname = \"hog\"\nkeyspace = {HOG}\ncomm-prefix = \"govtest-ghog\"\n"
+    );
+    let agent = Agent::start("ebpf", &config).expect("agent");
+    assert_eq!(hog_cap(&agent), (Some(1.5), None), "the hog's cap before it runs");
+    let mut light = light_tickers(&agent);
+    std::thread::sleep(Duration::from_millis(1500));
+    let scratch = Scratch::new("guard-hog");
+    let link = scratch.0.join("govtest-ghog");
+    std::os::unix::fs::symlink("/usr/bin/stress-ng", &link).expect("symlink");
+    let hog = Reap(
+        Command::new(&link)
+            .args(["--cpu", "4", "--timeout", "20"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("stress-ng"),
+    );
+    let root = hog.0.id();
+    assert!(
+        until(Duration::from_secs(3), || process_tree(root).len() >= 5
+            && process_tree(root).iter().all(|&p| cpu_cgroup(p).is_some_and(|c| c.ends_with(&format!("-ks-{HOG}"))))),
+        "stress-ng and its four workers were not moved into the hog's cgroup"
+    );
+    let dir = cpu_hierarchy().join(cpu_cgroup(root).expect("the hog's cgroup").trim_start_matches('/'));
+    // The light threads wait behind the hog's workers: the guard lowers
+    // the hog's cap, in the kernel, at most to its floor (0.3 cores).
+    let mut lowest = f64::MAX;
+    let lowered = until(Duration::from_secs(6), || {
+        if let (Some(cap), Some(_)) = hog_cap(&agent) {
+            lowest = lowest.min(cap);
+        }
+        lowest <= 0.75
+    });
+    eprintln!("the hog's cap lowered to {lowest:.3} cores of 1.5; the kernel's quota {:.3}", quota_cores(&dir));
+    if !lowered {
+        let s = agent.status().unwrap();
+        let light = s.keyspaces.iter().find(|k| k.keyspace_id == LIGHT).map(|k| {
+            (
+                k.cpu_wait_p99_us,
+                k.cpu_wait_behind.iter().map(|b| (b.behind.clone(), b.keyspace_id, b.seconds)).collect::<Vec<_>>(),
+            )
+        });
+        panic!(
+            "the hog's cap went no lower than {lowest:.3} cores (configured 1.5); guard {:?}; light's wait p99 and whom behind {light:?}",
+            s.admission.latency_guard
+        );
+    }
+    assert!(lowest >= 0.3 - 1e-6, "lowered to {lowest:.3} cores, below the floor (0.2 × 1.5)");
+    // What status says is what the kernel holds: the quota written.
+    let (cap, factor) = hog_cap(&agent);
+    let (cap, factor) = (cap.expect("capped"), factor.unwrap_or(1.0));
+    assert!((cap - 1.5 * factor).abs() < 1e-6, "cap {cap} against 1.5 × {factor}");
+    let written = quota_cores(&dir);
+    assert!((0.3 - 0.01..=1.5).contains(&written), "the kernel's quota is {written:.3} cores");
+    // The kernel holds it there: over 2 s the hog ran well under its
+    // configured 1.5 cores (schedstat), and no less than the floor.
+    let (c0, t0) = (tree_cpu_seconds(root), Instant::now());
+    let mut caps = Vec::new();
+    while t0.elapsed() < Duration::from_secs(2) {
+        caps.push(hog_cap(&agent).0.unwrap_or(1.5));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ran = (tree_cpu_seconds(root) - c0) / t0.elapsed().as_secs_f64();
+    let mean_cap = caps.iter().sum::<f64>() / caps.len() as f64;
+    eprintln!("the hog ran {ran:.3} cores by schedstat while its cap averaged {mean_cap:.3} cores");
+    assert!((0.25..=1.2).contains(&ran), "the hog ran {ran:.3} cores by schedstat (configured cap 1.5, floor 0.3)");
+    // Each rewrite of a quota refills the period under way (the kernel's
+    // way); the agent rewrites at most once per 4 periods of 250 ms: a
+    // quarter of the cap more at most.
+    assert!(ran <= mean_cap * 1.3 + 0.05, "the hog ran {ran:.3} cores against a cap averaging {mean_cap:.3}");
+    // `governor keyspace` says the guard holds the cap down.
+    let mut text = String::new();
+    let said = until(Duration::from_secs(3), || {
+        let out = Command::new(governor_tests::governor_bin())
+            .args(["keyspace", &HOG.to_string(), "--socket"])
+            .arg(&agent.socket)
+            .output()
+            .expect("governor keyspace");
+        text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.contains("the latency guard holds that cap at")
+    });
+    assert!(said, "{text}");
+    // The hog leaves: the whole cap comes back, in status and in the kernel.
+    signal_all(&process_tree(root), libc::SIGKILL);
+    drop(hog);
+    let left = Instant::now();
+    let restored = until(Duration::from_secs(6), || {
+        hog_cap(&agent) == (Some(1.5), None) && (quota_cores(&dir) - 1.5).abs() < 1e-3
+    });
+    eprintln!("whole again {:.2} s after the hog left", left.elapsed().as_secs_f64());
+    assert!(restored, "after the hog left: {:?}, the kernel's quota {:.3}", hog_cap(&agent), quota_cores(&dir));
     let stdin = light.0.stdin.as_mut().expect("stdin");
     let _ = stdin.write_all(b"go\ngo\n");
 }

@@ -7,7 +7,7 @@
 
 use governor_tests::{
     Agent, Scratch, bandwidth, cpu_cgroup, cpu_hierarchy, eventually, governor_bin, output_text as text,
-    process_schedstat_ns, process_tree as tree, resume, spawn_workload_started, stop, workload_bin,
+    process_schedstat_ns, process_tree as tree, resume, signal_all, spawn_workload_started, stop, workload_bin,
 };
 use std::collections::BTreeSet;
 use std::process::{Child, Command, Output, Stdio};
@@ -27,13 +27,6 @@ fn governor(agent: &Agent, args: &[&str]) -> Output {
 /// Σ schedstat run time of every thread of every process in `pids`.
 fn schedstat_sum(pids: &BTreeSet<u32>) -> u64 {
     pids.iter().map(|p| process_schedstat_ns(*p)).sum()
-}
-
-fn signal_all(pids: &BTreeSet<u32>, sig: i32) {
-    for &p in pids {
-        // SAFETY: kill(2) on pids of processes this test started.
-        unsafe { libc::kill(p as i32, sig) };
-    }
 }
 
 fn threads_of(pid: u32) -> usize {

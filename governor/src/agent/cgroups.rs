@@ -71,10 +71,17 @@ fn period_us(period: std::time::Duration) -> u64 {
     period.as_micros().clamp(1_000, 1_000_000) as u64
 }
 
-/// Writes `cores` over `period_us` (and its weight, or the default one)
-/// into `dir`.
-fn write_cap(dir: &Path, version: Version, cores: f64, weighted: bool, period_us: u64) -> std::io::Result<()> {
-    let quota = ((cores * period_us as f64).round() as u64).max(1000);
+/// Writes `cores` scaled by the latency guard's `factor` over `period_us`
+/// (and the weight of the whole `cores`, or the default one) into `dir`.
+fn write_cap(
+    dir: &Path,
+    version: Version,
+    cores: f64,
+    factor: f64,
+    weighted: bool,
+    period_us: u64,
+) -> std::io::Result<()> {
+    let quota = ((cores * factor * period_us as f64).round() as u64).max(1000);
     match version {
         Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {period_us}"))?,
         Version::V1 => {
@@ -143,6 +150,10 @@ impl Default for CapSettings {
     }
 }
 
+/// The latency guard rewrites a cap at most once per this many bandwidth
+/// periods: a write's refill then adds at most a quarter of the cap.
+const GUARD_PERIODS: u64 = 4;
+
 pub(crate) struct Enforcer {
     hierarchy: Option<(PathBuf, Version)>,
     /// Why enforcement is unavailable, when it is.
@@ -153,6 +164,11 @@ pub(crate) struct Enforcer {
     state: State,
     /// The caps in force (until the configuration says: none).
     settings: CapSettings,
+    /// keyspace → the latency guard's factor its cap is written scaled by
+    /// now (absent: the whole cap).
+    guard: HashMap<u32, f64>,
+    /// keyspace → when the guard last rewrote its cap.
+    guard_written: HashMap<u32, std::time::Instant>,
 }
 
 /// The CPU weight of a cgroup capped at `cores`, as its version writes it:
@@ -200,6 +216,8 @@ impl Enforcer {
             state_path,
             state: State::default(),
             settings: CapSettings::default(),
+            guard: HashMap::new(),
+            guard_written: HashMap::new(),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -222,7 +240,55 @@ impl Enforcer {
 
     /// The cap enforced on `keyspace`, in cores.
     pub(crate) fn cap_of(&self, keyspace: u32) -> Option<f64> {
-        self.settings.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())
+        let cap = self.settings.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())?;
+        Some(cap * self.guard_factor_of(keyspace).unwrap_or(1.0))
+    }
+
+    /// The latency guard's factor on `keyspace`'s cap, while it holds the
+    /// cap below what the configuration gives.
+    pub(crate) fn guard_factor_of(&self, keyspace: u32) -> Option<f64> {
+        self.guard.get(&keyspace).copied()
+    }
+
+    /// Scales the caps in force by the latency guard's `factors` (keyspace
+    /// → factor below 1; absent: the whole cap), rewriting only the caps
+    /// whose factor moved, each at most once per [`GUARD_PERIODS`] periods
+    /// (and a second): every write of a quota refills the group's runtime
+    /// for the period under way and lifts its throttle (the kernel's
+    /// `tg_set_cfs_bandwidth`), so a cap rewritten at each step would run
+    /// up to twice what it says. Weights stay those of the whole caps.
+    pub(crate) fn guard(&mut self, factors: &HashMap<u32, f64>) {
+        if self.unavailable.is_some() {
+            return;
+        }
+        let Some((root, version)) = self.hierarchy.clone() else { return };
+        let spacing = std::time::Duration::from_micros(self.settings.period_us * GUARD_PERIODS)
+            .max(std::time::Duration::from_secs(1));
+        let mut next = HashMap::new();
+        for (&ks, &cores) in &self.settings.caps {
+            let want = factors.get(&ks).copied().unwrap_or(1.0).clamp(0.0, 1.0);
+            let had = self.guard.get(&ks).copied().unwrap_or(1.0);
+            let rel = self.state.created.get(&ks).or_else(|| self.state.in_place.get(&ks).map(|p| &p.rel));
+            let due = self.guard_written.get(&ks).is_none_or(|t| t.elapsed() >= spacing);
+            let now = match rel {
+                Some(rel) if (want - had).abs() > 1e-9 && due => {
+                    let dir = root.join(rel.trim_start_matches('/'));
+                    self.guard_written.insert(ks, std::time::Instant::now());
+                    match write_cap(&dir, version, cores, want, self.settings.weighted, self.settings.period_us) {
+                        Ok(()) => want,
+                        Err(e) => {
+                            log::warn!("cgroups: the latency guard cannot rescale {}: {e}", dir.display());
+                            had
+                        }
+                    }
+                }
+                _ => had,
+            };
+            if now < 1.0 {
+                next.insert(ks, now);
+            }
+        }
+        self.guard = next;
     }
 
     /// The cgroup directories whose limits the agent writes (its keyspace
@@ -319,7 +385,8 @@ impl Enforcer {
                 e.insert(InPlace { rel: rel.clone(), saved });
                 self.save();
             }
-            if let Err(e) = write_cap(&dir, version, cores, weighted, period_us) {
+            let factor = self.guard.get(&ks).copied().unwrap_or(1.0);
+            if let Err(e) = write_cap(&dir, version, cores, factor, weighted, period_us) {
                 log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
             }
         }
@@ -342,7 +409,8 @@ impl Enforcer {
             }
             self.state.created.insert(ks, rel);
             self.save();
-            if let Err(e) = write_cap(&dir, version, cores, weighted, period_us) {
+            let factor = self.guard.get(&ks).copied().unwrap_or(1.0);
+            if let Err(e) = write_cap(&dir, version, cores, factor, weighted, period_us) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
             }
         }
@@ -470,6 +538,8 @@ impl Enforcer {
         }
         self.remove_slice();
         self.settings.caps.clear();
+        self.guard.clear();
+        self.guard_written.clear();
         let _ = std::fs::remove_file(&self.state_path);
         self.state = State::default();
     }

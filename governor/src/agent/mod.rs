@@ -450,6 +450,9 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
         };
         shared.policy.tick_with(now_us(), sample.as_ref(), &cpu_ns, || shared.pinned_cells());
         if sample.is_some() {
+            // The latency guard's step also scales the rule keyspaces' caps.
+            let factors = shared.policy.guard_factors().into_iter().collect();
+            shared.lock_rules().guard_caps(&factors);
             let (refused, held_back) = shared.held_back();
             shared.autoscale.lock().record(refused, held_back);
         }

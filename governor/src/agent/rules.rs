@@ -210,8 +210,17 @@ impl Rules {
                 threads_matched: self.threads.values().filter(|t| t.rule == i).count() as u64,
                 measured: !self.unsupported,
                 cap_cores: self.enforcer.as_ref().and_then(|e| e.cap_of(a.rule.keyspace)),
+                guard_factor: self.enforcer.as_ref().and_then(|e| e.guard_factor_of(a.rule.keyspace)),
             })
             .collect()
+    }
+
+    /// Scales the capped rule keyspaces' cgroup caps by the latency
+    /// guard's factors (keyspace → factor below 1).
+    pub(crate) fn guard_caps(&mut self, factors: &HashMap<u32, f64>) {
+        if let Some(e) = self.enforcer.as_mut() {
+            e.guard(factors);
+        }
     }
 
     /// Takes a new rule list: `cells[i]` is the keyspace cell of `rules[i]`,

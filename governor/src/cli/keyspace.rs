@@ -130,6 +130,13 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             "its processes (rule {}) are held to {cap:.2} cores by the kernel: the agent's cgroup for the keyspace gives them that much CPU per bandwidth period (resource-control.rule-cpu-period), and the kernel stops them for the rest of the period once they ran it; the bucket above admits tickets only",
             r.name
         ));
+        if let Some(f) = r.guard_factor {
+            why.push(format!(
+                "the latency guard holds that cap at {:.0} % of the {:.2} cores configured, while keyspaces under their share wait for a CPU past its target behind this one; it gives the cap back as they meet the target",
+                f * 100.0,
+                cap / f.max(1e-9)
+            ));
+        }
         why.push(
             "time its processes spent stopped by that cap counts as run-queue wait (below), behind \"an idle CPU\" when the CPU had nothing else to run".into(),
         );

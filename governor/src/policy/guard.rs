@@ -85,7 +85,9 @@ pub fn guard_step(cfg: &LatencyGuard, inputs: &[GuardInput]) -> GuardStep {
             if blamed.contains(&k.keyspace) {
                 (k.factor * cfg.decrease).max(cfg.floor_ratio)
             } else {
-                (k.factor + cfg.increase).min(1.0)
+                // Whole again exactly, not a rounding's width short of it.
+                let up = k.factor + cfg.increase;
+                if up >= 1.0 - 1e-9 { 1.0 } else { up }
             }
         })
         .collect();
@@ -140,6 +142,14 @@ mod tests {
         // The heavy keyspace gone: given back up to 1, never past.
         let mut f = 0.3;
         for _ in 0..10 {
+            f = guard_step(&cfg, &[input(1, 0, None, f), input(2, 20_000, Some(9_000), 1.0)]).factors[0];
+        }
+        assert_eq!(f, 1.0);
+        // From the floor, eight steps of 0.1 make it whole exactly (a sum
+        // of floats stops a rounding short of 1, and a factor below 1
+        // keeps a rule keyspace's cap rewritten as lowered).
+        let mut f = 0.2;
+        for _ in 0..8 {
             f = guard_step(&cfg, &[input(1, 0, None, f), input(2, 20_000, Some(9_000), 1.0)]).factors[0];
         }
         assert_eq!(f, 1.0);

@@ -449,6 +449,19 @@ impl Policy {
 }
 
 impl Policy {
+    /// The keyspaces the latency guard holds below their share now, with
+    /// the factor it scales their refill by (in (0, 1)): the agent scales
+    /// a rule keyspace's cgroup cap by the same factor.
+    pub fn guard_factors(&self) -> Vec<(u32, f64)> {
+        let e = self.engine();
+        e.live
+            .iter()
+            .filter_map(|&c| e.cells[c as usize].as_ref())
+            .filter(|st| st.guard_factor < 1.0)
+            .map(|st| (st.id, st.guard_factor))
+            .collect()
+    }
+
     /// The PD tracker's view of every keyspace it follows.
     pub fn pd_tracked(&self) -> Vec<PdTracked> {
         self.engine().pd.tracked()
