@@ -421,7 +421,12 @@ fn main() {
             }
         }
         Verb::Config { verb: ConfigVerb::Validate { file, json } } => match cli::config_cmd::validate(&file) {
-            Ok(c) => print(json, &c, |c| c.to_toml_string()),
+            Ok(c) => {
+                for notice in cli::config_cmd::notices(&c) {
+                    eprintln!("warning: {notice}");
+                }
+                print(json, &c, |c| c.to_toml_string())
+            }
             Err(e) => fail(json, &e),
         },
         Verb::Config { verb: ConfigVerb::Show { file: None, socket: Some(socket), json } } => {

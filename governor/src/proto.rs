@@ -376,11 +376,12 @@ pub struct RuleStatus {
     /// False on the fallback backend, which cannot measure by rule.
     pub measured: bool,
     /// The cores the kernel holds its keyspace to (cgroup), when capped:
-    /// the configured cap, times `guard_factor` while the latency guard
-    /// lowers it.
+    /// the configured cap, lowered while the latency guard holds it down
+    /// (it follows `guard_factor` at most once a second).
     #[serde(default)]
     pub cap_cores: Option<f64>,
-    /// The latency guard's factor on the cap, while below 1.
+    /// The latency guard's factor on the keyspace cgroup's CPU weight (and,
+    /// within a second, its cap), while below 1.
     #[serde(default)]
     pub guard_factor: Option<f64>,
 }

@@ -51,6 +51,40 @@ fn config_validate_prints_the_validated_configuration() {
     assert_eq!(v["resource-control"]["cpu-throttle"]["refill-interval"], "20ms");
 }
 
+/// A quota larger than the server is valid (one file may serve nodes of
+/// several sizes) but limits nothing there: validate says so on stderr and
+/// exits 0, and so does the agent's log, at start and when one is set.
+#[test]
+fn a_quota_above_the_servers_cores_is_valid_and_said_to_limit_nothing() {
+    let dir = Scratch::new("cli");
+    let text = "[resource-control]\nserver-cpu-cores = 2\n[resource-control.cpu-throttle]\nenabled = true\n\
+                keyspace-cpu-quotas = \"900:5000,901:1500\"\n";
+    let file = write(&dir, "big.toml", text);
+    let (code, out, err) = governor(&["config", "validate", &file]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("keyspace-cpu-quotas = \"900:5000,901:1500\""), "{out}");
+    let warnings: Vec<&str> = err.lines().filter(|l| l.starts_with("warning: ")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(
+        warnings[0]
+            .contains("keyspace 900's quota of 5.000 cores is more than this server's 2.00: it limits nothing here"),
+        "{err}"
+    );
+    let (code, out, err) = governor(&["config", "validate", &file, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str::<serde_json::Value>(&out).expect("stdout stays the configuration's JSON");
+    assert!(err.contains("keyspace 900's quota"), "{err}");
+    let agent = Agent::start("ebpf", text).expect("agent");
+    let said = |what: &str| agent.log_text().lines().filter(|l| l.contains(what)).count();
+    assert_eq!(said("keyspace 900's quota of 5.000 cores"), 1, "{}", agent.log_text());
+    let socket = agent.socket.to_string_lossy().into_owned();
+    let set = "resource-control.cpu-throttle.keyspace-cpu-quotas=900:5000,902:2500";
+    let (code, _, err) = governor(&["config", "set", set, "--socket", &socket]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(said("keyspace 902's quota of 2.500 cores"), 1, "{}", agent.log_text());
+    assert_eq!(said("keyspace 900's quota of 5.000 cores"), 2, "{}", agent.log_text());
+}
+
 #[test]
 fn config_validate_of_a_missing_file_fails_naming_it() {
     let (code, _, err) = governor(&["config", "validate", "/tmp/governor-no-such-file.toml"]);

@@ -71,17 +71,18 @@ fn period_us(period: std::time::Duration) -> u64 {
     period.as_micros().clamp(1_000, 1_000_000) as u64
 }
 
-/// Writes `cores` scaled by the latency guard's `factor` over `period_us`
-/// (and the weight of the whole `cores`, or the default one) into `dir`.
+/// Writes `cores` over `period_us`, scaled by the latency guard's
+/// `quota` factor, and the weight of `cores` (default: one core's) scaled
+/// by its `weight` factor, into `dir`.
 fn write_cap(
     dir: &Path,
     version: Version,
     cores: f64,
-    factor: f64,
+    factors: Factors,
     weighted: bool,
     period_us: u64,
 ) -> std::io::Result<()> {
-    let quota = ((cores * factor * period_us as f64).round() as u64).max(1000);
+    let quota = ((cores * factors.quota * period_us as f64).round() as u64).max(1000);
     match version {
         Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {period_us}"))?,
         Version::V1 => {
@@ -89,8 +90,26 @@ fn write_cap(
             std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
         }
     }
-    let (file, w) = weight(version, if weighted { cores } else { 1.0 });
+    write_weight(dir, version, if weighted { cores } else { 1.0 } * factors.weight)
+}
+
+/// Writes the weight of `cores` into `dir`.
+fn write_weight(dir: &Path, version: Version, cores: f64) -> std::io::Result<()> {
+    let (file, w) = weight(version, cores);
     std::fs::write(dir.join(file), w.to_string())
+}
+
+/// The latency guard's factors on a keyspace cgroup, as written: its quota
+/// (rewritten at most once per [`GUARD_PERIODS`] periods) and its weight
+/// (at every step).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Factors {
+    quota: f64,
+    weight: f64,
+}
+
+impl Factors {
+    const WHOLE: Factors = Factors { quota: 1.0, weight: 1.0 };
 }
 
 /// What the rule caps take from the configuration, derived here and nowhere
@@ -152,6 +171,7 @@ impl Default for CapSettings {
 
 /// The latency guard rewrites a cap at most once per this many bandwidth
 /// periods: a write's refill then adds at most a quarter of the cap.
+/// Weights, which refill nothing, follow it at every step.
 const GUARD_PERIODS: u64 = 4;
 
 pub(crate) struct Enforcer {
@@ -164,9 +184,9 @@ pub(crate) struct Enforcer {
     state: State,
     /// The caps in force (until the configuration says: none).
     settings: CapSettings,
-    /// keyspace → the latency guard's factor its cap is written scaled by
-    /// now (absent: the whole cap).
-    guard: HashMap<u32, f64>,
+    /// keyspace → the latency guard's factors its cap and weight are
+    /// written scaled by now (absent: whole).
+    guard: HashMap<u32, Factors>,
     /// keyspace → when the guard last rewrote its cap.
     guard_written: HashMap<u32, std::time::Instant>,
 }
@@ -241,22 +261,29 @@ impl Enforcer {
     /// The cap enforced on `keyspace`, in cores.
     pub(crate) fn cap_of(&self, keyspace: u32) -> Option<f64> {
         let cap = self.settings.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())?;
-        Some(cap * self.guard_factor_of(keyspace).unwrap_or(1.0))
+        Some(cap * self.factors(keyspace).quota)
     }
 
-    /// The latency guard's factor on `keyspace`'s cap, while it holds the
-    /// cap below what the configuration gives.
+    /// The latency guard's factors on `keyspace`'s cgroup.
+    fn factors(&self, keyspace: u32) -> Factors {
+        self.guard.get(&keyspace).copied().unwrap_or(Factors::WHOLE)
+    }
+
+    /// The latency guard's factor on `keyspace`'s weight, while it holds
+    /// it below what the configuration gives (the cap follows it, at most
+    /// once per [`GUARD_PERIODS`] bandwidth periods).
     pub(crate) fn guard_factor_of(&self, keyspace: u32) -> Option<f64> {
-        self.guard.get(&keyspace).copied()
+        Some(self.factors(keyspace).weight).filter(|&f| f < 1.0)
     }
 
-    /// Scales the caps in force by the latency guard's `factors` (keyspace
-    /// → factor below 1; absent: the whole cap), rewriting only the caps
-    /// whose factor moved, each at most once per [`GUARD_PERIODS`] periods
-    /// (and a second): every write of a quota refills the group's runtime
-    /// for the period under way and lifts its throttle (the kernel's
-    /// `tg_set_cfs_bandwidth`), so a cap rewritten at each step would run
-    /// up to twice what it says. Weights stay those of the whole caps.
+    /// Scales the cgroups of capped rule keyspaces by the latency guard's
+    /// `factors` (keyspace → factor below 1; absent: whole). The weight
+    /// follows the factor at every step: whoever waits behind the keyspace
+    /// gets the CPU sooner while it contends. The cap follows it at most
+    /// once per [`GUARD_PERIODS`] periods (and a second): every write of a
+    /// quota refills the group's runtime for the period under way and lifts
+    /// its throttle (the kernel's `tg_set_cfs_bandwidth`), so a cap
+    /// rewritten at each step would run up to twice what it says.
     pub(crate) fn guard(&mut self, factors: &HashMap<u32, f64>) {
         if self.unavailable.is_some() {
             return;
@@ -267,24 +294,28 @@ impl Enforcer {
         let mut next = HashMap::new();
         for (&ks, &cores) in &self.settings.caps {
             let want = factors.get(&ks).copied().unwrap_or(1.0).clamp(0.0, 1.0);
-            let had = self.guard.get(&ks).copied().unwrap_or(1.0);
-            let rel = self.state.created.get(&ks).or_else(|| self.state.in_place.get(&ks).map(|p| &p.rel));
-            let due = self.guard_written.get(&ks).is_none_or(|t| t.elapsed() >= spacing);
-            let now = match rel {
-                Some(rel) if (want - had).abs() > 1e-9 && due => {
-                    let dir = root.join(rel.trim_start_matches('/'));
-                    self.guard_written.insert(ks, std::time::Instant::now());
-                    match write_cap(&dir, version, cores, want, self.settings.weighted, self.settings.period_us) {
-                        Ok(()) => want,
-                        Err(e) => {
-                            log::warn!("cgroups: the latency guard cannot rescale {}: {e}", dir.display());
-                            had
-                        }
-                    }
-                }
-                _ => had,
+            let had = self.factors(ks);
+            let Some(rel) = self.state.created.get(&ks).or_else(|| self.state.in_place.get(&ks).map(|p| &p.rel)) else {
+                continue;
             };
-            if now < 1.0 {
+            let dir = root.join(rel.trim_start_matches('/'));
+            let due = self.guard_written.get(&ks).is_none_or(|t| t.elapsed() >= spacing);
+            let wanted = Factors { quota: if due { want } else { had.quota }, weight: want };
+            let mut now = had;
+            if (wanted.quota - had.quota).abs() > 1e-9 {
+                self.guard_written.insert(ks, std::time::Instant::now());
+                match write_cap(&dir, version, cores, wanted, self.settings.weighted, self.settings.period_us) {
+                    Ok(()) => now = wanted,
+                    Err(e) => log::warn!("cgroups: the latency guard cannot rescale {}: {e}", dir.display()),
+                }
+            } else if (wanted.weight - had.weight).abs() > 1e-9 {
+                let whole = if self.settings.weighted { cores } else { 1.0 };
+                match write_weight(&dir, version, whole * wanted.weight) {
+                    Ok(()) => now.weight = wanted.weight,
+                    Err(e) => log::warn!("cgroups: the latency guard cannot reweigh {}: {e}", dir.display()),
+                }
+            }
+            if now != Factors::WHOLE {
                 next.insert(ks, now);
             }
         }
@@ -385,8 +416,7 @@ impl Enforcer {
                 e.insert(InPlace { rel: rel.clone(), saved });
                 self.save();
             }
-            let factor = self.guard.get(&ks).copied().unwrap_or(1.0);
-            if let Err(e) = write_cap(&dir, version, cores, factor, weighted, period_us) {
+            if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
                 log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
             }
         }
@@ -409,8 +439,7 @@ impl Enforcer {
             }
             self.state.created.insert(ks, rel);
             self.save();
-            let factor = self.guard.get(&ks).copied().unwrap_or(1.0);
-            if let Err(e) = write_cap(&dir, version, cores, factor, weighted, period_us) {
+            if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
             }
         }

@@ -181,10 +181,10 @@ impl Shared {
 
     /// The configuration in force, for `config show --socket`.
     pub(crate) fn config_reply(&self) -> crate::proto::Reply {
-        let config = self.running_config();
-        let mut reply = self.lock_config().reply();
+        let running = self.lock_config();
+        let mut reply = running.reply();
         if let crate::proto::Reply::Config { overridden, .. } = &mut reply {
-            let a = config.agent();
+            let a = running.config.agent();
             if a.control_socket != self.socket {
                 overridden.insert("agent.control-socket".into(), self.socket.display().to_string());
             }
@@ -291,6 +291,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
     let server_cpu = server_cpu::ServerCpu::new(opts.config.resource_control().server_cpu_cores);
     let settings = Settings::from_config(&opts.config, server_cpu.current().cores);
+    for notice in opts.config.cpu_throttle().quotas_above(server_cpu.current().cores) {
+        log::warn!("{notice}");
+    }
     let policy = Policy::with_cells(settings, measurement.sizes.keyspaces, now_us())?;
     let instance = sys::random_u64() | 1;
     let header = policy.regions().header();

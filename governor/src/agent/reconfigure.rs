@@ -39,6 +39,11 @@ impl Shared {
         }
         let server_cpu_cores = next.resource_control().server_cpu_cores;
         let cores = self.lock_server_cpu().cores_with(server_cpu_cores);
+        if p.diff.hot().keyspace_cpu_quotas || p.diff.changed("resource-control.server-cpu-cores") {
+            for notice in next.cpu_throttle().quotas_above(cores) {
+                log::warn!("{}: {notice}", p.what);
+            }
+        }
         if let Err(e) = self.policy.update_settings_at(Settings::from_config(next, cores), super::now_us()) {
             if rules {
                 let _ = self.apply_rules(current);

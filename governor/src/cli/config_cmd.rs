@@ -60,6 +60,15 @@ pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {
     load_config(path)
 }
 
+/// What holds on this machine but may not be what the operator meant
+/// (printed as warnings; the file is valid): quotas larger than the
+/// server's cores (`server-cpu-cores`, else this machine's).
+pub fn notices(config: &ValidatedConfig) -> Vec<String> {
+    let configured = config.resource_control().server_cpu_cores;
+    let cores = if configured > 0.0 { configured } else { f64::from(crate::sys::logical_cores()) };
+    config.cpu_throttle().quotas_above(cores)
+}
+
 /// The configuration a running agent holds.
 #[derive(Debug, serde::Serialize)]
 pub struct Running {

@@ -132,9 +132,8 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         ));
         if let Some(f) = r.guard_factor {
             why.push(format!(
-                "the latency guard holds that cap at {:.0} % of the {:.2} cores configured, while keyspaces under their share wait for a CPU past its target behind this one; it gives the cap back as they meet the target",
-                f * 100.0,
-                cap / f.max(1e-9)
+                "the latency guard holds its CPU weight at {:.0} % of the configured one, and the cap (above, as in force) follows within a second, while keyspaces under their share wait for a CPU past its target behind this one; it gives both back as they meet the target",
+                f * 100.0
             ));
         }
         why.push(

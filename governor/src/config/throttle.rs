@@ -122,6 +122,22 @@ impl CpuThrottle {
     pub fn tenant_cap_enabled(&self) -> bool {
         self.tenant_max_cpu_ratio > 0.0
     }
+
+    /// What to tell an operator about quotas larger than a server of
+    /// `cores`: there they hold nothing back. Not an error: one file may
+    /// serve a fleet whose larger nodes the quota fits.
+    pub fn quotas_above(&self, cores: f64) -> Vec<String> {
+        self.keyspace_cpu_quotas
+            .iter()
+            .filter(|&(_, millicores)| millicores as f64 / 1000.0 > cores)
+            .map(|(id, millicores)| {
+                format!(
+                    "resource-control.cpu-throttle.keyspace-cpu-quotas: keyspace {id}'s quota of {:.3} cores is more than this server's {cores:.2}: it limits nothing here (only the node's global bucket does)",
+                    millicores as f64 / 1000.0
+                )
+            })
+            .collect()
+    }
 }
 
 /// `profile`: the keys a deployment profile decides, set in one step.
