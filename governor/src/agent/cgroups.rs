@@ -24,6 +24,9 @@
 //! a usable controller or the permission, the agent says so and keeps
 //! measuring.
 
+mod guard;
+
+use guard::Factors;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -82,7 +85,7 @@ fn write_cap(
     weighted: bool,
     period_us: u64,
 ) -> std::io::Result<()> {
-    let quota = ((cores * factors.quota * period_us as f64).round() as u64).max(1000);
+    let quota = quota_us(cores * factors.quota, period_us);
     match version {
         Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {period_us}"))?,
         Version::V1 => {
@@ -93,23 +96,16 @@ fn write_cap(
     write_weight(dir, version, if weighted { cores } else { 1.0 } * factors.weight)
 }
 
+/// The quota written for `cores` over `period_us`: at least 1 ms, the
+/// kernel's least.
+fn quota_us(cores: f64, period_us: u64) -> u64 {
+    ((cores * period_us as f64).round() as u64).max(1000)
+}
+
 /// Writes the weight of `cores` into `dir`.
 fn write_weight(dir: &Path, version: Version, cores: f64) -> std::io::Result<()> {
     let (file, w) = weight(version, cores);
     std::fs::write(dir.join(file), w.to_string())
-}
-
-/// The latency guard's factors on a keyspace cgroup, as written: its quota
-/// (rewritten at most once per [`GUARD_PERIODS`] periods) and its weight
-/// (at every step).
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Factors {
-    quota: f64,
-    weight: f64,
-}
-
-impl Factors {
-    const WHOLE: Factors = Factors { quota: 1.0, weight: 1.0 };
 }
 
 /// What the rule caps take from the configuration, derived here and nowhere
@@ -168,11 +164,6 @@ impl Default for CapSettings {
         }
     }
 }
-
-/// The latency guard rewrites a cap at most once per this many bandwidth
-/// periods: a write's refill then adds at most a quarter of the cap.
-/// Weights, which refill nothing, follow it at every step.
-const GUARD_PERIODS: u64 = 4;
 
 pub(crate) struct Enforcer {
     hierarchy: Option<(PathBuf, Version)>,
@@ -261,65 +252,8 @@ impl Enforcer {
     /// The cap enforced on `keyspace`, in cores.
     pub(crate) fn cap_of(&self, keyspace: u32) -> Option<f64> {
         let cap = self.settings.caps.get(&keyspace).copied().filter(|_| self.unavailable.is_none())?;
-        Some(cap * self.factors(keyspace).quota)
-    }
-
-    /// The latency guard's factors on `keyspace`'s cgroup.
-    fn factors(&self, keyspace: u32) -> Factors {
-        self.guard.get(&keyspace).copied().unwrap_or(Factors::WHOLE)
-    }
-
-    /// The latency guard's factor on `keyspace`'s weight, while it holds
-    /// it below what the configuration gives (the cap follows it, at most
-    /// once per [`GUARD_PERIODS`] bandwidth periods).
-    pub(crate) fn guard_factor_of(&self, keyspace: u32) -> Option<f64> {
-        Some(self.factors(keyspace).weight).filter(|&f| f < 1.0)
-    }
-
-    /// Scales the cgroups of capped rule keyspaces by the latency guard's
-    /// `factors` (keyspace → factor below 1; absent: whole). The weight
-    /// follows the factor at every step: whoever waits behind the keyspace
-    /// gets the CPU sooner while it contends. The cap follows it at most
-    /// once per [`GUARD_PERIODS`] periods (and a second): every write of a
-    /// quota refills the group's runtime for the period under way and lifts
-    /// its throttle (the kernel's `tg_set_cfs_bandwidth`), so a cap
-    /// rewritten at each step would run up to twice what it says.
-    pub(crate) fn guard(&mut self, factors: &HashMap<u32, f64>) {
-        if self.unavailable.is_some() {
-            return;
-        }
-        let Some((root, version)) = self.hierarchy.clone() else { return };
-        let spacing = std::time::Duration::from_micros(self.settings.period_us * GUARD_PERIODS)
-            .max(std::time::Duration::from_secs(1));
-        let mut next = HashMap::new();
-        for (&ks, &cores) in &self.settings.caps {
-            let want = factors.get(&ks).copied().unwrap_or(1.0).clamp(0.0, 1.0);
-            let had = self.factors(ks);
-            let Some(rel) = self.state.created.get(&ks).or_else(|| self.state.in_place.get(&ks).map(|p| &p.rel)) else {
-                continue;
-            };
-            let dir = root.join(rel.trim_start_matches('/'));
-            let due = self.guard_written.get(&ks).is_none_or(|t| t.elapsed() >= spacing);
-            let wanted = Factors { quota: if due { want } else { had.quota }, weight: want };
-            let mut now = had;
-            if (wanted.quota - had.quota).abs() > 1e-9 {
-                self.guard_written.insert(ks, std::time::Instant::now());
-                match write_cap(&dir, version, cores, wanted, self.settings.weighted, self.settings.period_us) {
-                    Ok(()) => now = wanted,
-                    Err(e) => log::warn!("cgroups: the latency guard cannot rescale {}: {e}", dir.display()),
-                }
-            } else if (wanted.weight - had.weight).abs() > 1e-9 {
-                let whole = if self.settings.weighted { cores } else { 1.0 };
-                match write_weight(&dir, version, whole * wanted.weight) {
-                    Ok(()) => now.weight = wanted.weight,
-                    Err(e) => log::warn!("cgroups: the latency guard cannot reweigh {}: {e}", dir.display()),
-                }
-            }
-            if now != Factors::WHOLE {
-                next.insert(ks, now);
-            }
-        }
-        self.guard = next;
+        let period = self.settings.period_us;
+        Some(quota_us(cap * self.factors(keyspace).quota, period) as f64 / period as f64)
     }
 
     /// The cgroup directories whose limits the agent writes (its keyspace
@@ -391,7 +325,7 @@ impl Enforcer {
             .in_place
             .keys()
             .copied()
-            .filter(|k| !caps.contains_key(k) || !in_place.contains_key(k))
+            .filter(|k| !caps.contains_key(k) || in_place.get(k) != self.state.in_place.get(k).map(|p| &p.rel))
             .collect();
         for ks in dropped {
             self.restore_in_place(ks);
@@ -416,6 +350,8 @@ impl Enforcer {
                 e.insert(InPlace { rel: rel.clone(), saved });
                 self.save();
             }
+            // A quota written refills its period: the guard's next write waits.
+            self.guard_written.insert(ks, std::time::Instant::now());
             if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
                 log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
             }
@@ -439,6 +375,7 @@ impl Enforcer {
             }
             self.state.created.insert(ks, rel);
             self.save();
+            self.guard_written.insert(ks, std::time::Instant::now());
             if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
             }

@@ -1,10 +1,11 @@
 //! One scrape's exposition: every family from the status and the policy's
 //! snapshot, per-keyspace rows folded past the limit.
 
+mod per_keyspace;
+
 use super::histograms::{Series, header, series};
 use crate::policy::{KeyspaceSnapshot, PolicySnapshot};
 use crate::proto::StatusReport;
-use keyspace_governor_common::admission::{hist, request as q};
 use keyspace_governor_common::{WAIT_BUCKETS, wait_bucket_le_ns};
 use prometheus::{CounterVec, Encoder, Gauge, GaugeVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder};
 use std::collections::HashMap;
@@ -517,8 +518,8 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     let mut out = Vec::new();
     TextEncoder::new().encode(&f.registry.gather(), &mut out).expect("text encoding");
     let mut text = String::from_utf8(out).expect("text format is UTF-8");
-    wait_histograms(&mut text, &shown);
-    request_histograms(&mut text, &shown);
+    per_keyspace::wait_histograms(&mut text, &shown);
+    per_keyspace::request_histograms(&mut text, &shown);
     const WAIT: &str = "governor_keyspace_cpu_wait_duration_seconds";
     header(&mut text, WAIT, "One run-queue wait of the keyspace's threads (a wakeup or preemption to getting a CPU)");
     let bounds: [u64; WAIT_BUCKETS - 1] = std::array::from_fn(wait_bucket_le_ns);
@@ -528,73 +529,4 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         series(&mut text, WAIT, Series { labels, first: 0, counts, bounds: &bounds, sum, unit: 1e9 });
     }
     text
-}
-
-/// The seed's request histograms, per keyspace: each released request's measured CPU and its ratio to the estimate it
-/// was admitted with.
-fn request_histograms(out: &mut String, shown: &[(String, Row)]) {
-    let families = [
-        (
-            "tikv_cpu_throttle_request_cpu_time_seconds",
-            "CPU a released request consumed, by keyspace",
-            q::CPU,
-            q::CPU_SUM,
-            &q::CPU_BOUNDS_US,
-            1e6,
-        ),
-        (
-            "tikv_cpu_throttle_request_actual_to_estimated_ratio",
-            "CPU a released request consumed over the estimate it was admitted with, by keyspace",
-            q::RATIO,
-            q::RATIO_SUM,
-            &q::RATIO_BOUNDS_PERMILLE,
-            1e3,
-        ),
-    ];
-    for (name, help, base, sum, bounds, unit) in families {
-        header(out, name, help);
-        for (ks, r) in shown {
-            let h = &r.request_hist.0;
-            let counts = &h[base..=base + bounds.len()];
-            let labels = format!("keyspace_id=\"{ks}\"");
-            series(out, name, Series { labels, first: 0, counts, bounds, sum: h[sum], unit });
-        }
-    }
-}
-
-/// The seed's wait histograms, per keyspace: the waits clients counted when they ended, by result; in the first
-/// bucket also the acquires (or top-ups) served or refused at once, which
-/// no wait counted (the counters' difference).
-fn wait_histograms(out: &mut String, shown: &[(String, Row)]) {
-    let families = [
-        (
-            "tikv_cpu_token_wait_duration_seconds",
-            "Time an admission waited in line for CPU tokens, by keyspace and result",
-            [(hist::WAIT_GRANTED, "granted"), (hist::WAIT_REFUSED, "refused")],
-        ),
-        (
-            "tikv_cpu_token_runtime_wait_duration_seconds",
-            "Time a running request's top-up waited for CPU tokens, by keyspace and result",
-            [(hist::RUNTIME_GRANTED, "granted"), (hist::RUNTIME_REFUSED, "refused")],
-        ),
-    ];
-    for (name, help, parts) in families {
-        header(out, name, help);
-        for (ks, r) in shown {
-            for (base, result) in parts {
-                let h = &r.wait_hist.0[base..base + hist::SLOTS];
-                let waits: u64 = h[..hist::SLOTS - 1].iter().sum();
-                let total = match base {
-                    hist::WAIT_GRANTED => r.granted,
-                    hist::WAIT_REFUSED => r.refused,
-                    hist::RUNTIME_GRANTED => r.topups_granted,
-                    _ => r.topups_refused,
-                };
-                let labels = format!("keyspace_id=\"{ks}\",result=\"{result}\"");
-                let (counts, sum) = (&h[..=hist::BOUNDS_US.len()], h[hist::SLOTS - 1]);
-                let first = total.saturating_sub(waits);
-                series(out, name, Series { labels, first, counts, bounds: &hist::BOUNDS_US, sum, unit: 1e6 });
-            }
-        }
-    }
 }
