@@ -93,7 +93,13 @@ fn write_cap(
             std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
         }
     }
-    write_weight(dir, version, if weighted { cores } else { 1.0 } * factors.weight)
+    write_weight(dir, version, whole_weight(cores, weighted) * factors.weight)
+}
+
+/// The cores a cgroup capped at `cores` is weighed as: its cap when caps
+/// are weighted, else one core (the default weight).
+fn whole_weight(cores: f64, weighted: bool) -> f64 {
+    if weighted { cores } else { 1.0 }
 }
 
 /// The quota written for `cores` over `period_us`: at least 1 ms, the

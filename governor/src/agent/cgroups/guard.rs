@@ -1,7 +1,7 @@
 //! The latency guard's hand on the rule keyspaces' cgroups: their weight
 //! and cap scaled by the factor the policy holds for each keyspace.
 
-use super::{Enforcer, write_cap, write_weight};
+use super::{Enforcer, whole_weight, write_cap, write_weight};
 use std::collections::HashMap;
 
 /// The latency guard rewrites a cap at most once per this many bandwidth
@@ -35,22 +35,6 @@ impl Enforcer {
         Some(self.factors(keyspace).weight).filter(|&f| f < 1.0 && self.unavailable.is_none())
     }
 
-    /// Writes every cap and weight the guard lowered back whole (the caps
-    /// in force), as enforcement stops being available: a keyspace is not
-    /// left held below its cap by a guard that no longer runs.
-    fn unguard_all(&mut self) {
-        let Some((root, version)) = self.hierarchy.clone() else { return };
-        for (ks, _) in std::mem::take(&mut self.guard) {
-            let Some(&cores) = self.settings.caps.get(&ks) else { continue };
-            let rel = self.state.created.get(&ks).or_else(|| self.state.in_place.get(&ks).map(|p| &p.rel));
-            let Some(dir) = rel.map(|rel| root.join(rel.trim_start_matches('/'))) else { continue };
-            let (weighted, period_us) = (self.settings.weighted, self.settings.period_us);
-            if let Err(e) = write_cap(&dir, version, cores, Factors::WHOLE, weighted, period_us) {
-                log::warn!("cgroups: cannot give {} its whole cap back: {e}", dir.display());
-            }
-        }
-    }
-
     /// Scales the cgroups of capped rule keyspaces by the latency guard's
     /// `factors` (keyspace → factor below 1; absent: whole). The weight
     /// follows the factor at every step: whoever waits behind the keyspace
@@ -58,42 +42,43 @@ impl Enforcer {
     /// once per [`GUARD_PERIODS`] periods (and a second): every write of a
     /// quota refills the group's runtime for the period under way and lifts
     /// its throttle (the kernel's `tg_set_cfs_bandwidth`), so a cap
-    /// rewritten at each step would run up to twice what it says.
+    /// rewritten at each step would run up to twice what it says. Once
+    /// enforcement is unavailable, whatever the guard lowered is written
+    /// back whole at once, and the guard stops: a keyspace is not left held
+    /// below its cap by a guard that no longer runs.
     pub(crate) fn guard(&mut self, factors: &HashMap<u32, f64>) {
-        if self.unavailable.is_some() {
-            if !self.guard.is_empty() {
-                self.unguard_all();
-            }
+        let gone = self.unavailable.is_some();
+        if gone && self.guard.is_empty() {
             return;
         }
         let Some((root, version)) = self.hierarchy.clone() else { return };
         let spacing = std::time::Duration::from_micros(self.settings.period_us * GUARD_PERIODS)
             .max(std::time::Duration::from_secs(1));
+        let (weighted, period_us) = (self.settings.weighted, self.settings.period_us);
         let mut next = HashMap::new();
         for (&ks, &cores) in &self.settings.caps {
-            let want = factors.get(&ks).copied().unwrap_or(1.0).clamp(0.0, 1.0);
+            let want = if gone { 1.0 } else { factors.get(&ks).copied().unwrap_or(1.0).clamp(0.0, 1.0) };
             let had = self.factors(ks);
             let Some(rel) = self.state.created.get(&ks).or_else(|| self.state.in_place.get(&ks).map(|p| &p.rel)) else {
                 continue;
             };
             let dir = root.join(rel.trim_start_matches('/'));
-            let due = self.guard_written.get(&ks).is_none_or(|t| t.elapsed() >= spacing);
+            let due = gone || self.guard_written.get(&ks).is_none_or(|t| t.elapsed() >= spacing);
             let wanted = Factors { quota: if due { want } else { had.quota }, weight: want };
             let mut now = had;
             if (wanted.quota - had.quota).abs() > 1e-9 {
                 self.guard_written.insert(ks, std::time::Instant::now());
-                match write_cap(&dir, version, cores, wanted, self.settings.weighted, self.settings.period_us) {
+                match write_cap(&dir, version, cores, wanted, weighted, period_us) {
                     Ok(()) => now = wanted,
                     Err(e) => log::warn!("cgroups: the latency guard cannot rescale {}: {e}", dir.display()),
                 }
             } else if (wanted.weight - had.weight).abs() > 1e-9 {
-                let whole = if self.settings.weighted { cores } else { 1.0 };
-                match write_weight(&dir, version, whole * wanted.weight) {
+                match write_weight(&dir, version, whole_weight(cores, weighted) * wanted.weight) {
                     Ok(()) => now.weight = wanted.weight,
                     Err(e) => log::warn!("cgroups: the latency guard cannot reweigh {}: {e}", dir.display()),
                 }
             }
-            if now != Factors::WHOLE {
+            if now != Factors::WHOLE && !gone {
                 next.insert(ks, now);
             }
         }
