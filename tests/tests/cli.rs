@@ -67,7 +67,7 @@ fn a_quota_above_the_servers_cores_is_valid_and_said_to_limit_nothing() {
     assert_eq!(warnings.len(), 1, "{err}");
     assert!(
         warnings[0]
-            .contains("keyspace 900's quota of 5.000 cores is more than this server's 2.00: it limits nothing here"),
+            .contains("keyspace 900's quota of 5.000 cores is more than resource-control.server-cpu-cores, 2.00: it limits nothing here"),
         "{err}"
     );
     let (code, out, err) = governor(&["config", "validate", &file, "--json"]);
@@ -77,6 +77,8 @@ fn a_quota_above_the_servers_cores_is_valid_and_said_to_limit_nothing() {
     let agent = Agent::start("ebpf", text).expect("agent");
     let said = |what: &str| agent.log_text().lines().filter(|l| l.contains(what)).count();
     assert_eq!(said("keyspace 900's quota of 5.000 cores"), 1, "{}", agent.log_text());
+    // The agent compares with the cores it found for its servers.
+    assert_eq!(said("more than this server's 2.00"), 1, "{}", agent.log_text());
     let socket = agent.socket.to_string_lossy().into_owned();
     let set = "resource-control.cpu-throttle.keyspace-cpu-quotas=900:5000,902:2500";
     let (code, _, err) = governor(&["config", "set", set, "--socket", &socket]);

@@ -186,6 +186,9 @@ pub(crate) struct Enforcer {
     guard: HashMap<u32, Factors>,
     /// keyspace → when the guard last rewrote its cap.
     guard_written: HashMap<u32, std::time::Instant>,
+    /// Keyspaces whose cgroup refused the latency guard's last write (said
+    /// once in the log until a write takes).
+    guard_failed: std::collections::HashSet<u32>,
 }
 
 /// The CPU weight of a cgroup capped at `cores`, as its version writes it:
@@ -235,6 +238,7 @@ impl Enforcer {
             settings: CapSettings::default(),
             guard: HashMap::new(),
             guard_written: HashMap::new(),
+            guard_failed: std::collections::HashSet::new(),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -512,6 +516,7 @@ impl Enforcer {
         self.settings.caps.clear();
         self.guard.clear();
         self.guard_written.clear();
+        self.guard_failed.clear();
         let _ = std::fs::remove_file(&self.state_path);
         self.state = State::default();
     }

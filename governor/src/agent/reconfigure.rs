@@ -40,7 +40,7 @@ impl Shared {
         let server_cpu_cores = next.resource_control().server_cpu_cores;
         let cores = self.lock_server_cpu().cores_with(server_cpu_cores);
         if p.diff.hot().keyspace_cpu_quotas || p.diff.changed("resource-control.server-cpu-cores") {
-            for notice in next.cpu_throttle().quotas_above(cores) {
+            for notice in next.cpu_throttle().quotas_above(cores, "this server's") {
                 log::warn!("{}: {notice}", p.what);
             }
         }

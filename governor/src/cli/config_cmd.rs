@@ -62,11 +62,15 @@ pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {
 
 /// What holds on this machine but may not be what the operator meant
 /// (printed as warnings; the file is valid): quotas larger than the
-/// server's cores (`server-cpu-cores`, else this machine's).
+/// server's cores (`server-cpu-cores`, else this machine's: the agent
+/// compares with its servers' cgroup limit, which a command does not see).
 pub fn notices(config: &ValidatedConfig) -> Vec<String> {
     let configured = config.resource_control().server_cpu_cores;
-    let cores = if configured > 0.0 { configured } else { f64::from(crate::sys::logical_cores()) };
-    config.cpu_throttle().quotas_above(cores)
+    if configured > 0.0 {
+        config.cpu_throttle().quotas_above(configured, "resource-control.server-cpu-cores,")
+    } else {
+        config.cpu_throttle().quotas_above(f64::from(crate::sys::logical_cores()), "this machine's online CPUs,")
+    }
 }
 
 /// The configuration a running agent holds.

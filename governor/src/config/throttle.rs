@@ -124,15 +124,16 @@ impl CpuThrottle {
     }
 
     /// What to tell an operator about quotas larger than a server of
-    /// `cores`: there they hold nothing back. Not an error: one file may
+    /// `cores` (`whose`: where that figure comes from, as the sentence
+    /// names it): there they hold nothing back. Not an error: one file may
     /// serve a fleet whose larger nodes the quota fits.
-    pub fn quotas_above(&self, cores: f64) -> Vec<String> {
+    pub fn quotas_above(&self, cores: f64, whose: &str) -> Vec<String> {
         self.keyspace_cpu_quotas
             .iter()
             .filter(|&(_, millicores)| millicores as f64 / 1000.0 > cores)
             .map(|(id, millicores)| {
                 format!(
-                    "resource-control.cpu-throttle.keyspace-cpu-quotas: keyspace {id}'s quota of {:.3} cores is more than this server's {cores:.2}: it limits nothing here (only the node's global bucket does)",
+                    "resource-control.cpu-throttle.keyspace-cpu-quotas: keyspace {id}'s quota of {:.3} cores is more than {whose} {cores:.2}: it limits nothing here (only the node's global bucket does)",
                     millicores as f64 / 1000.0
                 )
             })
