@@ -453,14 +453,17 @@ unsafe fn mark_waiting(slot: *mut ThreadSlot) {
     }
 }
 
-/// At a registered thread's switch-in: it waits no more.
+/// At a registered thread's switch-in (or, should that have gone unseen,
+/// at the timer or its switch-out): it waits no more.
 ///
 /// # Safety
-/// `slot` is a map value pointer whose thread is being switched in.
+/// `slot` is a map value pointer whose thread is being switched in or out,
+/// or is running on this CPU.
 #[inline(always)]
 unsafe fn unmark_waiting(slot: *mut ThreadSlot) {
-    // SAFETY: as the caller promises; the thread cannot write `wait_tag`
-    // before it runs.
+    // SAFETY: as the caller promises; the thread writes `wait_tag` only
+    // while it runs and the flag is clear, and the flag is set only while
+    // it is off its CPU.
     unsafe {
         let wait_tag = read_volatile(addr_of_mut!((*slot).wait_tag));
         if wait_tag & WAIT_TAG_WAITING != 0 {
@@ -563,7 +566,7 @@ unsafe fn slot_waited(task: *const u8, tid: u32, slot: *mut ThreadSlot) {
             charge_wait(tag as u64, delay - seen, waited_behind(tid));
             write_volatile(addr_of_mut!((*slot).delay_ns), delay);
         }
-        // (A count of it as waiting, were there one, stays to be undone.)
+        // (Never counted as waiting here: the switch-out took it off first.)
         let waiting = read_volatile(addr_of_mut!((*slot).wait_tag)) & WAIT_TAG_WAITING;
         write_volatile(addr_of_mut!((*slot).wait_tag), read_volatile(addr_of_mut!((*slot).tag)) as u32 | waiting);
     }
@@ -621,6 +624,15 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
                 charge_up_to(slot, runtime);
                 write_volatile(addr_of_mut!((*slot).oncpu_ns), runtime);
                 runner = cell_of_tag(read_volatile(addr_of_mut!((*slot).tag))).map_or(BEHIND_UNTAGGED, |c| c + 1);
+                // It ran, so it waits no more, though its switch-in may not
+                // have been seen (this guest's 6.18 kernel was caught
+                // switching to a thread without the tracepoint): a count
+                // left open would hold its keyspace's "some" stretch open
+                // for good, and its next switch-out would move the count's
+                // tag to the one it leaves with.
+                if pressure_on() {
+                    unmark_waiting(slot);
+                }
                 slot_waited(prev, prev_tid, slot);
                 // Runnable still (preempted, or woken before it could
                 // sleep): it waits on. One preempted on its way to sleep
@@ -958,6 +970,11 @@ pub fn gov_timer(_ctx: PerfEventContext) -> u32 {
     unsafe {
         let Some((task, tid, entry)) = current() else { return 0 };
         if let Some((slot, index)) = registered(tid, entry) {
+            // It runs, so it waits no more: a switch-in the tracepoint did
+            // not show leaves it counted as waiting until here at most.
+            if pressure_on() {
+                unmark_waiting(slot);
+            }
             let runtime = task_field::<u64>(task, &GOV_OFF_RUNTIME);
             charge_up_to(slot, runtime);
             reanchor(slot, index, runtime);

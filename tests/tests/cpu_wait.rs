@@ -187,6 +187,49 @@ fn a_keyspaces_cpu_pressure_is_the_time_one_of_its_threads_waited() {
     drop(hog);
 }
 
+/// Threads that switch keyspaces as they run, preempted often: a wait
+/// ends in the keyspace it began in, each keyspace's pressure stays within
+/// its threads' waits, and none is left open once they are gone. (A
+/// switch-in that the kernel's tracepoint did not show once left a
+/// thread counted as waiting while it ran; at its next switch-out the
+/// count moved to the keyspace it left with, and the first keyspace's
+/// pressure then grew a second per second for good.)
+#[test]
+fn pressure_of_threads_switching_keyspaces_ends_where_it_began_and_closes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    const A: u32 = 9500;
+    const B: u32 = 9501;
+    let agent = Agent::start("ebpf", "[resource-control]\nstats-interval = \"250ms\"\n[agent]\ncpu-pressure = true\n")
+        .expect("agent");
+    let hog = Hog(Command::new("sh").args(["-c", "while :; do :; done"]).stdout(Stdio::null()).spawn().expect("hog"));
+    let (a, b) = (A.to_string(), B.to_string());
+    governor_tests::run_workload(
+        &agent.socket,
+        &["rows", "--threads", "4", "--seconds", "4", "--a", a.as_str(), "--b", b.as_str()],
+    )
+    .expect("rows");
+    drop(hog);
+    // The agent reads the last waits at its next stats interval.
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let at = |r: &keyspace_governor::proto::StatusReport, ks: u32| {
+        let k = r.keyspaces.iter().find(|k| k.keyspace_id == ks).expect("in status");
+        (k.cpu_wait_seconds, k.cpu_pressure_some_seconds)
+    };
+    let s = agent.status().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let later = agent.status().unwrap();
+    for ks in [A, B] {
+        let (wait, some) = at(&s, ks);
+        eprintln!("keyspace {ks}: its threads waited {wait:.3} s; one of them waited during {some:.3} s");
+        assert!(wait >= 0.2, "keyspace {ks} waited only {wait} s: no contention");
+        // Overlapping waits count once: at most the sum of the waits (with
+        // the margin of the test above, and a timer period for each
+        // switch-in the tracepoint did not show).
+        assert!(some > 0.0 && some <= 1.05 * wait + 0.05, "keyspace {ks}: {some} s of pressure for {wait} s of wait");
+        assert_eq!(at(&later, ks), (wait, some), "keyspace {ks}: its pressure grew with no thread left");
+    }
+}
+
 /// Σ run-queue wait (ns) of every thread of every process in `pids`.
 fn wait_sum(pids: &std::collections::BTreeSet<u32>) -> u64 {
     pids.iter()

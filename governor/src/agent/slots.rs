@@ -3,9 +3,16 @@
 
 use crate::measure::Measurement;
 use crate::proto::ThreadStats;
-use keyspace_governor_common::{SLOT_FREE, SLOT_LIVE, TAG_NONE};
+use keyspace_governor_common::{SLOT_FREE, SLOT_LIVE, TAG_NONE, WAIT_TAG_WAITING, cell_of_tag};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// How long a released slot rests before its wait mark is settled: longer
+/// than any run of the kernel's program that read the slot as registered
+/// just before the release (a tracepoint program runs to its end in
+/// microseconds, without sleeping).
+const SETTLE_AFTER: Duration = Duration::from_millis(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SlotError {
@@ -41,6 +48,13 @@ struct Holder {
 pub struct Slots {
     /// FIFO: a freed slot waits the longest before reuse.
     free: VecDeque<u32>,
+    /// Slots released and when, not yet free: a thread the kernel counts
+    /// among its keyspace's waiting threads when its slot is released (it
+    /// was preempted, or woken, while its unregistration or its process's
+    /// exit went through) is no longer seen by the kernel at its next
+    /// switch-in, which would have taken it off; the agent does, once the
+    /// slot has rested ([`SETTLE_AFTER`]).
+    released: VecDeque<(u32, Instant)>,
     held: HashMap<u32, Holder>,
     by_tid: HashMap<u32, u32>,
     by_uid: HashMap<u32, u32>,
@@ -93,6 +107,7 @@ impl Slots {
     pub fn new(capacity: u32, per_uid: u32) -> Slots {
         Slots {
             free: (0..capacity).collect(),
+            released: VecDeque::new(),
             held: HashMap::new(),
             by_tid: HashMap::new(),
             by_uid: HashMap::new(),
@@ -148,6 +163,13 @@ impl Slots {
         }
         if self.free.is_empty() {
             self.reclaim(m);
+        }
+        if self.free.is_empty() {
+            // The last slots were released just now: rather than refuse
+            // the thread, settle them at once (a program of the kernel's
+            // still finishing with one could then take its thread off the
+            // waiting twice; the count is never taken below zero).
+            self.settle(m, Duration::ZERO);
         }
         let Some(slot) = self.free.pop_front() else {
             self.exhausted += 1;
@@ -219,8 +241,29 @@ impl Slots {
         if let Some(view) = m.regions.slots.get(slot) {
             view.state.store(SLOT_FREE, Ordering::Release);
         }
-        self.free.push_back(slot);
+        self.released.push_back((slot, Instant::now()));
         self.reclaimed += 1;
+    }
+
+    /// Frees the released slots that rested `rest`: a thread still counted
+    /// as waiting in one is taken off its keyspace's waiting threads (else
+    /// the keyspace's "some" pressure would stay open for good).
+    fn settle(&mut self, m: &Measurement, rest: Duration) {
+        while let Some(&(slot, at)) = self.released.front() {
+            if at.elapsed() < rest {
+                break;
+            }
+            self.released.pop_front();
+            if let Some(view) = m.regions.slots.get(slot) {
+                let wait_tag = view.wait_tag.swap(0, Ordering::AcqRel);
+                if wait_tag & WAIT_TAG_WAITING != 0
+                    && let Some(w) = cell_of_tag(u64::from(wait_tag & !WAIT_TAG_WAITING)).and_then(|c| m.waits.get(c))
+                {
+                    w.stop_waiting(crate::sys::monotonic_ns());
+                }
+            }
+            self.free.push_back(slot);
+        }
     }
 
     /// Frees the slots of threads that exited, and repairs the slots a
@@ -271,6 +314,7 @@ impl Slots {
         for &s in &dead {
             self.release(m, s);
         }
+        self.settle(m, SETTLE_AFTER);
         dead.len()
     }
 
@@ -323,6 +367,44 @@ mod tests {
         let tid = crate::sys::gettid();
         assert_eq!(host_tid(pid, tid), Some(tid));
         assert_eq!(host_tid(pid, pid), Some(pid));
+    }
+
+    /// A thread counted as waiting when its slot goes back (its process
+    /// exiting, say) is no longer seen by the kernel's program: the agent
+    /// takes it off its keyspace's waiting threads once the slot rested,
+    /// and the slot is not handed out before.
+    #[test]
+    fn a_slot_released_while_its_thread_waits_closes_the_wait_before_reuse() {
+        let sizing = crate::measure::Sizing {
+            max_threads: 1,
+            max_keyspaces: 4,
+            timer_period_ns: 10_000_000,
+            cpu_pressure: false,
+        };
+        let mut m = crate::measure::fallback::start(sizing).expect("thread-clock backend");
+        let mut slots = Slots::new(1, 1);
+        let (pid, tid) = (std::process::id(), crate::sys::gettid());
+        let (slot, generation) = slots.register(&mut m, 7, pid, 0, tid).expect("a slot");
+        // As the kernel's program leaves it: the thread waits, tagged with
+        // cell 2, the cell's one waiting thread since 1 s.
+        let w = m.waits.get(2).expect("cell 2");
+        w.waiting.store(1, Ordering::Relaxed);
+        w.some_since_ns.store(1_000_000_000, Ordering::Relaxed);
+        let view = m.regions.slots.get(slot).expect("the slot");
+        view.wait_tag.store(3 | WAIT_TAG_WAITING, Ordering::Relaxed);
+        slots.unregister(&mut m, 7, slot, generation).expect("unregistered");
+        // Resting: still counted, and no slot to hand out but by settling.
+        slots.reclaim(&mut m);
+        assert_eq!(m.waits.get(2).unwrap().waiting.load(Ordering::Relaxed), 1);
+        std::thread::sleep(SETTLE_AFTER);
+        slots.reclaim(&mut m);
+        let w = m.waits.get(2).unwrap();
+        assert_eq!(w.waiting.load(Ordering::Relaxed), 0, "taken off the waiting threads");
+        let closed_at = w.some_closed_ns.load(Ordering::Relaxed);
+        assert!(closed_at > 1_000_000_000, "the stretch closed at {closed_at}");
+        assert_eq!(w.some_ns.load(Ordering::Relaxed), closed_at - 1_000_000_000, "the stretch counted whole");
+        assert_eq!(m.regions.slots.get(slot).unwrap().wait_tag.load(Ordering::Relaxed), 0);
+        assert!(slots.register(&mut m, 7, pid, 0, tid).is_ok(), "the slot is free again");
     }
 
     #[test]

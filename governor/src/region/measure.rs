@@ -56,6 +56,27 @@ pub struct WaitView {
     pub some_closed_ns: AtomicU64,
 }
 
+impl WaitView {
+    /// One waiting thread fewer, as the kernel's program counts it at a
+    /// switch-in (`stop_waiting`): the last closes the "some" stretch at
+    /// `now_ns` (CLOCK_MONOTONIC, the program's clock). For a thread the
+    /// program can no longer see (its slot released while it waited).
+    pub fn stop_waiting(&self, now_ns: u64) {
+        let since = self.some_since_ns.load(Ordering::Acquire);
+        match self.waiting.fetch_sub(1, Ordering::AcqRel) {
+            1 => {
+                self.some_ns.fetch_add(now_ns.saturating_sub(since), Ordering::AcqRel);
+                self.some_closed_ns.store(now_ns, Ordering::Release);
+            }
+            // Never counted: the count goes back.
+            0 => {
+                self.waiting.fetch_add(1, Ordering::AcqRel);
+            }
+            _ => {}
+        }
+    }
+}
+
 macro_rules! same_layout {
     ($view:ty, $cell:ty, $($f:ident),*) => {
         const _: () = assert!(size_of::<$view>() == size_of::<$cell>());
