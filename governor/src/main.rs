@@ -34,13 +34,16 @@ enum Verb {
     },
     /// Measurement backend and per-keyspace CPU.
     Status {
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
-    /// Per keyspace CPU (cores over each interval), window ratio, bucket
-    /// fill, debt, waits and refusals, refreshed every interval like `top`.
+    /// Per keyspace CPU (cores over each interval), run-queue wait, window
+    /// ratio, bucket fill, debt, ticket waits and refusals, refreshed every
+    /// interval like `top`.
     /// `--json` prints one JSON object per frame.
     Top {
         /// Sort by (largest first).
@@ -55,8 +58,10 @@ enum Verb {
         /// Keyspaces shown per frame.
         #[arg(long, default_value_t = 40)]
         limit: usize,
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -65,15 +70,19 @@ enum Verb {
     /// agent does not know it.
     Keyspace {
         id: u32,
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Registered threads by client process: tid, name, keyspace, CPU.
     Threads {
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -103,6 +112,7 @@ enum Verb {
         /// Write the profile here instead of standard output.
         #[arg(long, short)]
         output: Option<PathBuf>,
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
         /// The whole profile as JSON: sample counts by keyspace and stack.
@@ -113,8 +123,10 @@ enum Verb {
     /// memlock, pid_max, BPF statistics, clocksource, cgroups, scheduler
     /// slices, the agent itself. Exit 1 when the eBPF backend cannot run.
     Doctor {
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -143,6 +155,7 @@ enum ConfigVerb {
     /// Validate FILE: print the validated configuration, or every error (exit 64).
     Validate {
         file: PathBuf,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -153,25 +166,30 @@ enum ConfigVerb {
         file: Option<PathBuf>,
         #[arg(long, conflicts_with = "file")]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Change one key of the running agent's configuration: KEY=VALUE, the
     /// key dotted (resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25).
     /// The whole configuration is validated again; refused (exit 64) with
-    /// every reason, the running one stays. Root or the agent's uid only.
+    /// every reason, the running one stays. The admin role only (root, the agent's user, access.admins).
     Set {
         assignment: String,
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Make the running agent re-read its --config file (as SIGHUP does);
     /// refused whole (exit 64) with every reason on any error.
     Reload {
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -181,14 +199,16 @@ enum ConfigVerb {
 enum RulesVerb {
     /// The rules in force, in order (first match wins).
     List {
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Add a rule to the running agent (not to its file), validated with
     /// the whole configuration: refused (exit 64) with every reason. Every
-    /// matcher given must hold. Root or the agent's uid only.
+    /// matcher given must hold. The admin role only (root, the agent's user, access.admins).
     Add {
         name: String,
         #[arg(long)]
@@ -221,16 +241,20 @@ enum RulesVerb {
         /// Insert at this position (0: first) instead of last.
         #[arg(long)]
         position: Option<usize>,
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Remove the rule NAME from the running agent.
     Remove {
         name: String,
+        /// The agent's control socket (default /run/governor/governor.sock).
         #[arg(long)]
         socket: Option<PathBuf>,
+        /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },

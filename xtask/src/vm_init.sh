@@ -233,11 +233,13 @@ step tickets tickets_smoke
 step server-cpu server_cpu_v2
 # Run-queue wait per keyspace against schedstat (sched_info at this
 # kernel's offsets, on this architecture), whom the waits were behind, and
-# the CPU pressure (the wakeup program on this kernel).
+# the CPU pressure (the wakeup program on this kernel; no count left open
+# by threads that switch keyspaces).
 step cpu-wait env GOVERNOR_TEST_EMULATED=1 ./cpu_wait --test-threads 1 --nocapture --exact \
     each_keyspace_is_charged_its_threads_run_queue_wait_as_schedstat_counts_it \
     a_keyspaces_waits_name_whom_they_were_behind \
-    a_keyspaces_cpu_pressure_is_the_time_one_of_its_threads_waited
+    a_keyspaces_cpu_pressure_is_the_time_one_of_its_threads_waited \
+    pressure_of_threads_switching_keyspaces_ends_where_it_began_and_closes
 # What CI runs on every kernel and architecture (only when named in --only):
 # exactly-once attribution on the eBPF backend and the long slice.
 case ",${vm_test_only:-}," in

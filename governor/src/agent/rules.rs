@@ -210,7 +210,13 @@ impl Rules {
                 threads_matched: self.threads.values().filter(|t| t.rule == i).count() as u64,
                 measured: !self.unsupported,
                 cap_cores: self.enforcer.as_ref().and_then(|e| e.cap_of(a.rule.keyspace)),
-                guard_factor: self.enforcer.as_ref().and_then(|e| e.guard_factor_of(a.rule.keyspace)),
+                // Six places: the steps' products carry float noise
+                // (0.8999999999999999) that says nothing.
+                guard_factor: self
+                    .enforcer
+                    .as_ref()
+                    .and_then(|e| e.guard_factor_of(a.rule.keyspace))
+                    .map(|f| (f * 1e6).round() / 1e6),
             })
             .collect()
     }

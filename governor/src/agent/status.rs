@@ -96,7 +96,12 @@ impl Shared {
                     cpu_wait_p99_us: us(0.99),
                     cpu_wait_buckets: if waits.waits == 0 { Vec::new() } else { waits.hist.to_vec() },
                     cpu_pressure_some_seconds: waits.some_ns as f64 / 1e9,
-                    cpu_pressure_some: (m.pressure && span_ns > 0)
+                    // Counted for registered threads only: a keyspace
+                    // measured by rule that none of them worked for shows
+                    // none rather than a zero that reads "never waited".
+                    cpu_pressure_some: (m.pressure
+                        && span_ns > 0
+                        && !(rule_names.contains_key(&id) && waits.some_ns == 0))
                         .then(|| (window_waits.some_ns as f64 / span_ns as f64).min(1.0)),
                     cpu_wait_behind: usage
                         .waits

@@ -318,9 +318,9 @@ pub fn render(r: &Report) -> String {
             Level::Warn => "warn",
             Level::Fail => "FAIL",
         };
-        let _ = writeln!(out, "{level}  {:<13} {}", c.check, c.detail);
+        let _ = writeln!(out, "{level}  {:<14} {}", c.check, c.detail);
         if let Some(fix) = &c.fix {
-            let _ = writeln!(out, "      {:<13} fix: {fix}", "");
+            let _ = writeln!(out, "      {:<14} fix: {fix}", "");
         }
     }
     let _ = writeln!(

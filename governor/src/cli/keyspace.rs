@@ -40,7 +40,7 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     let Some(k) = s.keyspaces.iter().find(|k| k.keyspace_id == id).cloned() else {
         return Err(CliError::Agent {
             message: format!(
-                "keyspace {id} is not known to the agent: no thread tagged it and no request asked for it since its cell was last evicted ({} keyspaces live)",
+                "keyspace {id} is not known: no thread tagged it and no request asked for it since its cell was last evicted ({} keyspaces live)",
                 s.keyspaces.len()
             ),
         });
@@ -97,11 +97,17 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             ));
         }
     }
+    // A keyspace measured by rule that took no ticket has no requests to
+    // estimate.
+    let estimate = if k.rule.is_some() && k.granted == 0 {
+        String::new()
+    } else {
+        format!("; each request asks for about {} µs (its estimate)", k.estimate_us)
+    };
     why.push(format!(
-        "it used {:.2} % of the servers' CPU over the monitor window ({:.3} CPU seconds in all); each request asks for about {} µs (its estimate)",
+        "it used {:.2} % of the servers' CPU over the monitor window ({:.3} CPU seconds in all){estimate}",
         k.window_ratio * 100.0,
         k.cpu_seconds,
-        k.estimate_us
     ));
     why.push(match (k.cpu_wait_p50_us, k.cpu_wait_p99_us) {
         (Some(p50), Some(p99)) => format!(
@@ -137,7 +143,7 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             ));
         }
         why.push(
-            "time its processes spent stopped by that cap counts as run-queue wait (below), behind \"an idle CPU\" when the CPU had nothing else to run".into(),
+            "time its processes spent stopped by that cap counts as run-queue wait (above), behind \"an idle CPU\" when the CPU had nothing else to run".into(),
         );
     }
     if let Some(behind) = behind_line(&k.cpu_wait_behind) {

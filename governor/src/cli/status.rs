@@ -84,6 +84,8 @@ pub fn render(s: &StatusReport) -> String {
             g.target_wait_p99_us,
             g.floor_ratio * 100.0
         );
+    } else {
+        let _ = writeln!(out, "latency      guard off (latency-guard.enabled = false)");
     }
     let g = &a.global;
     let _ = writeln!(

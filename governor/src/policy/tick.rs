@@ -292,18 +292,24 @@ impl Policy {
                 }
             }
         }
-        if step.missed != e.guard.missed {
+        // Said when the guard starts holding keyspaces down and when all are
+        // whole again, not at each interval's miss or met in between (AIMD
+        // takes turns at them).
+        let was_holding = inputs.iter().any(|k| k.factor < 1.0);
+        let lowered: Vec<String> = inputs
+            .iter()
+            .zip(&step.factors)
+            .filter(|(_, f)| **f < 1.0)
+            .map(|(k, f)| format!("{} to {:.0} %", k.keyspace, f * 100.0))
+            .collect();
+        if !was_holding && !lowered.is_empty() {
             log::info!(
-                "latency guard: {}",
-                if step.missed {
-                    format!(
-                        "keyspaces {:?} wait past the target behind those above their share; lowering those",
-                        step.suffering
-                    )
-                } else {
-                    "targets met; giving the refills back".into()
-                }
+                "latency guard: keyspaces {:?} wait past the target behind those above their share; refills lowered: {}",
+                step.suffering,
+                lowered.join(", ")
             );
+        } else if was_holding && lowered.is_empty() {
+            log::info!("latency guard: targets met; every refill is whole again");
         }
         // Said when it starts, not at every interval it lasts.
         if !step.waiting_elsewhere.is_empty() && e.guard.waiting_elsewhere.is_empty() {

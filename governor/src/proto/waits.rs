@@ -33,7 +33,7 @@ pub fn behind_in_words(behind: &str, keyspace_id: Option<u32>) -> String {
         ("untagged", _) => "registered threads with no tag".into(),
         ("unmeasured", _) => "tasks governor does not measure".into(),
         ("idle", _) => "an idle CPU (the wakeup's own latency)".into(),
-        ("unknown", _) => "not known".into(),
+        ("unknown", _) => "not seen (the switch that ended the wait went unseen)".into(),
         (other, _) => format!("{other} runners"),
     }
 }

@@ -234,12 +234,14 @@ fn churn(args: &[String]) -> Result<serde_json::Value> {
 }
 
 fn main() -> Result<()> {
+    const USAGE: &str = "usage: workload exactly-once|busy|untagged|burn|churn|threads|rows|pingpong|redis-probe|slice|tickets|async-server|late|hold|corrupt|attack [--socket PATH] ...\n\
+        (the test suites' load generator: each workload's flags are in the doc comment of its function under tests/src/bin/workload/)";
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(verb) = args.first() else {
-        bail!(
-            "usage: workload exactly-once|busy|untagged|burn|churn|threads|rows|pingpong|redis-probe|tickets|async-server|late|hold|corrupt [--socket PATH] ..."
-        )
-    };
+    let Some(verb) = args.first() else { bail!("{USAGE}") };
+    if matches!(verb.as_str(), "--help" | "-h" | "help") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let out = match verb.as_str() {
         "exactly-once" => exactly_once(&args),
         "busy" => busy(&args),
@@ -261,7 +263,7 @@ fn main() -> Result<()> {
             kinds::pingpong_peer(&args)?;
             return Ok(());
         }
-        other => bail!("unknown workload {other:?}"),
+        other => bail!("unknown workload {other:?}\n{USAGE}"),
     }
     .with_context(|| format!("workload {verb}"))?;
     println!("{out}");
