@@ -258,7 +258,9 @@ fn a_rule_matched_process_is_charged_its_run_queue_wait() {
         .expect("stress-ng (cargo xtask setup installs it)"));
     let root = stress.0.id();
     governor_tests::eventually("stress-ng forks its three workers", || governor_tests::process_tree(root).len() >= 4);
-    let config = format!("[[rules]]\nname = \"stress\"\nkeyspace = 9300\ntgid = {root}\n");
+    // With pressure counted (for registered threads: none here).
+    let config =
+        format!("[agent]\ncpu-pressure = true\n\n[[rules]]\nname = \"stress\"\nkeyspace = 9300\ntgid = {root}\n");
     let agent = Agent::start("ebpf", &config).expect("agent");
     std::thread::sleep(std::time::Duration::from_millis(300));
     let snapshot = || {
@@ -289,6 +291,15 @@ fn a_rule_matched_process_is_charged_its_run_queue_wait() {
     let own: f64 = k.cpu_wait_behind.iter().filter(|b| b.keyspace_id == Some(9300)).map(|b| b.seconds).sum();
     eprintln!("stress-ng waited behind {:?}", k.cpu_wait_behind);
     assert!(total > 0.2 && (0.4..=1.0).contains(&(own / total)), "{own} of {total} s behind its own keyspace");
+    // Pressure counts registered threads: a keyspace measured by rule
+    // alone shows none, in status and on /metrics, rather than a zero.
+    assert!(s.cpu_pressure, "pressure counted when asked");
+    assert_eq!(k.cpu_pressure_some, None, "a rule's keyspace has no pressure figure");
+    let text = governor_tests::scrape_metrics(s.metrics_addr.as_deref().expect("metrics address"));
+    assert!(
+        !text.lines().any(|l| l.starts_with("governor_keyspace_cpu_pressure_some_seconds_total{keyspace_id=\"9300\"}")),
+        "a pressure series for the rule's keyspace"
+    );
     drop(stress);
 }
 

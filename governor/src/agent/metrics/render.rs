@@ -76,6 +76,9 @@ struct Row {
     cpu_wait_hist: [u64; WAIT_BUCKETS],
     /// Time with at least one of its threads waiting (ns).
     cpu_some_ns: u64,
+    /// Its pressure is counted: it is not a keyspace measured by rule
+    /// alone (status shows none for one).
+    some_counted: bool,
 }
 
 impl Row {
@@ -99,6 +102,7 @@ impl Row {
         self.request_hist.add(&o.request_hist);
         self.cpu_wait_ns += o.cpu_wait_ns;
         self.cpu_some_ns += o.cpu_some_ns;
+        self.some_counted |= o.some_counted;
         for (a, b) in self.cpu_wait_hist.iter_mut().zip(o.cpu_wait_hist) {
             *a += b;
         }
@@ -215,6 +219,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 cpu_wait_ns: (k.cpu_wait_seconds * 1e9).round() as u64,
                 cpu_wait_hist: std::array::from_fn(|i| k.cpu_wait_buckets.get(i).copied().unwrap_or(0)),
                 cpu_some_ns: (k.cpu_pressure_some_seconds * 1e9).round() as u64,
+                some_counted: !(k.rule.is_some() && k.cpu_pressure_some_seconds == 0.0),
             };
             (k.keyspace_id, row)
         })
@@ -319,7 +324,11 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
             "governor_keyspace_cpu_pressure_some_seconds_total",
             "Time during which at least one of the keyspace's registered threads waited for a CPU (PSI's \"some\", per keyspace; its rate is the share of time); \"other\" sums the folded keyspaces'",
             KS,
-            &per_second(&|r| r.cpu_some_ns as f64 / 1e9),
+            &shown
+                .iter()
+                .filter(|(_, r)| r.some_counted)
+                .map(|(l, r)| (l.clone(), r.cpu_some_ns as f64 / 1e9))
+                .collect::<Vec<_>>(),
         );
     }
     f.counters("governor_keyspace_tickets_granted_total", "Tickets granted", KS, &per_count(&|r| r.granted));
