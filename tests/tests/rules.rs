@@ -628,31 +628,10 @@ fn with_fair_allocation_capped_keyspaces_split_a_saturated_node_by_their_caps() 
 fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     let _s = serial();
     // The operator's cgroup, with a stress-ng in it.
-    let rel = format!("/governor-test-own-{}", std::process::id());
-    let dir = cpu_hierarchy().join(rel.trim_start_matches('/'));
-    std::fs::create_dir_all(&dir).unwrap();
-    struct Rmdir(std::path::PathBuf);
-    impl Drop for Rmdir {
-        fn drop(&mut self) {
-            // Its last processes may still be exiting: the cgroup is busy
-            // until they have.
-            for _ in 0..200 {
-                if std::fs::remove_dir(&self.0).is_ok() || !self.0.exists() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    }
-    let _rmdir = Rmdir(dir.clone());
+    let own = OperatorCgroup::new("own");
+    let (rel, dir) = (own.rel.clone(), own.dir.clone());
     let before = bandwidth(&dir);
-    let mut stress = Command::new("sh")
-        .arg("-c")
-        .arg(format!("echo $$ > {}/cgroup.procs && exec stress-ng --cpu 2 --timeout 60", dir.display()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut stress = own.spawn("stress-ng --cpu 2 --timeout 60");
     let root = stress.id();
     let _reap = KillTree(root);
     std::thread::sleep(Duration::from_millis(500));
@@ -680,6 +659,147 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     let bad = governor(&agent, &["rules", "add", "loose", "--keyspace", "982", "--comm-prefix", "x", "--cap-in-place"]);
     assert_eq!(bad.status.code(), Some(64), "{}", text(&bad));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("rules.loose.cap-in-place"), "{}", text(&bad));
+    signal_all(&tree(root), libc::SIGKILL);
+    let _ = stress.wait();
+}
+
+/// The operator's own cgroup for a test, removed when dropped (once its
+/// last processes have left).
+struct OperatorCgroup {
+    rel: String,
+    dir: std::path::PathBuf,
+}
+
+impl OperatorCgroup {
+    fn new(what: &str) -> OperatorCgroup {
+        let rel = format!("/governor-test-{what}-{}", std::process::id());
+        let dir = cpu_hierarchy().join(rel.trim_start_matches('/'));
+        std::fs::create_dir_all(&dir).unwrap();
+        OperatorCgroup { rel, dir }
+    }
+
+    /// Runs `command` (a shell command line) inside the cgroup from its start.
+    fn spawn(&self, command: &str) -> Child {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("echo $$ > {}/cgroup.procs && exec {command}", self.dir.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn take(&self, pid: u32) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+}
+
+impl Drop for OperatorCgroup {
+    fn drop(&mut self) {
+        // Its last processes may still be exiting: the cgroup is busy until
+        // they have.
+        for _ in 0..200 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// A configuration with rule `by-name` for processes called `comm`, in
+/// `keyspace`, capped at half a core.
+fn half_a_core_by_name(keyspace: u32, comm: &str) -> String {
+    format!(
+        "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"{keyspace}:500\"\n\n\
+         [[rules]]\nname = \"by-name\"\nkeyspace = {keyspace}\ncomm-prefix = \"{comm}\"\n"
+    )
+}
+
+/// A process the operator moved out of a keyspace cgroup is theirs: the
+/// agent leaves it where they put it when it stops, and so does the next
+/// agent after one was killed (both used to move it back to where it was
+/// before the agent first moved it).
+#[test]
+fn a_process_the_operator_moved_out_of_a_keyspace_cgroup_stays_where_they_put_it() {
+    let _s = serial();
+    let config = &half_a_core_by_name(984, "govtest-opmove");
+    let (scratch, theirs) = (Scratch::new("rules-opmove"), OperatorCgroup::new("opmove"));
+    let mut agent = Agent::start("ebpf", config).unwrap();
+    let mut stress = stress_named(&scratch, "govtest-opmove", &["--cpu", "1", "--timeout", "60"]);
+    let root = stress.id();
+    let _reap = KillTree(root);
+    let in_keyspace = || tree(root).iter().all(|p| cpu_cgroup(*p).is_some_and(|c| c.ends_with("-ks-984")));
+    eventually("stress-ng and its worker, moved into ks-984", || tree(root).len() >= 2 && in_keyspace());
+    let mine = || tree(root).iter().all(|p| cpu_cgroup(*p).as_deref() == Some(theirs.rel.as_str()));
+    for p in tree(root) {
+        theirs.take(p);
+    }
+    assert!(mine(), "moved into the operator's cgroup");
+    agent.restart_with_config("").unwrap();
+    assert!(
+        mine(),
+        "left in the operator's cgroup by the agent that stopped: {:?}",
+        tree(root).iter().map(|p| cpu_cgroup(*p)).collect::<Vec<_>>()
+    );
+    // Killed while holding it: the next agent on the socket puts back what
+    // is still in its cgroups only.
+    agent.restart_with_config(config).unwrap();
+    eventually("moved into ks-984 again", in_keyspace);
+    for p in tree(root) {
+        theirs.take(p);
+    }
+    agent.kill9().unwrap();
+    agent.restart_with_config("").unwrap();
+    assert!(
+        mine(),
+        "left in the operator's cgroup by the next agent: {:?}",
+        tree(root).iter().map(|p| cpu_cgroup(*p)).collect::<Vec<_>>()
+    );
+    signal_all(&tree(root), libc::SIGKILL);
+    let _ = stress.wait();
+}
+
+/// A cgroup rule matches a process by the operator's cgroup it is in, also
+/// once an earlier rule's cap moved it into a keyspace cgroup (it used to
+/// be matched by the agent's cgroup, so no cgroup rule could match it).
+#[test]
+fn a_cgroup_rule_matches_a_process_a_cap_moved_by_the_cgroup_it_came_from() {
+    let _s = serial();
+    let config = &half_a_core_by_name(985, "govtest-cgmove");
+    let (scratch, theirs) = (Scratch::new("rules-cgmove"), OperatorCgroup::new("cgmove"));
+    let agent = Agent::start("ebpf", config).unwrap();
+    let link = scratch.0.join("govtest-cgmove");
+    std::os::unix::fs::symlink("/usr/bin/stress-ng", &link).unwrap();
+    let mut stress = theirs.spawn(&format!("{} --cpu 1 --timeout 60", link.display()));
+    let root = stress.id();
+    let _reap = KillTree(root);
+    eventually("stress-ng moved into ks-985 from the operator's cgroup", || {
+        tree(root).len() >= 2 && tree(root).iter().all(|p| cpu_cgroup(*p).is_some_and(|c| c.ends_with("-ks-985")))
+    });
+    // A rule ahead of it for the operator's cgroup, keyspace 986, uncapped.
+    let added = governor(
+        &agent,
+        &["rules", "add", "by-cgroup", "--keyspace", "986", "--cgroup", &theirs.rel, "--position", "0"],
+    );
+    assert!(added.status.success(), "{}", text(&added));
+    let matched = |name: &str| {
+        let out = governor(&agent, &["rules", "list", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", text(&out)));
+        v["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .map(|r| r["processes_matched"].as_u64().unwrap_or(0))
+    };
+    // (Its worker, running the same program, inherits: counted apart.)
+    eventually("the cgroup rule matches stress-ng", || matched("by-cgroup") == Some(1));
+    assert_eq!(matched("by-name"), Some(0), "the name rule no longer decides them");
+    // Keyspace 986 has no cap: back in the operator's cgroup.
+    eventually("back in the operator's cgroup", || {
+        tree(root).iter().all(|p| cpu_cgroup(*p).as_deref() == Some(theirs.rel.as_str()))
+    });
     signal_all(&tree(root), libc::SIGKILL);
     let _ = stress.wait();
 }

@@ -428,12 +428,60 @@ impl Enforcer {
                 }
             }
             None => {
-                if let Some(orig) = self.state.moved.remove(&tgid) {
+                let recorded = self.state.moved.remove(&tgid);
+                // Only from a cgroup of ours: where the operator moved it
+                // since, it stays. One born inside goes where its nearest
+                // ancestor came from.
+                if self.holds(tgid, version)
+                    && let Some(orig) = recorded.clone().or_else(|| self.origin_of_ancestors(tgid, version))
+                {
                     self.move_back(&root, tgid, &orig);
+                }
+                if recorded.is_some() {
                     self.save();
                 }
             }
         }
+    }
+
+    /// Where the nearest ancestor of `tgid` came from: its record if the
+    /// agent moved it, else its cgroup if not one of ours; the root when
+    /// none says.
+    fn origin_of_ancestors(&self, tgid: u32, version: Version) -> Option<String> {
+        let mut p = tgid;
+        for _ in 0..64 {
+            p = crate::procs::parent(p).filter(|&pp| pp > 1)?;
+            if let Some(orig) = self.state.moved.get(&p) {
+                return Some(orig.clone());
+            }
+            match cgroup_of(p, version) {
+                Some(now) if !self.is_ours(&now) => return Some(now),
+                Some(_) => {}
+                None => return None,
+            }
+        }
+        Some("/".into())
+    }
+
+    /// Whether `tgid` is in one of the keyspace cgroups the agent made.
+    fn holds(&self, tgid: u32, version: Version) -> bool {
+        cgroup_of(tgid, version).is_some_and(|now| self.is_ours(&now))
+    }
+
+    /// Whether cgroup `path` (as /proc shows it) is one the agent made.
+    fn is_ours(&self, path: &str) -> bool {
+        let path = path.trim_start_matches('/');
+        self.state.created.values().any(|rel| rel.trim_start_matches('/') == path)
+    }
+
+    /// The cgroup `tgid` was in before the agent moved it into a keyspace
+    /// cgroup it is still in, and the agent's cgroup as /proc shows it:
+    /// rules match the operator's cgroup, not the agent's.
+    pub(crate) fn moved_from(&self, tgid: u32) -> Option<(String, &str)> {
+        let orig = self.state.moved.get(&tgid)?;
+        let (_, version) = self.hierarchy.as_ref()?;
+        let now = cgroup_of(tgid, *version).filter(|now| self.is_ours(now))?;
+        Some((now, orig.as_str()))
     }
 
     fn move_back(&self, root: &Path, tgid: u32, orig: &str) {
@@ -506,11 +554,15 @@ impl Enforcer {
         for ks in in_place {
             self.restore_in_place(ks);
         }
-        if let Some((root, _)) = self.state.root.clone() {
-            let moved = std::mem::take(&mut self.state.moved);
-            for (p, orig) in moved {
-                self.move_back(&root, p, &orig);
-            }
+        // What is left was not in a cgroup of ours (the keyspaces' own went
+        // back above): moved elsewhere by the operator since, or gone, its
+        // pid perhaps another process's now. It stays where it is.
+        let left = std::mem::take(&mut self.state.moved);
+        if !left.is_empty() {
+            log::debug!(
+                "cgroups: {} processes moved out of the keyspace cgroups since, or gone, left where they are",
+                left.len()
+            );
         }
         self.remove_slice();
         self.settings.caps.clear();

@@ -108,6 +108,19 @@ fn cstr(b: &[u8]) -> String {
 }
 
 impl Rules {
+    /// What process `tgid` is, as the rules see it: one the agent moved
+    /// into a keyspace cgroup is matched by the cgroup it came from (the
+    /// operator's), not by the agent's.
+    fn identity(&self, tgid: u32) -> Option<ProcessIdentity> {
+        let mut p = identity(tgid)?;
+        if let Some((ours, orig)) = self.enforcer.as_ref().and_then(|e| e.moved_from(tgid)) {
+            for g in p.cgroups.iter_mut().filter(|g| **g == ours) {
+                *g = orig.to_string();
+            }
+        }
+        Some(p)
+    }
+
     /// The keyspace a tag stands for, among the rules'.
     fn keyspace_of(&self, tag: u32) -> Option<u32> {
         self.active.iter().find(|a| a.tag == tag).map(|a| a.rule.keyspace)
@@ -268,7 +281,7 @@ impl Rules {
         // another (it exec'd) takes its own first match, else inherits.
         let mut procs: HashMap<u32, (Option<usize>, Option<String>, u32)> = HashMap::new();
         for &t in &tgids {
-            if let Some(p) = identity(t)
+            if let Some(p) = self.identity(t)
                 && p.exe.is_some()
             {
                 let own = self.first_match(&p);
@@ -319,7 +332,7 @@ impl Rules {
         }
         if thread_rules {
             for &t in resolved.keys() {
-                let Some(p) = identity(t) else { continue };
+                let Some(p) = self.identity(t) else { continue };
                 for tid in crate::procs::threads(t) {
                     if let Some(name) = crate::procs::thread_comm(t, tid) {
                         self.retag_thread(maps, &p, tid, &name);
@@ -377,7 +390,7 @@ impl Rules {
         // was pending is matched against what its process became.
         for (&tid, &i) in &renamed {
             let e = &events[i];
-            if let Some(p) = identity(e.tgid).filter(|p| p.exe.is_some()) {
+            if let Some(p) = self.identity(e.tgid).filter(|p| p.exe.is_some()) {
                 self.retag_thread(maps, &p, tid, &cstr(&e.comm));
             }
         }
@@ -400,7 +413,8 @@ impl Rules {
                     // Reported but not decided yet (its event is still in
                     // the buffer), or the report was lost: decide from /proc.
                     TAG_PENDING => {
-                        let tag = identity(tgid).and_then(|p| self.first_match(&p)).map_or(0, |i| self.active[i].tag);
+                        let tag =
+                            self.identity(tgid).and_then(|p| self.first_match(&p)).map_or(0, |i| self.active[i].tag);
                         if maps.replace_tag(tgid, Some(TAG_PENDING), tag) {
                             self.settle.push_back((now + SETTLE, tgid, tag));
                         }
@@ -431,7 +445,7 @@ impl Rules {
         // What it runs now (it may have exec'd since this report); the
         // report's words where /proc is already gone (a process that lived
         // one slice).
-        let alive = identity(e.tgid).filter(|p| p.exe.is_some());
+        let alive = self.identity(e.tgid).filter(|p| p.exe.is_some());
         let parent = match e.kind {
             EVENT_FORK => e.parent,
             EVENT_EXEC => parent_of(e.tgid).unwrap_or(0),
