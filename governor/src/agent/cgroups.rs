@@ -546,6 +546,13 @@ impl Enforcer {
 
     /// Puts everything back: processes where they were, no cgroups of ours.
     pub(crate) fn restore_all(&mut self) {
+        if !self.state.created.is_empty() || !self.state.in_place.is_empty() {
+            log::info!(
+                "cgroups: putting back {} keyspace cgroups (their processes where they came from) and {} caps in place",
+                self.state.created.len(),
+                self.state.in_place.len()
+            );
+        }
         let keyspaces: Vec<u32> = self.state.created.keys().copied().collect();
         for ks in keyspaces {
             self.release_keyspace(ks);
