@@ -557,6 +557,16 @@ pub struct KeyspaceStatus {
     pub rule: Option<String>,
 }
 
+impl KeyspaceStatus {
+    /// Whether its pressure is counted: pressure counts registered threads
+    /// only, so a keyspace measured by rule that none of them worked for
+    /// shows none rather than a zero that reads "never waited" (in status
+    /// and on `/metrics` alike).
+    pub fn pressure_counted(&self) -> bool {
+        !(self.rule.is_some() && self.cpu_pressure_some_seconds == 0.0)
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProgramStats {
     pub name: String,

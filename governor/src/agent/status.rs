@@ -87,7 +87,7 @@ impl Shared {
                 let us = |q: f64| window_waits.quantile_ns(q).map(|ns| (ns / 10.0).round() / 100.0);
                 let k = buckets.get(&id);
                 let c = k.map(|k| k.counters).unwrap_or_else(|| KeyspaceCounters::of(b));
-                KeyspaceStatus {
+                let mut status = KeyspaceStatus {
                     keyspace_id: id,
                     cpu_seconds: cpu_ns as f64 / 1e9,
                     cpu_wait_seconds: waits.wait_ns as f64 / 1e9,
@@ -96,13 +96,7 @@ impl Shared {
                     cpu_wait_p99_us: us(0.99),
                     cpu_wait_buckets: if waits.waits == 0 { Vec::new() } else { waits.hist.to_vec() },
                     cpu_pressure_some_seconds: waits.some_ns as f64 / 1e9,
-                    // Counted for registered threads only: a keyspace
-                    // measured by rule that none of them worked for shows
-                    // none rather than a zero that reads "never waited".
-                    cpu_pressure_some: (m.pressure
-                        && span_ns > 0
-                        && !(rule_names.contains_key(&id) && waits.some_ns == 0))
-                        .then(|| (window_waits.some_ns as f64 / span_ns as f64).min(1.0)),
+                    cpu_pressure_some: None,
                     cpu_wait_behind: usage
                         .waits
                         .behind(cell, id, generation)
@@ -136,7 +130,11 @@ impl Shared {
                     pool_rejections: c.pool_rejected,
                     topups_refused: c.topups_refused,
                     rule: rule_names.get(&id).cloned(),
+                };
+                if m.pressure && span_ns > 0 && status.pressure_counted() {
+                    status.cpu_pressure_some = Some((window_waits.some_ns as f64 / span_ns as f64).min(1.0));
                 }
+                status
             })
             .collect();
         keyspaces.sort_by_key(|k| k.keyspace_id);

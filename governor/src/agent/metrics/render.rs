@@ -219,7 +219,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 cpu_wait_ns: (k.cpu_wait_seconds * 1e9).round() as u64,
                 cpu_wait_hist: std::array::from_fn(|i| k.cpu_wait_buckets.get(i).copied().unwrap_or(0)),
                 cpu_some_ns: (k.cpu_pressure_some_seconds * 1e9).round() as u64,
-                some_counted: !(k.rule.is_some() && k.cpu_pressure_some_seconds == 0.0),
+                some_counted: k.pressure_counted(),
             };
             (k.keyspace_id, row)
         })
