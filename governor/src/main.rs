@@ -153,6 +153,8 @@ enum ProfileFormat {
 #[derive(Subcommand)]
 enum ConfigVerb {
     /// Validate FILE: print the validated configuration, or every error (exit 64).
+    /// With --json, one object either way: `valid`, `path`, and `config` and
+    /// `warnings`, or `errors`.
     Validate {
         file: PathBuf,
         /// Print JSON instead of text.
@@ -446,10 +448,16 @@ fn main() {
         }
         Verb::Config { verb: ConfigVerb::Validate { file, json } } => match cli::config_cmd::validate(&file) {
             Ok(c) => {
-                for notice in cli::config_cmd::notices(&c) {
+                let warnings = cli::config_cmd::notices(&c);
+                for notice in &warnings {
                     eprintln!("warning: {notice}");
                 }
-                print(json, &c, |c| c.to_toml_string())
+                // One shape with the refusal's: `valid`, `path`, then what
+                // a valid file holds.
+                let body = serde_json::json!({
+                    "valid": true, "path": file, "warnings": warnings, "config": &c,
+                });
+                print(json, &body, |_| c.to_toml_string())
             }
             Err(e) => fail(json, &e),
         },

@@ -48,7 +48,11 @@ fn config_validate_prints_the_validated_configuration() {
     let (code, out, _) = governor(&["config", "validate", &good, "--json"]);
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["resource-control"]["cpu-throttle"]["refill-interval"], "20ms");
+    // The refusal's shape: valid, path, and here the configuration.
+    assert_eq!(v["valid"], true, "{out}");
+    assert_eq!(v["path"], good.as_str(), "{out}");
+    assert_eq!(v["warnings"], serde_json::json!([]), "{out}");
+    assert_eq!(v["config"]["resource-control"]["cpu-throttle"]["refill-interval"], "20ms");
 }
 
 /// A quota larger than the server is valid (one file may serve nodes of
@@ -72,8 +76,11 @@ fn a_quota_above_the_servers_cores_is_valid_and_said_to_limit_nothing() {
     );
     let (code, out, err) = governor(&["config", "validate", &file, "--json"]);
     assert_eq!(code, 0, "{err}");
-    serde_json::from_str::<serde_json::Value>(&out).expect("stdout stays the configuration's JSON");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("stdout stays JSON");
     assert!(err.contains("keyspace 900's quota"), "{err}");
+    assert_eq!(v["valid"], true, "{out}");
+    let listed = v["warnings"].as_array().expect("warnings");
+    assert!(listed.len() == 1 && listed[0].as_str().unwrap().contains("keyspace 900's quota"), "{out}");
     let agent = Agent::start("ebpf", text).expect("agent");
     let said = |what: &str| agent.log_text().lines().filter(|l| l.contains(what)).count();
     assert_eq!(said("keyspace 900's quota of 5.000 cores"), 1, "{}", agent.log_text());

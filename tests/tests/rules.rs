@@ -303,17 +303,20 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     let out = Command::new(governor_bin()).args(["config", "validate", "--json"]).arg(&file).output().unwrap();
     assert_eq!(out.status.code(), Some(64), "{}", text(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let keys: Vec<&str> = v["errors"].as_array().unwrap().iter().filter_map(|e| e["key"].as_str()).collect();
+    let keys: Vec<(&str, Option<u64>)> =
+        v["errors"].as_array().unwrap().iter().filter_map(|e| Some((e["key"].as_str()?, e["line"].as_u64()))).collect();
+    // Each with the line of the key in its rule (the duplicate name: the
+    // second rule's).
     for want in [
-        "rules.a.cgroup",
-        "rules.b.keyspace",
-        "rules.b.comm-prefix",
-        "rules.a.name",
-        "rules.c",
-        "rules.d.exe",
-        "rules.e.thread-name-prefix",
+        ("rules.a.cgroup", 4),
+        ("rules.b.keyspace", 8),
+        ("rules.b.comm-prefix", 9),
+        ("rules.a.name", 12),
+        ("rules.c", 16),
+        ("rules.d.exe", 23),
+        ("rules.e.thread-name-prefix", 28),
     ] {
-        assert!(keys.contains(&want), "no error for {want}: {keys:?}");
+        assert!(keys.contains(&(want.0, Some(want.1))), "no error for {want:?}: {keys:?}");
     }
     // Online: refused whole with exit 64; the rules in force stay.
     let agent = Agent::start("ebpf", "[[rules]]\nname = \"keep\"\nkeyspace = 5\nuid = 12345\n").unwrap();
@@ -322,6 +325,11 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("rules.keep.name"), "{}", text(&refused));
     let missing = governor(&agent, &["rules", "remove", "nope"]);
     assert_eq!(missing.status.code(), Some(64), "{}", text(&missing));
+    // A position past the end is refused, not read as "last".
+    let past = governor(&agent, &["rules", "add", "late", "--keyspace", "6", "--uid", "1", "--position", "2"]);
+    assert_eq!(past.status.code(), Some(64), "{}", text(&past));
+    let said = String::from_utf8_lossy(&past.stderr);
+    assert!(said.contains("position 2 is past the end: there is 1 rule"), "{}", text(&past));
     let s = agent.status().unwrap();
     assert_eq!(s.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["keep"]);
     let removed = governor(&agent, &["rules", "remove", "keep"]);

@@ -75,10 +75,21 @@ pub(crate) enum Refused {
     },
     #[error("no rule named {name:?} (rules: {})", if rules.is_empty() { "none".into() } else { rules.join(", ") })]
     NoSuchRule { name: String, rules: Vec<String> },
+    #[error("position {position} is past the end: {}", past_the_end(*rules))]
+    PastTheEnd { position: usize, rules: usize },
     #[error("the rules' keyspaces get no cell: {0}")]
     RuleCells(#[source] RegionError),
     #[error("the policy could not take it: {0}")]
     Policy(#[source] RegionError),
+}
+
+/// What positions there are for a new rule among `rules`.
+fn past_the_end(rules: usize) -> String {
+    match rules {
+        0 => "there are no rules; give 0 or leave --position out".to_string(),
+        1 => "there is 1 rule; 0 puts the new one first, 1 (or no --position) last".to_string(),
+        n => format!("there are {n} rules; 0 puts the new one first, {n} (or no --position) last"),
+    }
 }
 
 impl Refused {
@@ -152,7 +163,11 @@ impl Running {
                 .map_err(|e| Refused::RuleSyntax(e.message().trim().to_string()))
                 .and_then(|rule| {
                     let mut raw = self.config.to_raw();
-                    let at = position.unwrap_or(raw.rules.len()).min(raw.rules.len());
+                    let rules = raw.rules.len();
+                    let at = match position {
+                        Some(p) if p > rules => return Err(Refused::PastTheEnd { position: p, rules }),
+                        p => p.unwrap_or(rules),
+                    };
                     let name = rule.name.clone();
                     raw.rules.insert(at, rule);
                     self.config.apply_update_raw(&raw).map_err(|source| Refused::Rule { name, source })

@@ -34,6 +34,8 @@ impl SourceMap {
         let mut line_starts = vec![0];
         let mut table = String::new();
         let mut in_multiline: Option<&str> = None;
+        // Where each element of an array of tables (`[[rules]]`) starts.
+        let mut elements = Vec::new();
         for (i, line) in source.split('\n').enumerate() {
             line_starts.push(line_starts[i] + line.len() + 1);
             let number = i + 1;
@@ -51,6 +53,9 @@ impl SourceMap {
                 let inner = text.trim_start_matches('[');
                 let inner = inner.split(']').next().unwrap_or_default();
                 table = normalize(inner);
+                if text.starts_with("[[") {
+                    elements.push(entries.len());
+                }
                 entries.push((number, table.clone(), true));
                 continue;
             }
@@ -73,6 +78,7 @@ impl SourceMap {
                 }
             }
         }
+        name_elements(&mut entries, &values, &elements);
         Self { entries, line_starts, inline_tables, values }
     }
 
@@ -154,6 +160,38 @@ impl SourceMap {
     }
 }
 
+/// Gives the keys of each element of an array of tables the names
+/// validation gives them: `rules[i].key` by position, and `rules.NAME.key`
+/// by the element's `name` (a later element of the same name is the one
+/// found). Added as plain keys after the rest, so the lookups by line still
+/// find the keys as written first.
+fn name_elements(entries: &mut Vec<(usize, String, bool)>, values: &[(usize, String)], starts: &[usize]) {
+    let mut seen: Vec<&str> = Vec::new();
+    let mut aliases = Vec::new();
+    for &start in starts {
+        let table = entries[start].1.as_str();
+        let index = seen.iter().filter(|t| **t == table).count();
+        seen.push(table);
+        let end =
+            entries[start + 1..].iter().position(|(_, _, header)| *header).map_or(entries.len(), |n| start + 1 + n);
+        let block = &entries[start..end];
+        let name =
+            block.iter().find(|(_, k, h)| !h && k.strip_prefix(table) == Some(".name")).and_then(|(line, _, _)| {
+                let (_, v) = values.iter().find(|(l, _)| l == line)?;
+                let v = v.split('#').next().unwrap_or_default().trim();
+                Some(v.trim_matches('"').trim_matches('\'').to_string())
+            });
+        for (line, key, _) in block {
+            let rest = key.strip_prefix(table).unwrap_or_default();
+            aliases.push((*line, format!("{table}[{index}]{rest}"), false));
+            if let Some(name) = &name {
+                aliases.push((*line, format!("{table}.{name}{rest}"), false));
+            }
+        }
+    }
+    entries.extend(aliases);
+}
+
 /// `a . "b" .c` → `a.b.c`.
 fn normalize(key: &str) -> String {
     key.split('.').map(|part| part.trim().trim_matches('"').trim_matches('\'')).collect::<Vec<_>>().join(".")
@@ -200,6 +238,24 @@ mod tests {
         assert_eq!(map.line_of_offset(0), 1);
         assert_eq!(map.line_of_offset(5), 1);
         assert_eq!(map.line_of_offset(6), 2);
+    }
+
+    #[test]
+    fn the_keys_of_each_rule_are_found_by_its_name_and_its_position() {
+        let text = "[agent]\nx = 1\n\n[[rules]]\nkeyspace = 1\nname = \"a\"\n\n[[rules]]\nname = 'b' # the second\nuid = 0\n\n[[rules]]\nname = \"a\"\ncgroup = \"/x\"\n[agent.more]\ny = 2\n";
+        let map = SourceMap::new(text);
+        assert_eq!(map.line_of("rules.b.uid"), Some(10));
+        assert_eq!(map.line_of("rules.b"), Some(8));
+        assert_eq!(map.line_of("rules[0].keyspace"), Some(5));
+        assert_eq!(map.line_of("rules[2]"), Some(12));
+        // Two rules named "a": the later one, as a duplicate's error wants.
+        assert_eq!(map.line_of("rules.a.name"), Some(13));
+        assert_eq!(map.line_of("rules.a.keyspace"), Some(5));
+        assert_eq!(map.line_of("rules.b.y"), None);
+        assert_eq!(map.line_of("agent.more.y"), Some(16));
+        // Lines still lead to the keys as written.
+        assert_eq!(map.key_at_line(10), Some("rules.uid"));
+        assert_eq!(map.table_at_line(10), "rules");
     }
 
     #[test]

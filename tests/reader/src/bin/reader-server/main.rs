@@ -62,7 +62,22 @@ enum Pin {
     Auto,
 }
 
-fn parse_args() -> Result<Args> {
+const USAGE: &str = "usage: reader-server [--listen 127.0.0.1:0] [--socket /run/governor/governor.sock]
+                     [--keyspaces 101,102,103,900] [--rows 32768] [--chunk-blocks 2] [--workers N]
+                     [--worker-slice-us 100] [--levels on|off] [--pin-workers on|off|auto]
+
+A multi-tenant reader over TCP, governed per keyspace by the governor agent at --socket:
+prints `listening <addr>` on stdout and serves until SIGINT or SIGTERM.
+  --keyspaces       the keyspaces it serves, each with --rows rows of generated data
+  --chunk-blocks    blocks a scan reads between two yields to the other requests
+  --workers         tokio workers, registered with the agent (default: one per CPU)
+  --worker-slice-us the scheduler slice the workers ask for (0: the kernel's default)
+  --levels          requests of a keyspace held at its cap step aside for the others
+  --pin-workers     a CPU per worker; auto lets them go while other processes take
+                    half a core or more of the server's CPUs (default off)";
+
+/// The arguments, or `None` when only the usage was asked for.
+fn parse_args() -> Result<Option<Args>> {
     let mut a = Args {
         listen: "127.0.0.1:0".into(),
         socket: "/run/governor/governor.sock".into(),
@@ -97,13 +112,14 @@ fn parse_args() -> Result<Args> {
                     v => bail!("{flag} takes on, off or auto, not {v:?}"),
                 }
             }
-            other => bail!("unknown argument {other:?} (see the doc comment of reader-server)"),
+            "--help" | "-h" => return Ok(None),
+            other => bail!("unknown argument {other:?}"),
         }
     }
     if a.rows == 0 || a.workers == 0 || a.chunk_blocks == 0 || a.keyspaces.is_empty() {
         bail!("--rows, --workers, --chunk-blocks and --keyspaces must not be zero or empty");
     }
-    Ok(a)
+    Ok(Some(a))
 }
 
 fn on_off(flag: &str, v: &str) -> Result<bool> {
@@ -132,7 +148,17 @@ impl log::Log for StderrLog {
 static SERVER: OnceLock<Server> = OnceLock::new();
 
 fn main() -> Result<()> {
-    let args = parse_args()?;
+    let args = match parse_args() {
+        Ok(Some(args)) => args,
+        Ok(None) => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        Err(e) => {
+            eprintln!("reader-server: {e:#}\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
     let _ = log::set_logger(&StderrLog).map(|()| log::set_max_level(log::LevelFilter::Info));
     let t0 = Instant::now();
     let data = args
