@@ -134,7 +134,8 @@ pub mod counter {
     pub const REFUSED_GLOBAL: usize = 12;
     /// Estimated µs asked for (granted or not): fair allocation's demand.
     pub const DEMAND_US: usize = 13;
-    /// Acquires that had to wait, and how long they waited in all, µs.
+    /// Acquires that had to wait in line before admission, and how long
+    /// they waited in all, µs.
     pub const WAITED: usize = 14;
     pub const WAIT_US: usize = 15;
     /// Admitted without a check because the agent was gone.
@@ -158,6 +159,10 @@ pub mod counter {
     pub const DISCARDED_US: usize = 24;
     /// Taken ahead of the line by running requests' top-ups, µs.
     pub const AHEAD_US: usize = 25;
+    /// Waits of running requests for a top-up at a checkpoint (pacing),
+    /// and how long they waited in all, µs.
+    pub const TOPUP_WAITED: usize = 26;
+    pub const TOPUP_WAIT_US: usize = 27;
     pub const COUNT: usize = 32;
 }
 

@@ -10,7 +10,7 @@
 
 mod common;
 
-use keyspace_governor::client::{Client, Demand};
+use keyspace_governor::client::{Client, CpuSpread, Demand, set_thread_slice};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -22,12 +22,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Attaches now if the agent runs, else when it starts (admitting
     // fail-open until then).
     let client = Client::new(&socket)?;
+    // A CPU of its own for each worker, let go while other processes take
+    // half a core or more of them.
+    let spread = CpuSpread::new()?;
+    spread.watch_other_processes()?;
+    let (register, pin) = (client.register_on_park(), spread.pin_on_park());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        // Each worker registers the first time it parks; blocking-pool
-        // threads are not registered.
-        .on_thread_park(client.register_on_park())
+        // A 100 µs scheduler slice (Linux 6.12+): a long request holds its
+        // core against a light one's wakeup for about that long.
+        .on_thread_start(|| {
+            if let Err(e) = set_thread_slice(Duration::from_micros(100)) {
+                eprintln!("no short scheduler slice here: {e}");
+            }
+        })
+        // Each worker registers, and keeps to its CPU, from the first time
+        // it parks; a blocking-pool thread registers when it enters a ticket.
+        .on_thread_park(move || {
+            register();
+            pin();
+        })
         .build()?;
     runtime.block_on(serve(client, &listen))
 }

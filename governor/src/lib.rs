@@ -77,6 +77,7 @@ mod tsc;
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/governor-programs"));
 
 /// "a: b: c" from an error and its sources, for one-line logs.
+#[cfg(feature = "agent")]
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();

@@ -552,6 +552,10 @@ pub struct KeyspaceStatus {
     /// which counts admissions the server saw refused.
     #[serde(default)]
     pub topups_refused: u64,
+    /// Waits of running requests for a top-up at a checkpoint (their
+    /// pacing): apart from `waited`, which counts admissions that waited.
+    #[serde(default)]
+    pub topups_waited: u64,
     /// The rules that charge unmodified processes to it, comma-separated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,

@@ -1,8 +1,9 @@
 //! The tokio hooks: `register_on_park` registers a runtime's workers and
 //! not its blocking-pool threads (a worker busy from its start, which never
-//! parks, at its first admission); `register_on_start` registers both, so a
+//! parks, at its first admission); `register_on_start` registers both. A
 //! ticket moved into `spawn_blocking` charges the kernel's count of that
-//! work to its keyspace. `CpuSpread` pins each worker to a CPU of its own.
+//! work to its keyspace under either (under the park hook, the thread is
+//! registered as it enters the ticket). `CpuSpread` pins each worker to a CPU of its own.
 
 use governor_tests::{Agent, essential_config};
 use keyspace_governor::client::{self, Client, Demand};
@@ -17,7 +18,7 @@ fn burn(ns: u64) -> u64 {
 
 #[test]
 fn workers_register_on_park_and_blocking_threads_on_start() {
-    let agent = Agent::start("ebpf", &essential_config(1.0)).unwrap();
+    let agent = std::sync::Arc::new(Agent::start("ebpf", &essential_config(1.0)).unwrap());
     let client = Client::connect(&agent.socket).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -33,7 +34,44 @@ fn workers_register_on_park_and_blocking_threads_on_start() {
     });
     assert!(worker, "a worker registered when it first parked");
     assert!(!blocking, "a blocking-pool thread is not registered by the park hook");
+    // A ticket moved into spawn_blocking there still charges its work: the
+    // blocking-pool thread is registered as it enters the ticket, in the
+    // background, and its work is the keyspace's from then on.
+    let (c, a) = (client.clone(), agent.clone());
+    let (measured_after, ran, charged) = rt.block_on(async move {
+        let ticket = c.acquire_async(11, Demand::new().timeout(Duration::from_secs(1))).await.unwrap();
+        let keyspace = move || a.keyspace_seconds(11).unwrap();
+        tokio::task::spawn_blocking(move || {
+            let mut ticket = ticket;
+            let t0 = Instant::now();
+            let mut measured_after = None;
+            while t0.elapsed() < Duration::from_secs(3) {
+                let _g = ticket.enter();
+                burn(100_000);
+                if client::thread_cpu_ns().is_some() {
+                    measured_after = Some(t0.elapsed());
+                    break;
+                }
+            }
+            let before = keyspace();
+            let ran: u64 = (0..200)
+                .map(|_| {
+                    let _g = ticket.enter();
+                    burn(1_000_000)
+                })
+                .sum();
+            (measured_after, ran, (keyspace() - before) * 1e9)
+        })
+        .await
+        .unwrap()
+    });
     drop(rt);
+    eprintln!("blocking thread under the park hook: registered after {measured_after:?}");
+    let measured_after = measured_after.expect("the blocking-pool thread was registered within 3 s of its ticket");
+    assert!(measured_after < Duration::from_secs(1), "registered {measured_after:?} after entering its ticket");
+    let err = (charged - ran as f64) / ran as f64 * 100.0;
+    eprintln!("work {ran} ns on a blocking thread, keyspace charged {charged:.0} ns ({err:+.3} %)");
+    assert!((-0.5..=1.0).contains(&err), "charged {err:+.3} % off the work");
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

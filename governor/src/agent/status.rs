@@ -129,6 +129,7 @@ impl Shared {
                     pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),
                     pool_rejections: c.pool_rejected,
                     topups_refused: c.topups_refused,
+                    topups_waited: c.topups_waited,
                     rule: rule_names.get(&id).cloned(),
                 };
                 if m.pressure && span_ns > 0 && status.pressure_counted() {

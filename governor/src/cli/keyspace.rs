@@ -149,8 +149,13 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     if let Some(behind) = behind_line(&k.cpu_wait_behind) {
         why.push(behind);
     }
+    let paced = if k.topups_waited == 0 {
+        String::new()
+    } else {
+        format!("; running ones waited {} times at checkpoints for a top-up (paced)", k.topups_waited)
+    };
     why.push(format!(
-        "tickets since its cell was created: {} granted, {} waited, {} refused; {} in flight",
+        "tickets since its cell was created: {} granted, {} waited in line before admission, {} refused; {} in flight{paced}",
         k.granted, k.waited, k.refused, k.inflight_requests
     ));
     Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why, kernel_cap_cores })

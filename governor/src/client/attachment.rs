@@ -9,8 +9,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 /// How long a call to the agent may take.
@@ -82,6 +82,12 @@ pub fn handshake(stream: UnixStream) -> Result<(Reply, Vec<OwnedFd>, BufReader<U
 }
 
 /// Everything a client holds of one agent.
+/// What an attachment knows of the client that holds it.
+pub(crate) trait Adopter: Send + Sync {
+    /// Registers the calling thread with the client, in the background.
+    fn adopt_current_thread(self: Arc<Self>);
+}
+
 pub(crate) struct Attachment {
     pub(crate) backend: BackendKind,
     pub(crate) sizes: RegionSizes,
@@ -97,6 +103,9 @@ pub(crate) struct Attachment {
     pub(crate) epoch: u64,
     /// Set when the agent behind it went away.
     pub(crate) detached: AtomicBool,
+    /// The client it belongs to, set as it comes in force: a ticket's work
+    /// on a thread the client has not registered registers it through it.
+    pub(crate) owner: OnceLock<Weak<dyn Adopter>>,
     conn: Mutex<Conn>,
 }
 
@@ -143,8 +152,23 @@ impl Attachment {
             instance,
             epoch,
             detached: AtomicBool::new(false),
+            owner: OnceLock::new(),
             conn: Mutex::new(Conn { reader }),
         })
+    }
+
+    /// A ticket's work on a thread its client has not registered (a tokio
+    /// blocking-pool thread under the park hook, a worker of a runtime
+    /// without hooks, a thread of the server's own): registers the thread
+    /// in the background, so the work is measured and charged from about
+    /// one round trip to the agent on. Left alone, it would run uncharged,
+    /// past any cap.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn adopt_current_thread(&self) {
+        if let Some(owner) = self.owner.get().and_then(Weak::upgrade) {
+            owner.adopt_current_thread();
+        }
     }
 
     pub(crate) fn call(&self, req: &Request) -> Result<Reply, ClientError> {

@@ -2,7 +2,7 @@
 //! talked to (its regions, its ledger, its control connection), and the
 //! watch that notices when the agent goes away and attaches to the next one.
 
-use super::attachment::Attachment;
+use super::attachment::{Adopter, Attachment};
 use super::clock::ThreadRef;
 use super::error::ClientError;
 use crate::proto::{BackendKind, Reply, Request};
@@ -70,6 +70,7 @@ impl Client {
         let path = path.as_ref().to_path_buf();
         let attachment = Attachment::open(&path, 1)?;
         let watch = watch_connection(&path, attachment.instance)?;
+        log::info!("attached to the governor agent at {}", path.display());
         Client::start(path, Some((attachment, watch)))
     }
 
@@ -83,7 +84,10 @@ impl Client {
     pub fn new(path: impl AsRef<Path>) -> Result<Client, ClientError> {
         let path = path.as_ref().to_path_buf();
         match Attachment::open(&path, 1).and_then(|a| Ok((watch_connection(&path, a.instance)?, a))) {
-            Ok((watch, attachment)) => Client::start(path, Some((attachment, watch))),
+            Ok((watch, attachment)) => {
+                log::info!("attached to the governor agent at {}", path.display());
+                Client::start(path, Some((attachment, watch)))
+            }
             Err(ClientError::Connect { source, .. }) if no_agent(&source) => {
                 log::warn!(
                     "no governor agent at {} ({source}); admitting without checks until one answers",
@@ -117,6 +121,9 @@ impl Client {
             register_on_admit: AtomicBool::new(false),
             helper: super::helper::Helper::default(),
         });
+        if let Some(a) = inner.attachments[0].get() {
+            let _ = a.owner.set(Arc::downgrade(&inner) as Weak<dyn Adopter>);
+        }
         spawn_helper(&inner)?;
         let weak = Arc::downgrade(&inner);
         std::thread::Builder::new()
@@ -245,7 +252,18 @@ impl Client {
     /// switch, as after an agent's restart.
     #[cold]
     pub(crate) fn first_admission_on_thread(&self) {
-        if !self.inner.register_on_admit.load(Ordering::Relaxed) || self.check_fork().is_err() {
+        if self.inner.register_on_admit.load(Ordering::Relaxed) {
+            self.adopt_current_thread();
+        }
+    }
+
+    /// Registers the calling thread in the background, if no client has
+    /// it: the thread picks the registration up at its next tag switch, one
+    /// round trip to the agent later. For a thread that admits its first
+    /// request, or runs a ticket's work, unregistered.
+    #[cold]
+    pub(crate) fn adopt_current_thread(&self) {
+        if self.check_fork().is_err() {
             return;
         }
         let tid = sys::gettid();
@@ -410,6 +428,7 @@ fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
                     for tid in tids {
                         inner.preregister(&a, tid);
                     }
+                    let _ = a.owner.set(Arc::downgrade(&inner) as Weak<dyn Adopter>);
                     let _ = entry.set(Arc::new(a));
                     inner.epoch.store(epoch, Ordering::Release);
                     if let Ok(clone) = w.try_clone() {
@@ -454,6 +473,12 @@ fn helper_loop(client: Weak<Inner>) {
 /// A registered thread, kept in a thread-local: its client, and its
 /// registration with the agent in force (`None` while no agent answers, or
 /// until its registration with a new one is in).
+impl Adopter for Inner {
+    fn adopt_current_thread(self: Arc<Self>) {
+        Client { inner: self }.adopt_current_thread();
+    }
+}
+
 pub(crate) struct ThreadState {
     pub(crate) client: Client,
     tid: u32,

@@ -69,13 +69,13 @@ fn wait_on(
 ) -> (Waited, Duration) {
     let start = Instant::now();
     let mut waited_at_all = false;
-    let (cell, granted_hist, refused_hist) = (q.cell(), q.wait_hist(true), q.wait_hist(false));
+    let (cell, granted_hist, refused_hist, top_up) = (q.cell(), q.wait_hist(true), q.wait_hist(false), q.is_top_up());
     loop {
         match q.poll(r, k) {
             Progress::Ready(g) => {
                 let waited = if waited_at_all { start.elapsed() } else { Duration::ZERO };
                 if waited_at_all {
-                    count_wait(r, &g, waited);
+                    count_wait(r, &g, waited, top_up);
                     r.counted_on(cell).observe_wait(granted_hist, waited);
                 }
                 return (Waited::Granted(g), waited);
@@ -130,10 +130,14 @@ pub(crate) fn charged<R>(att: &Attachment, cell: Option<u32>, f: impl FnOnce() -
     (out, t1.saturating_sub(t0))
 }
 
-fn count_wait(r: &AdmissionRegions, g: &Grant, waited: Duration) {
+/// Counts a wait that ended in a grant: an admission's, or a running
+/// request's for a top-up (its pacing), apart.
+pub(crate) fn count_wait(r: &AdmissionRegions, g: &Grant, waited: Duration, top_up: bool) {
     let b = r.counted_on(g.cell());
-    b.count(counter::WAITED, 1);
-    b.count(counter::WAIT_US, waited.as_micros() as u64);
+    let (n, us) =
+        if top_up { (counter::TOPUP_WAITED, counter::TOPUP_WAIT_US) } else { (counter::WAITED, counter::WAIT_US) };
+    b.count(n, 1);
+    b.count(us, waited.as_micros() as u64);
 }
 
 /// Waiting in line through the seam's double: the futex sleeps are the
@@ -228,6 +232,29 @@ mod tests {
         let tenant = m.regions.keyspace_cell(0).unwrap().0;
         assert_eq!(tenant.sleep_at[0].load(Ordering::Relaxed), 0, "its slot was freed");
         assert_eq!((tenant.counter(counter::WAITED), tenant.sleepers.load(Ordering::Relaxed)), (1, 0));
+    }
+
+    #[test]
+    fn a_top_up_that_waits_is_counted_apart_from_admissions_that_waited() {
+        let (m, k, q) = in_line();
+        let m2 = m.clone();
+        // Each refill reaches the place of whoever is in line.
+        let (_f, _) = installed(move |_, _| {
+            m2.regions.keyspace_cell(0).unwrap().0.give(PLACE, 100_000);
+        });
+        let (done, _) = wait_on(&m.regions, &|| true, &k, q, None, None);
+        let Waited::Granted(g) = done else { panic!("not granted") };
+        // The running request needs more, and its bucket is empty: its
+        // top-up (one that gives up at a deadline, so not served ahead)
+        // waits in line too.
+        let tenant = m.regions.keyspace_cell(0).unwrap().0;
+        let _empty = tenant.reserve(tenant.available_us().max(0) as u64);
+        let t = crate::policy::top_up_queued(&m.regions, &k, &g, EST, false);
+        let (done, waited) = wait_on(&m.regions, &|| true, &k, t, None, None);
+        assert!(matches!(done, Waited::Granted(_)), "the top-up was not granted");
+        assert!(waited > Duration::ZERO, "the top-up did not wait");
+        assert_eq!((tenant.counter(counter::WAITED), tenant.counter(counter::TOPUP_WAITED)), (1, 1));
+        assert!(tenant.counter(counter::TOPUP_WAIT_US) <= waited.as_micros() as u64 + 1);
     }
 
     #[test]

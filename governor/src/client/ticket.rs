@@ -386,7 +386,11 @@ impl Ticket {
     }
 
     /// Runs the ticket's work on this thread until the guard drops: the
-    /// thread's CPU is charged to the keyspace (and to this ticket).
+    /// thread's CPU is charged to the keyspace (and to this ticket). A
+    /// thread the client has not registered (a `spawn_blocking` thread, a
+    /// thread of the server's own) is registered here, in the background:
+    /// the ticket counts its work by the thread clock at once, the keyspace
+    /// from about one round trip to the agent on.
     pub fn enter(&mut self) -> TicketGuard<'_> {
         let tag = self.grant.cell().map(|c| tag_for(c, self.grant.kind));
         let epoch = self.att.as_ref().map(|a| a.epoch);
@@ -408,7 +412,12 @@ impl Ticket {
         };
         let (prev_tag, t0) = match tagged {
             Some((old, t)) => (Some(old), t),
-            None => (None, sys::thread_cputime_ns()),
+            None => {
+                if let Some(att) = &self.att {
+                    att.adopt_current_thread();
+                }
+                (None, sys::thread_cputime_ns())
+            }
         };
         TicketGuard { ticket: self, prev_tag, t0, _not_send: std::marker::PhantomData }
     }

@@ -20,7 +20,6 @@ use super::waiter::{register, unregister};
 use crate::policy::Demand;
 use crate::policy::{self, Knobs, Progress, Queued};
 use crate::region::CellRef;
-use keyspace_governor_common::admission::counter;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -68,12 +67,10 @@ impl Line {
             let q = self.q.as_mut().expect("polled after completion");
             match q.poll(r, &self.k) {
                 Progress::Ready(g) => {
-                    let which = q.wait_hist(true);
+                    let (which, top_up) = (q.wait_hist(true), q.is_top_up());
                     self.q = None;
                     if self.waited {
-                        let b = r.counted_on(g.cell());
-                        b.count(counter::WAITED, 1);
-                        b.count(counter::WAIT_US, self.started.elapsed().as_micros() as u64);
+                        super::line::count_wait(r, &g, self.started.elapsed(), top_up);
                         r.counted_on(self.cell).observe_wait(which, self.started.elapsed());
                     }
                     return Poll::Ready(LineResult::Granted(g));

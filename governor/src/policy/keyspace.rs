@@ -165,8 +165,13 @@ pub struct KeyspaceCounters {
     pub consumed_us: u64,
     pub released: u64,
     pub demand_us: u64,
+    /// Admissions that waited in line, and how long in all.
     pub waited: u64,
     pub wait_us: u64,
+    /// Running requests' waits for a top-up at a checkpoint (pacing), and
+    /// how long in all.
+    pub topups_waited: u64,
+    pub topup_wait_us: u64,
     pub fail_open: u64,
     pub debt_forgiven_us: u64,
     pub reclaimed: u64,
@@ -227,6 +232,8 @@ impl KeyspaceCounters {
             demand_us: b.counter(c::DEMAND_US),
             waited: b.counter(c::WAITED),
             wait_us: b.counter(c::WAIT_US),
+            topups_waited: b.counter(c::TOPUP_WAITED),
+            topup_wait_us: b.counter(c::TOPUP_WAIT_US),
             fail_open: b.counter(c::FAIL_OPEN),
             debt_forgiven_us: b.counter(c::DEBT_FORGIVEN_US),
             reclaimed: b.counter(c::RECLAIMED),

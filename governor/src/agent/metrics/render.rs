@@ -69,6 +69,7 @@ struct Row {
     pool_rejected: u64,
     topups_granted: u64,
     topups_refused: u64,
+    topups_waited: u64,
     wait_hist: crate::policy::WaitHistograms,
     request_hist: crate::policy::RequestHistograms,
     /// Run-queue wait: ns in all, and waits by log-2 bucket.
@@ -98,6 +99,7 @@ impl Row {
         self.pool_rejected += o.pool_rejected;
         self.topups_granted += o.topups_granted;
         self.topups_refused += o.topups_refused;
+        self.topups_waited += o.topups_waited;
         self.wait_hist.add(&o.wait_hist);
         self.request_hist.add(&o.request_hist);
         self.cpu_wait_ns += o.cpu_wait_ns;
@@ -214,6 +216,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
                 pool_rejected: k.pool_rejections,
                 topups_granted: b.map_or(0, |b| b.counters.topups_granted),
                 topups_refused: k.topups_refused,
+                topups_waited: k.topups_waited,
                 wait_hist: b.map_or_else(Default::default, |b| b.counters.wait_hist),
                 request_hist: b.map_or_else(Default::default, |b| b.counters.request_hist),
                 cpu_wait_ns: (k.cpu_wait_seconds * 1e9).round() as u64,
@@ -298,9 +301,15 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     );
     f.counters(
         "tikv_cpu_token_allocation_retries_total",
-        "Acquires that waited in line for tokens",
+        "Acquires that waited in line for tokens before admission",
         KS,
         &per_count(&|r| r.waited),
+    );
+    f.counters(
+        "governor_keyspace_topup_waits_total",
+        "Running requests' waits for a top-up at a checkpoint (their pacing to the keyspace's share)",
+        KS,
+        &per_count(&|r| r.topups_waited),
     );
     let per_second = |pick: &dyn Fn(&Row) -> f64| -> Vec<(String, f64)> {
         shown.iter().map(|(l, r)| (l.clone(), pick(r))).collect()

@@ -288,6 +288,11 @@ impl Queued {
     }
 
     /// The wait histogram its wait ends in ([`hist`]), by its result.
+    /// Whether it is a running request's top-up rather than an admission.
+    pub fn is_top_up(&self) -> bool {
+        self.topup
+    }
+
     pub fn wait_hist(&self, granted: bool) -> usize {
         match (self.topup, granted) {
             (false, true) => hist::WAIT_GRANTED,
