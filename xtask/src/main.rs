@@ -52,6 +52,9 @@ enum Task {
         #[arg(long, value_name = "K", default_value_t = 0, requires = "repeat")]
         busy_cores: u32,
     },
+    /// The checks `test` runs before any test: the agent crate's shape (no
+    /// file over 600 lines, no import cycle), formatting, clippy.
+    Lint,
     /// Setup, then run the demo: a noisy neighbour on a multi-tenant reader
     /// server, with the agent measuring, then enforcing a tenant cap.
     Demo {
@@ -441,6 +444,7 @@ fn tests_bin(name: &str) -> PathBuf {
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::setup(true),
+        Task::Lint => lint(),
         Task::Test { host_only, repeat, busy_cores } => test(host_only, repeat, busy_cores),
         Task::Dist { arch } => dist(arch),
         Task::VmTest { arch, kernel, only } => vm::vm_test(arch, &kernel, only.as_deref()),
