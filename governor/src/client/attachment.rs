@@ -81,13 +81,13 @@ pub fn handshake(stream: UnixStream) -> Result<(Reply, Vec<OwnedFd>, BufReader<U
     Ok((reply, fds, reader))
 }
 
-/// Everything a client holds of one agent.
 /// What an attachment knows of the client that holds it.
 pub(crate) trait Adopter: Send + Sync {
     /// Registers the calling thread with the client, in the background.
     fn adopt_current_thread(self: Arc<Self>);
 }
 
+/// Everything a client holds of one agent.
 pub(crate) struct Attachment {
     pub(crate) backend: BackendKind,
     pub(crate) sizes: RegionSizes,

@@ -470,15 +470,15 @@ fn helper_loop(client: Weak<Inner>) {
     }
 }
 
-/// A registered thread, kept in a thread-local: its client, and its
-/// registration with the agent in force (`None` while no agent answers, or
-/// until its registration with a new one is in).
 impl Adopter for Inner {
     fn adopt_current_thread(self: Arc<Self>) {
         Client { inner: self }.adopt_current_thread();
     }
 }
 
+/// A registered thread, kept in a thread-local: its client, and its
+/// registration with the agent in force (`None` while no agent answers, or
+/// until its registration with a new one is in).
 pub(crate) struct ThreadState {
     pub(crate) client: Client,
     tid: u32,
