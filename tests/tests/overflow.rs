@@ -141,6 +141,14 @@ fn keyspaces_without_a_cell_share_the_write_and_concurrency_limits() {
     assert_eq!(o.refused, 3, "{o:?}");
     assert_eq!(o.keyspaces, vec![100, 101, 102, 103, 104, 105], "{o:?}");
     assert!(o.bucket.is_none(), "no CPU bucket without a cap or quotas: {o:?}");
+    // A process refused a cell does not ask again for every request (a
+    // round trip each): 20 more of keyspace 100 (each refused by the
+    // concurrency limit, after the cell's look-up) ask the agent once at most.
+    for _ in 0..20 {
+        assert_eq!(a.acquire(100, 0), Err("tenant_admission_control".into()));
+    }
+    let asked = agent.status().unwrap().admission.overflow.cells_refused - o.cells_refused;
+    assert!(asked <= 1, "{asked} cell requests for 20 admissions of a keyspace refused a cell");
     // Released, they leave nothing behind.
     assert_eq!(b.say("release")["released"], 3);
     let o = agent.status().unwrap().admission.overflow;
@@ -158,4 +166,12 @@ fn keyspaces_without_a_cell_share_the_write_and_concurrency_limits() {
     let d: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
     let table = d["checks"].as_array().unwrap().iter().find(|c| c["check"] == "keyspace-table").cloned();
     assert_eq!(table.as_ref().map(|c| c["status"].as_str()), Some(Some("warn")), "{d}");
+    // `governor keyspace` of one of them says where it is held, not that it is unknown.
+    let k = std::process::Command::new(governor_tests::governor_bin())
+        .args(["keyspace", "100", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&k.stderr);
+    assert!(said.contains("keyspace 100 has no cell of its own") && said.contains("overflow bucket"), "{said}");
 }

@@ -70,13 +70,20 @@ fn a_dead_agent_admits_everyone_within_a_second_and_a_new_one_governs_again() {
             })
         })
         .collect();
-    // A registered thread that will try to tag after the agent is gone.
+    // A registered thread that will try to tag, and read its clock, after
+    // the agent is gone: the tag reports the loss, the clock reads on (the
+    // kernel's, by the syscall), and the thread is no longer measured.
     let (go, wait) = std::sync::mpsc::channel::<()>();
     let tagger = std::thread::spawn({
         let c = c.clone();
         move || {
             c.register_current_thread().unwrap();
             wait.recv().unwrap();
+            let before = keyspace_governor::sys::thread_cputime_ns();
+            let clock = client::thread_cpu_ns();
+            let after = keyspace_governor::sys::thread_cputime_ns();
+            assert!(clock.is_some_and(|t| (before..=after).contains(&t)), "{before} {clock:?} {after}");
+            assert!(!client::is_measured());
             client::tag(9).err().map(|e| e.to_string())
         }
     });

@@ -243,13 +243,16 @@ impl Enforcer {
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
                 Ok(left) => {
-                    log::warn!(
-                        "cgroups: a previous agent left {} keyspace cgroups, {} moved processes and {} caps in place ({}); putting them back",
-                        left.created.len(),
-                        left.moved.len(),
-                        left.in_place.len(),
-                        e.state_path.display()
-                    );
+                    // An agent killed with nothing in place left an empty record.
+                    if !(left.created.is_empty() && left.moved.is_empty() && left.in_place.is_empty()) {
+                        log::warn!(
+                            "cgroups: a previous agent left {} keyspace cgroups, {} moved processes and {} caps in place ({}); putting them back",
+                            left.created.len(),
+                            left.moved.len(),
+                            left.in_place.len(),
+                            e.state_path.display()
+                        );
+                    }
                     e.state = left;
                     e.restore_all();
                 }

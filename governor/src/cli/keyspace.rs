@@ -38,6 +38,17 @@ fn pd_row(s: &StatusReport, id: u32) -> Option<(String, f64, f64)> {
 /// The explanation of keyspace `id` in `s`.
 pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     let Some(k) = s.keyspaces.iter().find(|k| k.keyspace_id == id).cloned() else {
+        let o = &s.admission.overflow;
+        if o.keyspaces.contains(&id) {
+            return Err(CliError::Agent {
+                message: format!(
+                    "keyspace {id} has no cell of its own: the keyspace table is full ({} of {} cells live,                      agent.max-keyspaces); its requests share the overflow bucket with {} other keyspaces                      (`governor status`, overflow line)",
+                    s.admission.cells_in_use,
+                    s.admission.cells,
+                    o.keyspaces.len() - 1
+                ),
+            });
+        }
         return Err(CliError::Agent {
             message: format!(
                 "keyspace {id} is not known: no thread tagged it and no request asked for it since its cell was last evicted ({} keyspaces live)",

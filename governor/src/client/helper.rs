@@ -11,6 +11,7 @@
 //!   next tag switch and runs untagged until then.
 
 use super::attachment::Attachment;
+use super::error::ClientError;
 use crate::proto::{Reply, Request};
 use crate::region::CellRef;
 use std::collections::{BTreeSet, HashMap};
@@ -83,6 +84,34 @@ impl Helper {
         drop(j);
         self.wake.notify_one();
         Cell::Pending
+    }
+
+    /// The cell of `keyspace` for a blocking admission: the directory's, or
+    /// the agent's answer (a round trip). `None` when the agent refuses one
+    /// (the table full, the uid's quota of cells spent: the overflow bucket
+    /// holds the keyspace), remembered for [`REFUSED_FOR`] so that the
+    /// requests after it do not ask again (a round trip each otherwise).
+    pub(crate) fn cell_now(&self, att: &Attachment, keyspace: u32) -> Result<Option<CellRef>, ClientError> {
+        if let Some(c) = att.admission.directory().find(keyspace) {
+            return Ok(Some(c));
+        }
+        let key = (att.epoch, keyspace);
+        if self.jobs().refused.get(&key).is_some_and(|at| at.elapsed() < REFUSED_FOR) {
+            return Ok(None);
+        }
+        match att.cell_of(keyspace) {
+            Ok(c) => Ok(Some(c)),
+            Err(ClientError::Refused { .. }) => {
+                let mut j = self.jobs();
+                // Bounded: refusals past their time go once many are kept.
+                if j.refused.len() >= 4096 {
+                    j.refused.retain(|_, at| at.elapsed() < REFUSED_FOR);
+                }
+                j.refused.insert(key, Instant::now());
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Counts a pool rejection of `keyspace` once its cell is in.

@@ -168,14 +168,28 @@ pub(crate) fn set_raw_tag(tag: u64) -> Option<u64> {
 
 /// The calling thread's CPU time as the kernel counts it (the value of
 /// `CLOCK_THREAD_CPUTIME_ID`), read without a syscall on the eBPF backend;
-/// `None` if the thread is not registered.
+/// `None` if the thread is not registered. While its agent is away (no
+/// agent answers, or the thread's registration with a new one is not in
+/// yet) it is the syscall's reading ([`thread_cputime_ns`]): the same
+/// clock, so differences across an agent's restart hold.
 pub fn thread_cpu_ns() -> Option<u64> {
-    with_ctx(|ctx| ctx.clock()).ok().flatten()
+    match with_ctx(|ctx| ctx.clock()) {
+        Ok(t) => t,
+        Err(_) => Some(thread_cputime_ns()),
+    }
 }
 
 /// Whether the calling thread is registered.
 pub fn is_registered() -> bool {
     CURRENT.with(|c| c.borrow().is_some())
+}
+
+/// Whether the calling thread's CPU is measured now: registered, with its
+/// registration in with the agent in force (false while no agent answers,
+/// and for about one round trip after a thread is registered in the
+/// background or an agent comes back).
+pub fn is_measured() -> bool {
+    matches!(with_ctx(|_| ()), Ok(Some(())))
 }
 
 /// In a forked child, the forking thread's context belongs to the parent:

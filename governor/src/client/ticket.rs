@@ -19,7 +19,7 @@
 
 use super::attachment::Attachment;
 use super::conn::Client;
-use super::error::{ClientError, Refused};
+use super::error::Refused;
 use super::home;
 use super::line::{Waited, agent_alive, charged, wait_in_line};
 use crate::policy::{self, Demand, Grant, Knobs, Progress, Queued, Refusal};
@@ -226,12 +226,9 @@ impl Client {
             }
             let cell = match known {
                 Some(c) => c,
-                None => match att.cell_of(keyspace) {
-                    Ok(c) => Some(c),
-                    // No cell (the table is full, or the uid's quota of cells
-                    // is spent): the overflow bucket holds it to the tenant
-                    // limits.
-                    Err(ClientError::Refused { .. }) => None,
+                // `None`: no cell (the overflow bucket holds it).
+                None => match self.inner.helper.cell_now(att, keyspace) {
+                    Ok(c) => c,
                     Err(_) => {
                         if let Some(idx) = mine {
                             record(att, idx).state.store(TICKET_FREE, Ordering::Release);

@@ -136,7 +136,10 @@ pub(super) fn enter_writes(
     let threshold = k.pending_write_threshold;
     let g = global.pending_write_bytes.load(Ordering::Acquire);
     if g >= threshold {
+        // The node's count, and the keyspace's (its refusals, whichever
+        // limit refused them).
         global.count(c::REFUSED_WRITE_GLOBAL, 1);
+        tenant.count(c::REFUSED_WRITE_GLOBAL, 1);
         return Err(Refusal::WriteBytesLimited {
             keyspace,
             kind: WriteLimitKind::GlobalLimit,
@@ -350,4 +353,24 @@ pub(super) fn take_global_only<'a>(
         return Ok((0, 0));
     }
     Err(CpuRefused { refusal: Refusal::GlobalCpuExhausted { keyspace }, on: Some((buckets.global, c::REFUSED_GLOBAL)) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::{AdmissionMemory, GLOBAL};
+
+    #[test]
+    fn a_write_refused_by_the_node_limit_is_counted_on_its_keyspace_too() {
+        let m = AdmissionMemory::create(4).unwrap();
+        let r = &m.regions;
+        let (global, first, second) = (r.bucket(GLOBAL), r.keyspace_cell(0).unwrap().0, r.keyspace_cell(1).unwrap().0);
+        let k = Knobs { pending_write_threshold: 1000, ..Default::default() };
+        // Below its own limit (300) when it enters, the first keyspace fills the node's.
+        enter_writes(&k, global, first, 7, 1000).unwrap();
+        let refused = enter_writes(&k, global, second, 8, 1).unwrap_err();
+        assert!(matches!(refused, Refusal::WriteBytesLimited { kind: WriteLimitKind::GlobalLimit, .. }), "{refused:?}");
+        let counted = |b: &BucketView| b.counter(c::REFUSED_WRITE_GLOBAL);
+        assert_eq!((counted(global), counted(second), counted(first)), (1, 1, 0));
+    }
 }
