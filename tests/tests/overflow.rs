@@ -174,4 +174,5 @@ fn keyspaces_without_a_cell_share_the_write_and_concurrency_limits() {
         .unwrap();
     let said = String::from_utf8_lossy(&k.stderr);
     assert!(said.contains("keyspace 100 has no cell of its own") && said.contains("overflow bucket"), "{said}");
+    assert!(!said.contains("  "), "a run of spaces in the message: {said}");
 }

@@ -42,7 +42,7 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         if o.keyspaces.contains(&id) {
             return Err(CliError::Agent {
                 message: format!(
-                    "keyspace {id} has no cell of its own: the keyspace table is full ({} of {} cells live,                      agent.max-keyspaces); its requests share the overflow bucket with {} other keyspaces                      (`governor status`, overflow line)",
+                    "keyspace {id} has no cell of its own: the keyspace table is full ({} of {} cells live, agent.max-keyspaces); its requests share the overflow bucket with {} other keyspaces (`governor status`, overflow line)",
                     s.admission.cells_in_use,
                     s.admission.cells,
                     o.keyspaces.len() - 1
