@@ -39,6 +39,30 @@ struct Jobs {
     stop: bool,
 }
 
+impl Jobs {
+    /// Whether the agent refused `key` a cell less than [`REFUSED_FOR`] ago
+    /// (an older refusal is forgotten here).
+    fn refused_recently(&mut self, key: (u64, u32)) -> bool {
+        match self.refused.get(&key) {
+            Some(at) if at.elapsed() < REFUSED_FOR => true,
+            Some(_) => {
+                self.refused.remove(&key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Remembers a refusal of `key`; bounded: refusals past their time go
+    /// once many are kept (keyspaces that are never asked for again).
+    fn remember_refusal(&mut self, key: (u64, u32)) {
+        if self.refused.len() >= 4096 {
+            self.refused.retain(|_, at| at.elapsed() < REFUSED_FOR);
+        }
+        self.refused.insert(key, Instant::now());
+    }
+}
+
 /// What a look-up without a round trip found.
 pub(crate) enum Cell {
     Found(CellRef),
@@ -67,11 +91,8 @@ impl Helper {
         }
         let key = (att.epoch, keyspace);
         let mut j = self.jobs();
-        if let Some(at) = j.refused.get(&key) {
-            if at.elapsed() < REFUSED_FOR {
-                return Cell::Refused;
-            }
-            j.refused.remove(&key);
+        if j.refused_recently(key) {
+            return Cell::Refused;
         }
         // Asked meanwhile and answered: the directory has it now.
         if let Some(c) = att.admission.directory().find(keyspace) {
@@ -96,18 +117,13 @@ impl Helper {
             return Ok(Some(c));
         }
         let key = (att.epoch, keyspace);
-        if self.jobs().refused.get(&key).is_some_and(|at| at.elapsed() < REFUSED_FOR) {
+        if self.jobs().refused_recently(key) {
             return Ok(None);
         }
         match att.cell_of(keyspace) {
             Ok(c) => Ok(Some(c)),
             Err(ClientError::Refused { .. }) => {
-                let mut j = self.jobs();
-                // Bounded: refusals past their time go once many are kept.
-                if j.refused.len() >= 4096 {
-                    j.refused.retain(|_, at| at.elapsed() < REFUSED_FOR);
-                }
-                j.refused.insert(key, Instant::now());
+                self.jobs().remember_refusal(key);
                 Ok(None)
             }
             Err(e) => Err(e),
@@ -180,7 +196,7 @@ impl Helper {
         };
         let mut j = self.jobs();
         if refused {
-            j.refused.insert((epoch, keyspace), Instant::now());
+            j.remember_refusal((epoch, keyspace));
         }
         if let Some(n) = j.pool_rejections.remove(&(epoch, keyspace))
             && let (Some(att), Some(c)) = (att, cell)
@@ -198,5 +214,31 @@ impl Helper {
         });
         drop(j);
         woken.into_iter().for_each(Waker::wake);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_holds_for_its_time_and_the_kept_ones_stay_bounded() {
+        let mut j = Jobs::default();
+        assert!(!j.refused_recently((1, 7)));
+        j.remember_refusal((1, 7));
+        assert!(j.refused_recently((1, 7)));
+        assert!(!j.refused_recently((2, 7)), "another attachment's refusal is its own");
+        // Refusals of keyspaces never asked for again: past their time,
+        // they go once 4096 are kept.
+        let old = Instant::now() - 2 * REFUSED_FOR;
+        for k in 0..4096 {
+            j.refused.insert((1, 1000 + k), old);
+        }
+        j.remember_refusal((1, 8));
+        assert_eq!(j.refused.len(), 2, "only the recent ones stay");
+        assert!(j.refused_recently((1, 7)) && j.refused_recently((1, 8)));
+        j.refused.insert((1, 9), old);
+        assert!(!j.refused_recently((1, 9)), "an old refusal is asked again");
+        assert!(!j.refused.contains_key(&(1, 9)));
     }
 }

@@ -35,7 +35,9 @@ pub enum SizeError {
     NoNumber { text: String },
     #[error("invalid size {text:?}: number too large")]
     NumberTooLarge { text: String },
-    #[error("invalid size {text:?}: unknown unit {unit:?} (B, KiB, MiB, GiB, TiB)")]
+    #[error(
+        "invalid size {text:?}: unknown unit {unit:?} (B, KiB, MiB, GiB, TiB; KB, MB, GB, TB are the same powers of 1024)"
+    )]
     UnknownUnit { text: String, unit: String },
     #[error("invalid size {text:?}: too large")]
     TooLarge { text: String },
@@ -168,7 +170,7 @@ impl<'de> Deserialize<'de> for ConfigDuration {
 
 /// A byte count written as an integer of bytes or a string such as
 /// `"100MiB"`. Units: `B`, `KiB`, `MiB`, `GiB`, `TiB`, and the TiKV-style
-/// aliases `KB`, `MB`, `GB`, `TB` (also powers of 1024).
+/// aliases `KB`, `MB`, `GB`, `TB` (also powers of 1024), in any case.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ByteSize(pub u64);
 
@@ -193,13 +195,15 @@ impl ByteSize {
             return Err(SizeError::NoNumber { text: text() });
         }
         let number: u64 = number.parse().map_err(|_| SizeError::NumberTooLarge { text: text() })?;
-        let shift = match unit.trim() {
-            "" | "B" => 0,
-            "KiB" | "KB" | "K" => 10,
-            "MiB" | "MB" | "M" => 20,
-            "GiB" | "GB" | "G" => 30,
-            "TiB" | "TB" | "T" => 40,
-            other => {
+        // Any case: "100mb" is what an operator means by "100MB".
+        let shift = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 0,
+            "kib" | "kb" | "k" => 10,
+            "mib" | "mb" | "m" => 20,
+            "gib" | "gb" | "g" => 30,
+            "tib" | "tb" | "t" => 40,
+            _ => {
+                let other = unit.trim();
                 return Err(SizeError::UnknownUnit { text: text(), unit: other.to_string() });
             }
         };
@@ -302,10 +306,13 @@ mod tests {
         assert_eq!(ByteSize::parse("100MiB").unwrap(), ByteSize::mib(100));
         assert_eq!(ByteSize::parse("1GB").unwrap().0, 1 << 30);
         assert_eq!(ByteSize::parse("7").unwrap().0, 7);
+        for same in ["100mb", "100 MB", "100mib", "100M", "100m"] {
+            assert_eq!(ByteSize::parse(same).unwrap(), ByteSize::mib(100), "{same}");
+        }
         assert_eq!(ByteSize::mib(100).to_string(), "100MiB");
         assert_eq!(ByteSize(1536 * 1024).to_string(), "1536KiB");
         assert_eq!(ByteSize(7).to_string(), "7B");
-        for bad in ["", "MiB", "-1MiB", "1.5MiB", "10PiB", "99999999999TiB"] {
+        for bad in ["", "MiB", "-1MiB", "1.5MiB", "10PiB", "10Mbit", "99999999999TiB"] {
             assert!(ByteSize::parse(bad).is_err(), "{bad:?} accepted");
         }
     }

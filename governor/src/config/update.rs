@@ -161,7 +161,9 @@ impl ValidatedConfig {
     pub fn apply_set(&self, dotted_key: &str, value: &str) -> Result<ValidatedConfig, UpdateRejected> {
         let reject = |error| UpdateRejected { errors: ConfigErrors::one(error) };
         let key = dotted_key.trim();
-        let mut table = self.to_table();
+        // From the raw form, so that values derived from others (the per-uid
+        // quotas) stay derived and follow the key set.
+        let mut table = raw_table(&self.to_raw());
         let (parents, leaf) = match key.rsplit_once('.') {
             Some((p, l)) => (p.split('.').collect::<Vec<_>>(), l),
             None => (Vec::new(), key),
@@ -285,9 +287,23 @@ mod tests {
     fn a_rejected_set_does_not_touch_the_running_config() {
         let running = ValidatedConfig::embedded_default();
         let rejected = running.apply_set("agent.max-threads", "8").unwrap_err();
-        // Restart-only, out of range, and below the embedded default's
-        // explicit per-uid quota (8192).
-        assert_eq!(rejected.errors.keys(), vec!["agent.max-threads", "agent.max-threads-per-uid", "agent.max-threads"]);
+        // Out of range and restart-only; the per-uid quota, at half the
+        // total, follows it and adds no error of its own.
+        assert_eq!(rejected.errors.keys(), vec!["agent.max-threads", "agent.max-threads"]);
+        let rejected = running.apply_set("agent.max-keyspaces", "8").unwrap_err();
+        assert_eq!(rejected.errors.keys(), vec!["agent.max-keyspaces", "agent.max-keyspaces"]);
         assert_eq!(running, ValidatedConfig::embedded_default());
+    }
+
+    #[test]
+    fn a_set_keeps_derived_quotas_derived_and_explicit_ones_checked() {
+        let running = ValidatedConfig::embedded_default();
+        let half = running.agent().max_keyspaces / 2;
+        // An explicit per-uid quota is checked against the running total.
+        let over = running.apply_set("agent.max-keyspaces-per-uid", &(2 * half + 1).to_string()).unwrap_err();
+        assert_eq!(over.errors.keys(), vec!["agent.max-keyspaces-per-uid"]);
+        let set = running.apply_set("agent.max-keyspaces-per-uid", "7").unwrap();
+        assert_eq!(set.agent().keyspaces_per_uid(), 7);
+        assert_eq!(set.agent().max_keyspaces, running.agent().max_keyspaces);
     }
 }
