@@ -8,8 +8,10 @@
 use crate::region::RegionSizes;
 use serde::{Deserialize, Serialize};
 
+mod pd;
 mod profile;
 mod waits;
+pub use pd::{PdKeyspaceStatus, PdStatus};
 pub use profile::{ProfileKeyspace, ProfileReport, ProfileStack};
 pub use waits::{WaitBehind, behind_in_words};
 
@@ -302,43 +304,6 @@ pub struct StatusReport {
     pub pd: Option<PdStatus>,
 }
 
-/// The PD service-limit client (`agent::pd`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct PdStatus {
-    /// Members asked, in order; the first answered last time.
-    pub endpoints: Vec<String>,
-    /// Fetch rounds so far.
-    pub rounds: u64,
-    /// Unix time of the last round that got an answer from PD.
-    pub last_success_unix: Option<f64>,
-    /// Whether the last round reached PD at all (quotas stay when not).
-    pub reachable: bool,
-    /// Keyspace fetches by result, since start: `ok`, `not_found`,
-    /// `archived`, `no_name`, `error`, `timeout`, `unreachable`,
-    /// `malformed`, `skipped`.
-    pub results: std::collections::BTreeMap<String, u64>,
-    pub keyspaces: Vec<PdKeyspaceStatus>,
-}
-
-/// One keyspace as PD sees it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct PdKeyspaceStatus {
-    pub keyspace_id: u32,
-    /// Its name in PD (the service-limit API is keyed by name).
-    pub name: Option<String>,
-    /// Its state in PD (`ENABLED`, `DISABLED`, `ARCHIVED`, `TOMBSTONE`).
-    pub state: Option<String>,
-    /// Last `service_limit` (RU/s; 0: unlimited).
-    pub service_limit: Option<f64>,
-    /// PD quota applied, µs per refill interval.
-    pub quota_us: Option<u64>,
-    pub consecutive_404: u32,
-    /// Seconds since PD last gave a value.
-    pub seconds_since_ok: Option<f64>,
-    /// Result of its last fetch.
-    pub last_result: String,
-}
-
 /// The admission-control seed's autoscaling rules, evaluated on this node.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct AutoscaleSignals {
@@ -415,6 +380,15 @@ pub struct AdmissionStatus {
     /// Global ratio of the monitor window (CPU / (cores × max-read-cpu-ratio × window)).
     pub global_ratio: f64,
     pub global_pending_write_bytes: u64,
+    /// The write limits in force (`write-quota.pending-write-threshold`):
+    /// the node's pending write bytes, and each keyspace's share of them.
+    #[serde(default)]
+    pub pending_write_threshold_bytes: u64,
+    #[serde(default)]
+    pub keyspace_pending_write_threshold_bytes: u64,
+    /// `admission-control.max-concurrent-per-tenant` (0: no limit).
+    #[serde(default)]
+    pub max_concurrent_per_tenant: u64,
     /// Keyspace cells in use / available.
     pub cells_in_use: u32,
     pub cells: u32,

@@ -2,8 +2,15 @@
 //! regions, across two client processes; and the modes that admit and count
 //! instead of refusing.
 
-use governor_tests::{Agent, Holder};
+use governor_tests::{Agent, Holder, governor_bin};
 use std::sync::Mutex;
+
+/// `governor ARGS --socket S` on the agent: its text output.
+fn cli(agent: &Agent, args: &[&str]) -> String {
+    let o = std::process::Command::new(governor_bin()).args(args).arg("--socket").arg(&agent.socket).output().unwrap();
+    assert!(o.status.success(), "governor {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -30,6 +37,16 @@ fn write_bytes_hold_each_keyspace_to_thirty_percent_and_the_node_to_its_threshol
     assert_eq!(b.acquire(6, 1), Err("write_global_limit".into()));
     let s = agent.status().unwrap();
     assert_eq!(s.admission.global_pending_write_bytes, 1_120_001);
+    // The operator sees the limits beside the counts.
+    let a_ = &s.admission;
+    assert_eq!((a_.pending_write_threshold_bytes, a_.keyspace_pending_write_threshold_bytes), (1 << 20, 314_572));
+    let status = cli(&agent, &["status"]);
+    assert!(status.contains("writes up to 1MiB pending (314572B per keyspace)"), "{status}");
+    let explained = cli(&agent, &["keyspace", "1"]);
+    assert!(
+        explained.contains("320000B of writes pending of at most 314572B per keyspace, 1120001B of 1MiB on the node"),
+        "{explained}"
+    );
     // Releasing gives the bytes back.
     assert_eq!(a.say("release")["released"], 4);
     assert_eq!(b.acquire(1, 1), Ok(()));
@@ -58,6 +75,10 @@ fn enforced_admission_control_refuses_the_tenant_over_its_limit_across_processes
     let k = s.keyspaces.iter().find(|k| k.keyspace_id == 7).unwrap();
     assert_eq!(k.inflight_requests, 2);
     assert_eq!(k.refused, 1);
+    assert_eq!(s.admission.max_concurrent_per_tenant, 3);
+    assert!(cli(&agent, &["status"]).contains("concurrency enforced at 3 in flight per tenant"));
+    let explained = cli(&agent, &["keyspace", "7"]);
+    assert!(explained.contains("2 in flight") && explained.contains("at most 3 requests in flight"), "{explained}");
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! or is not being throttled right now.
 
 use super::CliError;
+use crate::config::ByteSize;
 use crate::proto::{KeyspaceStatus, StatusReport};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -169,7 +170,31 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         "tickets since its cell was created: {} granted, {} waited in line before admission, {} refused; {} in flight{paced}",
         k.granted, k.waited, k.refused, k.inflight_requests
     ));
+    // A keyspace measured by rule that took no ticket meets no limit.
+    if a.enabled && !(k.rule.is_some() && k.granted == 0) {
+        why.push(limits_line(a, &k));
+    }
     Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why, kernel_cap_cores })
+}
+
+/// Its requests in flight and pending write bytes against the limits that
+/// refuse them (`too_many_requests`, `too_busy`).
+fn limits_line(a: &crate::proto::AdmissionStatus, k: &KeyspaceStatus) -> String {
+    let concurrency = match (a.admission_mode.as_str(), a.max_concurrent_per_tenant) {
+        ("disabled", _) => "no limit on requests in flight (admission-control.mode = disabled)".to_string(),
+        (_, 0) => "no limit on requests in flight (admission-control.max-concurrent-per-tenant = 0)".to_string(),
+        (mode, limit) => format!(
+            "at most {limit} requests in flight (admission-control.max-concurrent-per-tenant; {})",
+            if mode == "enforced" { "refused past it" } else { "monitor mode: counted past it, admitted" }
+        ),
+    };
+    format!(
+        "{concurrency}; {} of writes pending of at most {} per keyspace, {} of {} on the node (write-quota.pending-write-threshold; a write is refused once either is reached)",
+        ByteSize(k.pending_write_bytes),
+        ByteSize(a.keyspace_pending_write_threshold_bytes),
+        ByteSize(a.global_pending_write_bytes),
+        ByteSize(a.pending_write_threshold_bytes)
+    )
 }
 
 /// What the keyspace's waits over the window were behind, the three

@@ -3,6 +3,7 @@
 
 use super::CliError;
 use crate::client;
+use crate::config::ByteSize;
 use crate::proto::{AdmissionStatus, Reply, Request, StatusReport};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -214,7 +215,8 @@ pd           {} ({reach}, {last}, {} rounds)",
     out
 }
 
-/// "cpu-throttle on, tenant cap 25% of the servers' CPU, concurrency monitor".
+/// "cpu-throttle on, tenant cap 25% of the servers' CPU, concurrency monitor at
+/// 16 in flight per tenant, writes up to 100MiB pending (30MiB per keyspace)".
 fn admission_line(a: &AdmissionStatus) -> String {
     if !a.enabled {
         return "off (resource-control.enabled = false): everything admitted".into();
@@ -223,6 +225,14 @@ fn admission_line(a: &AdmissionStatus) -> String {
     if a.throttle && a.tenant_max_cpu_ratio > 0.0 {
         parts.push(format!("tenant cap {:.1}% of the servers' CPU", a.tenant_max_cpu_ratio * 100.0));
     }
-    parts.push(format!("concurrency {}", a.admission_mode));
+    parts.push(match (a.admission_mode.as_str(), a.max_concurrent_per_tenant) {
+        ("disabled", _) | (_, 0) => format!("concurrency {}", a.admission_mode),
+        (mode, n) => format!("concurrency {mode} at {n} in flight per tenant"),
+    });
+    parts.push(format!(
+        "writes up to {} pending ({} per keyspace)",
+        ByteSize(a.pending_write_threshold_bytes),
+        ByteSize(a.keyspace_pending_write_threshold_bytes)
+    ));
     parts.join(", ")
 }
