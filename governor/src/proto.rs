@@ -349,6 +349,12 @@ pub struct RuleStatus {
     /// within a second, its cap), while below 1.
     #[serde(default)]
     pub guard_factor: Option<f64>,
+    /// Live processes of the capped keyspace that could not be moved into
+    /// its cgroup (so the kernel does not hold them), and why.
+    #[serde(default)]
+    pub processes_not_capped: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_capped_reason: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -159,6 +159,8 @@ pub struct Agent {
     pub log: PathBuf,
     measure: String,
     config: Option<PathBuf>,
+    /// A command the agent runs under (`setpriv …`), if any.
+    wrapper: Vec<String>,
     _dir: Scratch,
 }
 
@@ -178,14 +180,20 @@ impl Agent {
     /// Starts the agent with `config` on `socket`, a path the caller chose
     /// (a server may be waiting on it already).
     pub fn start_on(measure: &str, config: &str, socket: &Path) -> Result<Agent> {
-        Self::spawn_on(measure, Some(config), Some(socket))
+        Self::spawn_on(&[], measure, Some(config), Some(socket))
+    }
+
+    /// Starts the agent with `config` under `wrapper` (a command that runs
+    /// the agent's command line, such as `setpriv` with another uid).
+    pub fn start_under(wrapper: &[&str], measure: &str, config: &str) -> Result<Agent> {
+        Self::spawn_on(wrapper, measure, Some(config), None)
     }
 
     fn spawn(measure: &str, config: Option<&str>) -> Result<Agent> {
-        Self::spawn_on(measure, config, None)
+        Self::spawn_on(&[], measure, config, None)
     }
 
-    fn spawn_on(measure: &str, config: Option<&str>, socket: Option<&Path>) -> Result<Agent> {
+    fn spawn_on(wrapper: &[&str], measure: &str, config: Option<&str>, socket: Option<&Path>) -> Result<Agent> {
         let dir = Scratch::new("agent");
         let socket = socket.map_or_else(|| dir.0.join("governor.sock"), Path::to_path_buf);
         let log = dir.0.join("agent.log");
@@ -197,14 +205,22 @@ impl Agent {
             }
             None => None,
         };
-        let child = Self::launch(measure, &socket, config.as_deref(), &log)?;
-        let mut agent = Agent { child, socket, log, measure: measure.to_string(), config, _dir: dir };
+        let wrapper: Vec<String> = wrapper.iter().map(|w| w.to_string()).collect();
+        let child = Self::launch(&wrapper, measure, &socket, config.as_deref(), &log)?;
+        let mut agent = Agent { child, socket, log, measure: measure.to_string(), config, wrapper, _dir: dir };
         agent.wait_ready()?;
         Ok(agent)
     }
 
-    fn launch(measure: &str, socket: &Path, config: Option<&Path>, log: &Path) -> Result<Child> {
-        let mut cmd = Command::new(governor_bin());
+    fn launch(wrapper: &[String], measure: &str, socket: &Path, config: Option<&Path>, log: &Path) -> Result<Child> {
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(governor_bin());
+                c
+            }
+            None => Command::new(governor_bin()),
+        };
         // /metrics on any free port: agents of different tests (and a
         // demo running beside them) never collide; status says which.
         cmd.args(["agent", "--measure", measure, "--metrics-addr", "127.0.0.1:0", "--socket"]).arg(socket);
@@ -242,7 +258,7 @@ impl Agent {
     pub fn restart(&mut self) -> Result<()> {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Self::launch(&self.measure, &self.socket, self.config.as_deref(), &self.log)?;
+        self.child = Self::launch(&self.wrapper, &self.measure, &self.socket, self.config.as_deref(), &self.log)?;
         self.wait_ready()
     }
 
@@ -253,7 +269,7 @@ impl Agent {
         let cfg = self._dir.0.join("governor.toml");
         std::fs::write(&cfg, config).with_context(|| format!("writing {}", cfg.display()))?;
         self.config = Some(cfg);
-        self.child = Self::launch(&self.measure, &self.socket, self.config.as_deref(), &self.log)?;
+        self.child = Self::launch(&self.wrapper, &self.measure, &self.socket, self.config.as_deref(), &self.log)?;
         self.wait_ready()
     }
 

@@ -413,6 +413,73 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     let _ = stress.wait();
 }
 
+/// An agent that runs as its own user with capabilities (the systemd
+/// unit's way) caps a root process by rule: on cgroup v1 moving another
+/// user's process takes euid 0, so the cap cannot hold it, and the agent
+/// says so where an operator looks (the log, `rules list`, `keyspace`,
+/// `doctor`) instead of reporting a cap that holds nothing; on cgroup v2 the
+/// capabilities suffice and the process is moved.
+#[test]
+fn a_cap_that_cannot_hold_a_process_says_so() {
+    let _s = serial();
+    let config = "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"961:500\"\n\n\
+                  [[rules]]\nname = \"unheld\"\nkeyspace = 961\ncomm-prefix = \"govtest-unheld\"\n";
+    let caps = "+bpf,+perfmon,+sys_ptrace,+dac_override,+chown";
+    let as_nobody = [
+        "setpriv",
+        "--reuid",
+        "65534",
+        "--regid",
+        "65534",
+        "--clear-groups",
+        "--inh-caps",
+        caps,
+        "--ambient-caps",
+        caps,
+    ];
+    let agent = Agent::start_under(&as_nobody, "ebpf", config).unwrap();
+    let scratch = Scratch::new("rules-unheld");
+    let mut stress = stress_named(&scratch, "govtest-unheld", &["--cpu", "1", "--timeout", "60"]);
+    let root = stress.id();
+    let _reap = KillTree(root);
+    let list = || -> serde_json::Value {
+        let listed = governor(&agent, &["rules", "list", "--json"]);
+        serde_json::from_slice(&listed.stdout).unwrap_or_else(|_| panic!("{}", text(&listed)))
+    };
+    let v1 = !cpu_hierarchy().join("cgroup.controllers").exists();
+    if v1 {
+        eventually("stress-ng and its worker refused a move", || {
+            list()["rules"][0]["processes_not_capped"].as_u64().unwrap_or(0) >= 2
+        });
+        let l = list();
+        let r = &l["rules"][0];
+        assert_eq!(r["cap_cores"], 0.5, "{l}");
+        assert!(r["not_capped_reason"].as_str().unwrap().contains("Permission denied"), "{l}");
+        assert!(l["enforcement"].as_str().unwrap().contains("runs as uid 65534"), "{l}");
+        for p in tree(root) {
+            assert!(!cpu_cgroup(p).unwrap().contains("-ks-961"), "process {p} moved: {:?}", cpu_cgroup(p));
+        }
+        let table = String::from_utf8(governor(&agent, &["rules", "list"]).stdout).unwrap();
+        assert!(table.contains("0.50!") && table.contains("could not be moved"), "{table}");
+        let said = String::from_utf8(governor(&agent, &["keyspace", "961"]).stdout).unwrap();
+        assert!(said.starts_with("keyspace 961: capped at 0.50 cores by a rule's cgroup, but "), "{said}");
+        assert!(said.contains("run outside it, uncapped"), "{said}");
+        let doctor: serde_json::Value =
+            serde_json::from_slice(&governor(&agent, &["doctor", "--json"]).stdout).unwrap();
+        let check = doctor["checks"].as_array().unwrap().iter().find(|c| c["check"] == "rule-caps").cloned();
+        let check = check.unwrap_or_else(|| panic!("no rule-caps check: {doctor}"));
+        assert_eq!(check["status"], "warn", "{check}");
+        assert!(agent.log_text().contains("cannot move process"), "the log says it");
+    } else {
+        eventually("stress-ng moved into ks-961", || {
+            tree(root).iter().all(|p| cpu_cgroup(*p).is_some_and(|c| c.ends_with("-ks-961")))
+        });
+        assert_eq!(list()["rules"][0]["processes_not_capped"], 0);
+    }
+    signal_all(&tree(root), libc::SIGKILL);
+    let _ = stress.wait();
+}
+
 /// Σ schedstat of the threads of `pid`, split by whether their name starts
 /// with `prefix`: (named so, the others).
 fn schedstat_by_name(pid: u32, prefix: &str) -> (f64, f64, usize) {

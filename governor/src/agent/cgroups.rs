@@ -24,9 +24,10 @@
 //! a usable controller or the permission, the agent says so and keeps
 //! measuring.
 
+mod files;
 mod guard;
 
-use guard::Factors;
+use files::{Factors, cap_files, period_us, quota_us, write_cap};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -58,60 +59,6 @@ struct State {
 struct InPlace {
     rel: String,
     saved: Vec<(String, String)>,
-}
-
-/// The files a cap and a weight are written to, in the order to write them.
-fn cap_files(version: Version) -> &'static [&'static str] {
-    match version {
-        Version::V2 => &["cpu.max", "cpu.weight"],
-        Version::V1 => &["cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"],
-    }
-}
-
-/// A bandwidth period in µs, within what the kernel accepts (1 ms..1 s, the
-/// range the configuration validates).
-fn period_us(period: std::time::Duration) -> u64 {
-    period.as_micros().clamp(1_000, 1_000_000) as u64
-}
-
-/// Writes `cores` over `period_us`, scaled by the latency guard's
-/// `quota` factor, and the weight of `cores` (default: one core's) scaled
-/// by its `weight` factor, into `dir`.
-fn write_cap(
-    dir: &Path,
-    version: Version,
-    cores: f64,
-    factors: Factors,
-    weighted: bool,
-    period_us: u64,
-) -> std::io::Result<()> {
-    let quota = quota_us(cores * factors.quota, period_us);
-    match version {
-        Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {period_us}"))?,
-        Version::V1 => {
-            std::fs::write(dir.join("cpu.cfs_period_us"), period_us.to_string())?;
-            std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
-        }
-    }
-    write_weight(dir, version, whole_weight(cores, weighted) * factors.weight)
-}
-
-/// The cores a cgroup capped at `cores` is weighed as: its cap when caps
-/// are weighted, else one core (the default weight).
-fn whole_weight(cores: f64, weighted: bool) -> f64 {
-    if weighted { cores } else { 1.0 }
-}
-
-/// The quota written for `cores` over `period_us`: at least 1 ms, the
-/// kernel's least.
-fn quota_us(cores: f64, period_us: u64) -> u64 {
-    ((cores * period_us as f64).round() as u64).max(1000)
-}
-
-/// Writes the weight of `cores` into `dir`.
-fn write_weight(dir: &Path, version: Version, cores: f64) -> std::io::Result<()> {
-    let (file, w) = weight(version, cores);
-    std::fs::write(dir.join(file), w.to_string())
 }
 
 /// What the rule caps take from the configuration, derived here and nowhere
@@ -189,15 +136,10 @@ pub(crate) struct Enforcer {
     /// Keyspaces whose cgroup refused the latency guard's last write (said
     /// once in the log until a write takes).
     guard_failed: std::collections::HashSet<u32>,
-}
-
-/// The CPU weight of a cgroup capped at `cores`, as its version writes it:
-/// the default weight per core.
-fn weight(version: Version, cores: f64) -> (&'static str, u64) {
-    match version {
-        Version::V2 => ("cpu.weight", ((cores * 100.0).round() as u64).clamp(1, 10_000)),
-        Version::V1 => ("cpu.shares", ((cores * 1024.0).round() as u64).clamp(2, 262_144)),
-    }
+    /// tgid → (keyspace, why): processes of a capped keyspace that could not
+    /// be moved into its cgroup (on cgroup v1 moving another user's process
+    /// takes euid 0), so the kernel does not hold them.
+    unmoved: BTreeMap<u32, (u32, String)>,
 }
 
 /// No mounted hierarchy offers the cpu controller.
@@ -239,6 +181,7 @@ impl Enforcer {
             guard: HashMap::new(),
             guard_written: HashMap::new(),
             guard_failed: std::collections::HashSet::new(),
+            unmoved: BTreeMap::new(),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -269,6 +212,28 @@ impl Enforcer {
         Some(quota_us(cap * self.factors(keyspace).quota, period) as f64 / period as f64)
     }
 
+    /// Live processes of capped `keyspace` that could not be moved into its
+    /// cgroup, with the children they forked since (born outside it too),
+    /// and the last reason.
+    pub(crate) fn unmoved_of(&self, keyspace: u32) -> (u64, Option<String>) {
+        let Some((_, version)) = self.hierarchy else { return (0, None) };
+        let mut outside = std::collections::BTreeSet::new();
+        let mut why = None;
+        for (&tgid, (k, reason)) in &self.unmoved {
+            if *k != keyspace || !Path::new(&format!("/proc/{tgid}")).exists() {
+                continue;
+            }
+            why = Some(reason.clone());
+            let mut todo = vec![tgid];
+            while let Some(p) = todo.pop() {
+                if !self.holds(p, version) && outside.insert(p) {
+                    todo.extend(crate::procs::children(p));
+                }
+            }
+        }
+        (outside.len() as u64, why)
+    }
+
     /// The cgroup directories whose limits the agent writes (its keyspace
     /// cgroups, and the operators' cgroups it caps in place): a server's
     /// limit is never read from them, or a rule cap would shrink the number
@@ -293,13 +258,23 @@ impl Enforcer {
                     self.prefix
                 )
             }
-            (Some((root, Version::V1)), None) => format!(
-                "cgroup v1 cpu.cfs_quota_us{} over {} ms in {}/{}-ks-<id>",
-                if self.settings.weighted { " and cpu.shares" } else { "" },
-                self.settings.period_us / 1000,
-                root.display(),
-                self.prefix
-            ),
+            (Some((root, Version::V1)), None) => {
+                let euid = crate::sys::effective_uid();
+                format!(
+                    "cgroup v1 cpu.cfs_quota_us{} over {} ms in {}/{}-ks-<id>{}",
+                    if self.settings.weighted { " and cpu.shares" } else { "" },
+                    self.settings.period_us / 1000,
+                    root.display(),
+                    self.prefix,
+                    if euid == 0 {
+                        String::new()
+                    } else {
+                        format!(
+                            "; the agent runs as uid {euid}, and on cgroup v1 it can move only that uid's processes into them (another user's takes euid 0): caps of other users' processes are not held"
+                        )
+                    }
+                )
+            }
             (None, None) => "unavailable".into(),
         }
     }
@@ -408,10 +383,11 @@ impl Enforcer {
             return;
         }
         let Some((root, version)) = self.hierarchy.clone() else { return };
-        match keyspace.filter(|k| self.settings.caps.contains_key(k)).and_then(|k| self.state.created.get(&k).cloned())
-        {
-            Some(rel) => {
+        let capped = keyspace.filter(|k| self.settings.caps.contains_key(k));
+        match capped.and_then(|k| Some((k, self.state.created.get(&k).cloned()?))) {
+            Some((ks, rel)) => {
                 if cgroup_of(tgid, version).as_deref() == Some(&format!("/{rel}")) {
+                    self.unmoved.remove(&tgid);
                     return;
                 }
                 // Children it forked before the move stay behind (later ones
@@ -422,15 +398,24 @@ impl Enforcer {
                     if orig != format!("/{rel}") {
                         self.state.moved.entry(p).or_insert(orig);
                         self.save();
-                        if let Err(e) = std::fs::write(root.join(&rel).join("cgroup.procs"), p.to_string()) {
-                            log::warn!("cgroups: cannot move process {p} into {rel}: {e}");
-                            self.state.moved.remove(&p);
+                        match std::fs::write(root.join(&rel).join("cgroup.procs"), p.to_string()) {
+                            Ok(()) => {
+                                self.unmoved.remove(&p);
+                            }
+                            Err(e) => {
+                                log::warn!(
+                                    "cgroups: cannot move process {p} into {rel}: {e}; the kernel does not hold it to keyspace {ks}'s cap"
+                                );
+                                self.state.moved.remove(&p);
+                                self.unmoved.insert(p, (ks, e.to_string()));
+                            }
                         }
                     }
                     todo.extend(crate::procs::children(p));
                 }
             }
             None => {
+                self.unmoved.remove(&tgid);
                 let recorded = self.state.moved.remove(&tgid);
                 // Only from a cgroup of ours: where the operator moved it
                 // since, it stays. One born inside goes where its nearest
@@ -499,6 +484,7 @@ impl Enforcer {
 
     /// Moves every process of `keyspace`'s cgroup back and removes it.
     fn release_keyspace(&mut self, keyspace: u32) {
+        self.unmoved.retain(|_, (k, _)| *k != keyspace);
         let Some(rel) = self.state.created.remove(&keyspace) else { return };
         let Some((root, _)) = self.state.root.clone() else { return };
         let dir = root.join(&rel);

@@ -215,21 +215,26 @@ impl Rules {
         self.active
             .iter()
             .enumerate()
-            .map(|(i, a)| RuleStatus {
-                name: a.rule.name.clone(),
-                keyspace: a.rule.keyspace,
-                matches: a.rule.matchers(),
-                processes_matched: self.decided.values().filter(|(_, r)| *r == Some(i)).count() as u64,
-                threads_matched: self.threads.values().filter(|t| t.rule == i).count() as u64,
-                measured: !self.unsupported,
-                cap_cores: self.enforcer.as_ref().and_then(|e| e.cap_of(a.rule.keyspace)),
-                // Six places: the steps' products carry float noise
-                // (0.8999999999999999) that says nothing.
-                guard_factor: self
-                    .enforcer
-                    .as_ref()
-                    .and_then(|e| e.guard_factor_of(a.rule.keyspace))
-                    .map(|f| (f * 1e6).round() / 1e6),
+            .map(|(i, a)| {
+                let (not_capped, why) = self.enforcer.as_ref().map_or((0, None), |e| e.unmoved_of(a.rule.keyspace));
+                RuleStatus {
+                    name: a.rule.name.clone(),
+                    keyspace: a.rule.keyspace,
+                    matches: a.rule.matchers(),
+                    processes_matched: self.decided.values().filter(|(_, r)| *r == Some(i)).count() as u64,
+                    threads_matched: self.threads.values().filter(|t| t.rule == i).count() as u64,
+                    measured: !self.unsupported,
+                    cap_cores: self.enforcer.as_ref().and_then(|e| e.cap_of(a.rule.keyspace)),
+                    // Six places: the steps' products carry float noise
+                    // (0.8999999999999999) that says nothing.
+                    guard_factor: self
+                        .enforcer
+                        .as_ref()
+                        .and_then(|e| e.guard_factor_of(a.rule.keyspace))
+                        .map(|f| (f * 1e6).round() / 1e6),
+                    processes_not_capped: not_capped,
+                    not_capped_reason: why,
+                }
             })
             .collect()
     }

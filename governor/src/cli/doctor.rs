@@ -280,6 +280,7 @@ fn agent(socket: &Path) -> Vec<Check> {
                 ),
                 table,
                 server_cpu(&s.server_cpu),
+                rule_caps(&s),
             ]
         }
         Err(e) => vec![warn(
@@ -288,6 +289,36 @@ fn agent(socket: &Path) -> Vec<Check> {
             "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)",
         )],
     }
+}
+
+/// Whether the rule caps hold every process they cap.
+fn rule_caps(s: &crate::proto::StatusReport) -> Check {
+    let unheld: Vec<String> = s
+        .rules
+        .iter()
+        .filter(|r| r.processes_not_capped > 0)
+        .map(|r| {
+            format!(
+                "{} process(es) of rule {} ({})",
+                r.processes_not_capped,
+                r.name,
+                r.not_capped_reason.as_deref().unwrap_or("refused")
+            )
+        })
+        .collect();
+    if unheld.is_empty() {
+        let how = if s.rule_enforcement.is_empty() { "no rule caps" } else { s.rule_enforcement.as_str() };
+        return ok("rule-caps", how);
+    }
+    warn(
+        "rule-caps",
+        format!(
+            "not held: {} could not be moved into their keyspace's cgroup; {}",
+            unheld.join(", "),
+            s.rule_enforcement
+        ),
+        "on cgroup v1 run the agent as root (euid 0) to cap other users' processes, or cap their own cgroup with cap-in-place",
+    )
 }
 
 /// Runs every check.

@@ -21,6 +21,9 @@ pub struct Explanation {
     /// Cores the kernel holds its processes to, when a rule measures it
     /// and caps it (its cgroup's bandwidth; the buckets admit tickets only).
     pub kernel_cap_cores: Option<f64>,
+    /// Of those processes, the ones the cap does not hold (they could not
+    /// be moved into its cgroup).
+    pub processes_not_capped: u64,
 }
 
 pub fn run(socket: &Path, id: u32) -> Result<Explanation, CliError> {
@@ -148,6 +151,9 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
             "its processes (rule {}) are held to {cap:.2} cores by the kernel: the agent's cgroup for the keyspace gives them that much CPU per bandwidth period (resource-control.rule-cpu-period), and the kernel stops them for the rest of the period once they ran it; the bucket above admits tickets only",
             r.name
         ));
+        if r.processes_not_capped > 0 {
+            not_held_note(&mut why, r);
+        }
         if let Some(f) = r.guard_factor {
             why.push(format!(
                 "the latency guard holds its CPU weight at {:.0} % of the configured one, and the cap (above, as in force) follows within a second, while keyspaces under their share wait for a CPU past its target behind this one; it gives both back as they meet the target",
@@ -174,7 +180,24 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     if a.enabled && !(k.rule.is_some() && k.granted == 0) {
         why.push(limits_line(a, &k));
     }
-    Ok(Explanation { keyspace: k, quota_source: source, throttled_now: throttled, why, kernel_cap_cores })
+    let processes_not_capped = rule.map_or(0, |r| r.processes_not_capped);
+    Ok(Explanation {
+        keyspace: k,
+        quota_source: source,
+        throttled_now: throttled,
+        why,
+        kernel_cap_cores,
+        processes_not_capped,
+    })
+}
+
+/// A rule cap that does not hold some of the keyspace's processes.
+fn not_held_note(why: &mut Vec<String>, r: &crate::proto::RuleStatus) {
+    why.push(format!(
+        "but {} of its processes could not be moved into that cgroup ({}): the kernel does not hold them, and they run uncapped",
+        r.processes_not_capped,
+        r.not_capped_reason.as_deref().unwrap_or("refused")
+    ));
 }
 
 /// Its requests in flight and pending write bytes against the limits that
@@ -222,6 +245,11 @@ fn behind_line(behind: &[crate::proto::WaitBehind]) -> Option<String> {
 pub fn render(e: &Explanation) -> String {
     let mut out = String::new();
     let _ = match e.kernel_cap_cores {
+        Some(cap) if e.processes_not_capped > 0 => writeln!(
+            out,
+            "keyspace {}: capped at {cap:.2} cores by a rule's cgroup, but {} of its processes run outside it, uncapped",
+            e.keyspace.keyspace_id, e.processes_not_capped
+        ),
         Some(cap) => writeln!(
             out,
             "keyspace {}: held by the kernel to {cap:.2} cores (a rule's cgroup); its tickets {}",

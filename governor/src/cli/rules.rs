@@ -37,7 +37,10 @@ pub fn render_list(l: &RuleList) -> String {
     let mut out =
         format!("{:<3} {:<24} {:>10} {:>9} {:>9}  {}\n", "#", "NAME", "KEYSPACE", "MATCHED", "CAP", "MATCHES");
     for (i, r) in l.rules.iter().enumerate() {
-        let cap = r.cap_cores.map_or("-".to_string(), |c| format!("{c:.2}"));
+        // A cap some of whose processes could not be moved under it: marked.
+        let cap = r
+            .cap_cores
+            .map_or("-".to_string(), |c| format!("{c:.2}{}", if r.processes_not_capped > 0 { "!" } else { "" }));
         // A thread rule matches threads: their count, marked.
         let matched = if r.matches.contains("thread-name-prefix=") {
             format!("{}t", r.threads_matched)
@@ -50,6 +53,16 @@ pub fn render_list(l: &RuleList) -> String {
         let _ = writeln!(out, "MATCHED: live processes; Nt: threads a thread rule charges apart from their process");
     }
     let _ = writeln!(out, "caps: {}", l.enforcement);
+    for r in l.rules.iter().filter(|r| r.processes_not_capped > 0) {
+        let _ = writeln!(
+            out,
+            "{}! rule {}: {} of its processes could not be moved into the keyspace's cgroup ({}): the kernel does not hold them to the cap",
+            r.cap_cores.map_or(String::new(), |c| format!("{c:.2}")),
+            r.name,
+            r.processes_not_capped,
+            r.not_capped_reason.as_deref().unwrap_or("refused")
+        );
+    }
     if l.rules.iter().any(|r| !r.measured) {
         out.push_str(
             "not measured: the agent runs the thread-clock fallback, which cannot measure unmodified processes\n",

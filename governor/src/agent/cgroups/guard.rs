@@ -1,26 +1,14 @@
 //! The latency guard's hand on the rule keyspaces' cgroups: their weight
 //! and cap scaled by the factor the policy holds for each keyspace.
 
-use super::{Enforcer, whole_weight, write_cap, write_weight};
+use super::Enforcer;
+use super::files::{Factors, whole_weight, write_cap, write_weight};
 use std::collections::HashMap;
 
 /// The latency guard rewrites a cap at most once per this many bandwidth
 /// periods: a write's refill then adds at most a quarter of the cap.
 /// Weights, which refill nothing, follow it at every step.
 const GUARD_PERIODS: u64 = 4;
-
-/// The latency guard's factors on a keyspace cgroup, as written: its quota
-/// (rewritten at most once per [`GUARD_PERIODS`] periods) and its weight
-/// (at every step).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct Factors {
-    pub(super) quota: f64,
-    pub(super) weight: f64,
-}
-
-impl Factors {
-    pub(super) const WHOLE: Factors = Factors { quota: 1.0, weight: 1.0 };
-}
 
 impl Enforcer {
     /// The latency guard's factors on `keyspace`'s cgroup.
@@ -127,6 +115,7 @@ mod tests {
             guard: HashMap::new(),
             guard_written: HashMap::new(),
             guard_failed: Default::default(),
+            unmoved: Default::default(),
         }
     }
 

@@ -1,0 +1,81 @@
+//! The cgroup files a cap and a weight are written to, and the values
+//! written.
+
+use super::Version;
+use std::path::Path;
+
+/// The files a cap and a weight are written to, in the order to write them.
+pub(super) fn cap_files(version: Version) -> &'static [&'static str] {
+    match version {
+        Version::V2 => &["cpu.max", "cpu.weight"],
+        Version::V1 => &["cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"],
+    }
+}
+
+/// A bandwidth period in µs, within what the kernel accepts (1 ms..1 s, the
+/// range the configuration validates).
+pub(super) fn period_us(period: std::time::Duration) -> u64 {
+    period.as_micros().clamp(1_000, 1_000_000) as u64
+}
+
+/// Writes `cores` over `period_us`, scaled by the latency guard's
+/// `quota` factor, and the weight of `cores` (default: one core's) scaled
+/// by its `weight` factor, into `dir`.
+pub(super) fn write_cap(
+    dir: &Path,
+    version: Version,
+    cores: f64,
+    factors: Factors,
+    weighted: bool,
+    period_us: u64,
+) -> std::io::Result<()> {
+    let quota = quota_us(cores * factors.quota, period_us);
+    match version {
+        Version::V2 => std::fs::write(dir.join("cpu.max"), format!("{quota} {period_us}"))?,
+        Version::V1 => {
+            std::fs::write(dir.join("cpu.cfs_period_us"), period_us.to_string())?;
+            std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())?;
+        }
+    }
+    write_weight(dir, version, whole_weight(cores, weighted) * factors.weight)
+}
+
+/// The cores a cgroup capped at `cores` is weighed as: its cap when caps
+/// are weighted, else one core (the default weight).
+pub(super) fn whole_weight(cores: f64, weighted: bool) -> f64 {
+    if weighted { cores } else { 1.0 }
+}
+
+/// The quota written for `cores` over `period_us`: at least 1 ms, the
+/// kernel's least.
+pub(super) fn quota_us(cores: f64, period_us: u64) -> u64 {
+    ((cores * period_us as f64).round() as u64).max(1000)
+}
+
+/// Writes the weight of `cores` into `dir`.
+pub(super) fn write_weight(dir: &Path, version: Version, cores: f64) -> std::io::Result<()> {
+    let (file, w) = weight(version, cores);
+    std::fs::write(dir.join(file), w.to_string())
+}
+
+/// The CPU weight of a cgroup capped at `cores`, as its version writes it:
+/// the default weight per core.
+pub(super) fn weight(version: Version, cores: f64) -> (&'static str, u64) {
+    match version {
+        Version::V2 => ("cpu.weight", ((cores * 100.0).round() as u64).clamp(1, 10_000)),
+        Version::V1 => ("cpu.shares", ((cores * 1024.0).round() as u64).clamp(2, 262_144)),
+    }
+}
+
+/// The latency guard's factors on a keyspace cgroup, as written: its quota
+/// (rewritten at most once per `GUARD_PERIODS` bandwidth periods) and its weight
+/// (at every step).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Factors {
+    pub(super) quota: f64,
+    pub(super) weight: f64,
+}
+
+impl Factors {
+    pub(super) const WHOLE: Factors = Factors { quota: 1.0, weight: 1.0 };
+}
