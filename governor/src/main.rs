@@ -295,7 +295,10 @@ fn fail(json: bool, e: &CliError) -> ! {
                     "key": x.key(), "line": x.line(), "message": x.to_string()
                 })).collect::<Vec<_>>(),
             }),
-            CliError::Rejected { errors } => serde_json::json!({ "accepted": false, "errors": errors }),
+            CliError::Rejected { errors, .. } => serde_json::json!({ "accepted": false, "errors": errors }),
+            CliError::Read { path, .. } => serde_json::json!({
+                "valid": false, "path": path, "error": keyspace_governor::error_chain(e),
+            }),
             other => serde_json::json!({ "error": keyspace_governor::error_chain(other) }),
         };
         write_stdout(&(serde_json::to_string_pretty(&body).expect("json") + "\n"));

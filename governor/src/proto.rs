@@ -160,6 +160,9 @@ pub enum Reply {
     /// configuration stays.
     ConfigRejected {
         errors: Vec<String>,
+        /// The agent could not read its file (a reload): exit 66 at the CLI.
+        #[serde(default)]
+        file_unreadable: bool,
     },
     Error {
         message: String,

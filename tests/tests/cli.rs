@@ -99,6 +99,15 @@ fn config_validate_of_a_missing_file_fails_naming_it() {
     let (code, _, err) = governor(&["config", "validate", "/tmp/governor-no-such-file.toml"]);
     assert_eq!(code, 66, "EX_NOINPUT: {err}");
     assert!(err.contains("/tmp/governor-no-such-file.toml"), "{err}");
+    // With --json, the object every validation prints, and the reason.
+    let (code, out, _) = governor(&["config", "validate", "/tmp/governor-no-such-file.toml", "--json"]);
+    assert_eq!(code, 66);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&v["valid"], &v["path"]),
+        (&serde_json::json!(false), &serde_json::json!("/tmp/governor-no-such-file.toml"))
+    );
+    assert!(v["error"].as_str().unwrap().contains("No such file"), "{v}");
 }
 
 #[test]

@@ -302,6 +302,13 @@ fn fifty_invalid_changes_are_each_refused_naming_the_key_and_change_nothing() {
         assert_eq!(cap_ratio(&agent), 0.25, "a reload changed the running configuration");
         refused += 1;
     }
+    // The file gone: EX_NOINPUT (66), naming it, the configuration kept.
+    std::fs::remove_file(&path).unwrap();
+    let o = governor(&agent, &["config", "reload", "--json"]);
+    assert_eq!(o.status.code(), Some(66), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&*path.to_string_lossy()), "{}", text(&o));
+    assert_eq!(cap_ratio(&agent), 0.25, "a reload of no file changed the running configuration");
+    refused += 1;
     assert!(refused >= 50, "{refused} attempts");
     let after = agent.status().expect("status");
     assert_eq!(after.config_updates.rejected - before.config_updates.rejected, refused);

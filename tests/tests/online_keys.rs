@@ -603,6 +603,9 @@ fn every_key_acts_online_or_is_refused() {
     let mode = |r: &Run| std::fs::metadata(&r.agent.socket).unwrap().mode() & 0o777;
     r.set("agent.access.socket-mode", "\"0600\"");
     assert_eq!(mode(&r), 0o600);
+    // The socket's mode keeps others out: EX_NOPERM (77), as a role would.
+    let o = r.governor_as(NOBODY, &["status"]);
+    assert_eq!(o.status.code(), Some(77), "{}", text(&o));
     r.set("agent.access.socket-mode", "\"0666\"");
     assert_eq!(mode(&r), 0o666);
     let group = |r: &Run| std::fs::metadata(&r.agent.socket).unwrap().gid();

@@ -407,7 +407,9 @@ fn config_reply(result: Result<ConfigDiff, Refused>) -> Reply {
         Ok(diff) => Reply::ConfigUpdated {
             changes: diff.changes.into_iter().map(|c| ConfigChange { key: c.key, old: c.old, new: c.new }).collect(),
         },
-        Err(why) => Reply::ConfigRejected { errors: why.reasons() },
+        Err(why) => {
+            Reply::ConfigRejected { errors: why.reasons(), file_unreadable: matches!(why, Refused::Read { .. }) }
+        }
     }
 }
 

@@ -17,7 +17,7 @@ pub struct Applied {
 pub(super) fn applied(reply: Reply) -> Result<Applied, CliError> {
     match reply {
         Reply::ConfigUpdated { changes } => Ok(Applied { accepted: true, changes }),
-        Reply::ConfigRejected { errors } => Err(CliError::Rejected { errors }),
+        Reply::ConfigRejected { errors, file_unreadable } => Err(CliError::Rejected { errors, file_unreadable }),
         Reply::Error { message } => Err(CliError::Agent { message }),
         other => Err(CliError::Reply { detail: format!("{other:?}") }),
     }

@@ -37,7 +37,7 @@ pub enum CliError {
     #[error("unexpected reply from the agent: {detail}")]
     Reply { detail: String },
     #[error("the agent refused the change; its configuration stays as it was:\n{}", errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n"))]
-    Rejected { errors: Vec<String> },
+    Rejected { errors: Vec<String>, file_unreadable: bool },
     #[error("the agent: {message}")]
     Agent { message: String },
     #[error("{0}")]
@@ -48,9 +48,15 @@ impl CliError {
     /// The process exit code for this error.
     pub fn exit_code(&self) -> i32 {
         match self {
+            // EX_NOINPUT: the file named cannot be read (a reload's too).
+            CliError::Read { .. } | CliError::Rejected { file_unreadable: true, .. } => 66,
             CliError::Config { .. } | CliError::Rejected { .. } | CliError::Usage(_) => EXIT_USAGE,
-            // EX_NOINPUT: the file named cannot be read.
-            CliError::Read { .. } => 66,
+            // The socket's permissions keep this user out.
+            CliError::Client(crate::client::ClientError::Connect { source, .. })
+                if source.kind() == std::io::ErrorKind::PermissionDenied =>
+            {
+                77
+            }
             // EX_NOPERM: the agent refused the peer itself.
             CliError::Agent { message } if message.starts_with(crate::proto::NOT_PERMITTED) => 77,
             CliError::Client(crate::client::ClientError::Refused { message })
