@@ -278,3 +278,29 @@ max-keyspaces = \"many\"
     assert_eq!(errors.errors.len(), 1, "{errors}");
     assert_eq!(errors.errors[0].key(), "bogus");
 }
+
+#[test]
+fn every_rule_that_lacks_a_key_is_listed_by_its_name_or_position() {
+    let source = "\
+[[rules]]
+name = \"a\"
+keyspace = 1
+comm_prefix = \"x\"
+
+[[rules]]
+keyspace = 2
+comm-prefix = \"y\"
+
+[[rules]]
+name = \"c\"
+comm-prefix = \"z\"
+";
+    let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
+    let mut found: Vec<_> = errors.errors.iter().map(|e| (e.key(), e.line())).collect();
+    found.sort_by_key(|(_, line)| *line);
+    assert_eq!(
+        found,
+        vec![("rules.a.comm_prefix", Some(4)), ("rules[1].name", Some(6)), ("rules.c.keyspace", Some(10)),],
+        "{errors}"
+    );
+}

@@ -55,6 +55,27 @@ fn config_validate_prints_the_validated_configuration() {
     assert_eq!(v["config"]["resource-control"]["cpu-throttle"]["refill-interval"], "20ms");
 }
 
+/// A rule that can match nothing here (its `exe` absent, its `uid` no
+/// user's) is valid, since either may appear later; validate warns.
+#[test]
+fn config_validate_warns_of_rules_that_match_nothing_here() {
+    let dir = Scratch::new("cli");
+    let file = write(
+        &dir,
+        "rules.toml",
+        "[[rules]]\nname = \"gone\"\nkeyspace = 1\nexe = \"/usr/bin/governor-no-such-binary\"\n\n\
+         [[rules]]\nname = \"nobody-here\"\nkeyspace = 2\nuid = 3999999\n\n\
+         [[rules]]\nname = \"root\"\nkeyspace = 3\nuid = 0\nexe = \"/bin/sh\"\n",
+    );
+    let (code, out, _) = governor(&["config", "validate", &file, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let warnings: Vec<&str> = v["warnings"].as_array().unwrap().iter().map(|w| w.as_str().unwrap()).collect();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings[0].starts_with("rules.gone.exe: /usr/bin/governor-no-such-binary does not exist here"));
+    assert!(warnings[1].starts_with("rules.nobody-here.uid: no user has uid 3999999"));
+}
+
 /// A quota larger than the server is valid (one file may serve nodes of
 /// several sizes) but limits nothing there: validate says so on stderr and
 /// exits 0, and so does the agent's log, at start and when one is set.

@@ -64,13 +64,30 @@ pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {
 /// (printed as warnings; the file is valid): quotas larger than the
 /// server's cores (`server-cpu-cores`, else this machine's: the agent
 /// compares with its servers' cgroup limit, which a command does not see).
+/// Also rules that can match nothing on this machine as it is now (an `exe`
+/// that does not exist, a `uid` no user in /etc/passwd has): valid, since
+/// either may appear later, but worth a look.
 pub fn notices(config: &ValidatedConfig) -> Vec<String> {
     let configured = config.resource_control().server_cpu_cores;
-    if configured > 0.0 {
+    let mut notes = if configured > 0.0 {
         config.cpu_throttle().quotas_above(configured, "resource-control.server-cpu-cores,")
     } else {
         config.cpu_throttle().quotas_above(f64::from(crate::sys::logical_cores()), "this machine's online CPUs,")
+    };
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let has_uid = |uid: u32| passwd.lines().any(|l| l.split(':').nth(2) == Some(uid.to_string().as_str()));
+    for r in config.rules() {
+        if let Some(exe) = r.exe.as_deref().filter(|e| !Path::new(e).exists()) {
+            notes.push(format!(
+                "rules.{}.exe: {exe} does not exist here; the rule matches nothing until it does",
+                r.name
+            ));
+        }
+        if let Some(uid) = r.uid.filter(|&u| !passwd.is_empty() && !has_uid(u)) {
+            notes.push(format!("rules.{}.uid: no user has uid {uid} in /etc/passwd here", r.name));
+        }
     }
+    notes
 }
 
 /// The configuration a running agent holds.

@@ -114,6 +114,21 @@ impl SourceMap {
         })
     }
 
+    /// The name validation gives the element of the array of tables `table`
+    /// whose header or key is on `line`: `table.NAME` when it has a name,
+    /// else `table[i]`; `None` outside such an element.
+    fn element_at_line(&self, table: &str, line: usize) -> Option<String> {
+        let header = self.entries.iter().rev().find(|(l, _, h)| *h && *l <= line)?.0;
+        let aliases: Vec<&str> = self
+            .entries
+            .iter()
+            .filter(|(l, k, h)| *l == header && !h && k.len() > table.len() && k.starts_with(table))
+            .map(|(_, k, _)| k.as_str())
+            .collect();
+        let named = aliases.iter().find(|k| k[table.len()..].starts_with('.'));
+        named.or(aliases.first()).map(|k| k.to_string())
+    }
+
     /// Turns a toml/serde error into a [`ConfigError`] naming key and line.
     pub fn convert(&self, error: &toml::de::Error) -> ConfigError {
         let message = error.message().trim().replace('\n', "; ");
@@ -142,9 +157,18 @@ impl SourceMap {
                 Some(k) if self.inline_tables.iter().any(|t| t == k) => k,
                 _ => table,
             };
+            // In an element of an array of tables, by the element's name.
+            let table = line.and_then(|l| self.element_at_line(table, l)).unwrap_or_else(|| table.to_string());
             let key = if table.is_empty() { field.to_string() } else { format!("{table}.{field}") };
             let line = self.line_of(&key).or(line);
             return ConfigError::UnknownKey { key, line };
+        }
+        // A key an element of an array of tables lacks: named by the element.
+        if let (Some(l), Some(field)) =
+            (line, message.strip_prefix("missing field `").and_then(|rest| rest.split('`').next()))
+            && let Some(element) = self.key_at_line(l).and_then(|table| self.element_at_line(table, l))
+        {
+            return ConfigError::Syntax { key: format!("{element}.{field}"), line, message };
         }
         // A value no variant matches is reported at its table: the key is
         // the table's one holding that value.

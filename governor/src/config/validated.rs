@@ -64,7 +64,21 @@ pub(crate) fn parse_file(source: &str) -> Result<(RawConfig, SourceMap), super::
                             !t.trim().is_empty() && !t.trim_start().starts_with('[') && t.parse::<toml::Table>().is_ok()
                         })
                 });
+                // An element of an array of tables that lacks a key: the
+                // whole element goes, so the next ones are read too.
+                let element = error.line().filter(|l| {
+                    errors.len() < 64
+                        && e.message().starts_with("missing field")
+                        && lines.get(l.wrapping_sub(1)).is_some_and(|t| t.trim_start().starts_with("[["))
+                });
                 errors.push(error);
+                if let Some(l) = element {
+                    let end =
+                        lines[l..].iter().position(|t| t.trim_start().starts_with('[')).map_or(lines.len(), |n| l + n);
+                    lines[l - 1..end].iter_mut().for_each(|t| *t = "");
+                    text = std::borrow::Cow::Owned(lines.join("\n"));
+                    continue;
+                }
                 let Some(l) = line else { return Err(super::ConfigErrors { errors }) };
                 lines[l - 1] = "";
                 text = std::borrow::Cow::Owned(lines.join("\n"));
