@@ -546,11 +546,13 @@ pub struct KeyspaceStatus {
 
 impl KeyspaceStatus {
     /// Whether its pressure is counted: pressure counts registered threads
-    /// only, so a keyspace measured by rule that none of them worked for
-    /// shows none rather than a zero that reads "never waited" (in status
-    /// and on `/metrics` alike).
+    /// only, so a keyspace none of them waited for shows none rather than a
+    /// zero that reads "never waited" (in status and on `/metrics` alike),
+    /// unless it is a ticket keyspace no rule measures (its servers'
+    /// threads took tickets and never waited). A keyspace measured by rule,
+    /// or once measured by a rule since removed, shows none.
     pub fn pressure_counted(&self) -> bool {
-        !(self.rule.is_some() && self.cpu_pressure_some_seconds == 0.0)
+        self.cpu_pressure_some_seconds > 0.0 || (self.rule.is_none() && self.granted > 0)
     }
 }
 

@@ -300,6 +300,22 @@ fn a_rule_matched_process_is_charged_its_run_queue_wait() {
         !text.lines().any(|l| l.starts_with("governor_keyspace_cpu_pressure_some_seconds_total{keyspace_id=\"9300\"}")),
         "a pressure series for the rule's keyspace"
     );
+    // The rule removed, its keyspace stays until it idles out: still no
+    // pressure figure and no series, rather than a zero.
+    let removed = Command::new(governor_tests::governor_bin())
+        .args(["rules", "remove", "stress", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    assert!(removed.status.success(), "{}", governor_tests::output_text(&removed));
+    let s = agent.status().unwrap();
+    let k = s.keyspaces.iter().find(|k| k.keyspace_id == 9300).expect("the keyspace stays");
+    assert_eq!((&k.rule, k.cpu_pressure_some), (&None, None), "a former rule's keyspace has no pressure figure");
+    let text = governor_tests::scrape_metrics(s.metrics_addr.as_deref().expect("metrics address"));
+    assert!(
+        !text.lines().any(|l| l.starts_with("governor_keyspace_cpu_pressure_some_seconds_total{keyspace_id=\"9300\"}")),
+        "a pressure series for the former rule's keyspace"
+    );
     drop(stress);
 }
 
