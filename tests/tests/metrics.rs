@@ -239,6 +239,8 @@ fn past_the_limit_the_smallest_keyspaces_fold_into_other() {
     assert!((other - (cpu(13) + cpu(14))).abs() < 1e-9, "other {other}, keyspaces 13 + 14 {}", cpu(13) + cpu(14));
     assert!((0.025..0.035).contains(&other), "other {other} s for 30 ms of CPU");
     assert_eq!(sample(&body, "governor_metrics_keyspaces_folded", ""), Some(2.0));
+    // PD is off: none of its series, the fetch durations' histogram included.
+    assert!(!body.contains("tikv_service_limit_"), "PD series with PD off");
 }
 
 #[test]

@@ -245,6 +245,19 @@ impl Enforcer {
         dirs
     }
 
+    /// What `describe` says of the weights (`file`, " and cpu.weight"):
+    /// written to weigh the caps, or by the latency guard while it holds a
+    /// keyspace down, or not at all.
+    fn weights_written(&self, file: &str) -> String {
+        if self.settings.weighted {
+            file.to_string()
+        } else if self.guard.values().any(|f| f.weight < 1.0) {
+            format!("{file} (the latency guard's, while it holds a keyspace down)")
+        } else {
+            String::new()
+        }
+    }
+
     /// Where enforcement happens, for status.
     pub(crate) fn describe(&self) -> String {
         match (&self.hierarchy, &self.unavailable) {
@@ -252,7 +265,7 @@ impl Enforcer {
             (Some((root, Version::V2)), None) => {
                 format!(
                     "cgroup v2 cpu.max{} over {} ms in {}/{}-ks-<id>",
-                    if self.settings.weighted { " and cpu.weight" } else { "" },
+                    self.weights_written(" and cpu.weight"),
                     self.settings.period_us / 1000,
                     root.display(),
                     self.prefix
@@ -262,7 +275,7 @@ impl Enforcer {
                 let euid = crate::sys::effective_uid();
                 format!(
                     "cgroup v1 cpu.cfs_quota_us{} over {} ms in {}/{}-ks-<id>{}",
-                    if self.settings.weighted { " and cpu.shares" } else { "" },
+                    self.weights_written(" and cpu.shares"),
                     self.settings.period_us / 1000,
                     root.display(),
                     self.prefix,

@@ -83,8 +83,12 @@ async fn scrape(mut stream: TcpStream, shared: Arc<Shared>) -> std::io::Result<(
             // Built off the runtime's thread: it waits on the measurement locks.
             let text = tokio::task::spawn_blocking(move || {
                 let snap = shared.policy.snapshot();
-                let mut text = render(&shared.status_of(&snap), &snap, max_keyspaces);
-                text.push_str(&render_pd_duration(&shared.pd.duration));
+                let status = shared.status_of(&snap);
+                let mut text = render(&status, &snap, max_keyspaces);
+                // With the other tikv_service_limit_* series: while PD is on.
+                if status.pd.is_some() {
+                    text.push_str(&render_pd_duration(&shared.pd.duration));
+                }
                 text
             })
             .await
