@@ -62,6 +62,9 @@ fn the_daemonsets_configuration_validates() {
     std::fs::write(&file, &toml).unwrap();
     let o = Command::new(governor_bin()).args(["config", "validate"]).arg(&file).output().unwrap();
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-    // What the pod runs is what the unit runs.
+    // What the pod runs is what the unit runs: the binary the .deb put on
+    // the node, mounted into a stock image (nothing to build).
     assert!(yaml.contains(r#"args: ["agent", "--config", "/etc/governor/governor.toml"]"#));
+    assert!(yaml.contains(r#"command: ["/opt/governor/governor"]"#) && yaml.contains("image: debian:bookworm-slim"));
+    assert!(yaml.contains("hostPath: {path: /usr/bin/governor, type: File}"));
 }
