@@ -476,6 +476,12 @@ fn main() {
         },
         Verb::Config { verb: ConfigVerb::Set { assignment, socket, json } } => {
             match cli::config_cmd::set(&socket.unwrap_or_else(default_socket), &assignment) {
+                // Say why nothing changed: the value (100MB, say) is the one
+                // in force (100MiB).
+                Ok(a) if a.changes.is_empty() => print(json, &a, |_| {
+                    let key = assignment.split_once('=').map_or(assignment.as_str(), |(k, _)| k.trim());
+                    format!("accepted; nothing changed: {key} is that value already\n")
+                }),
                 Ok(a) => print(json, &a, cli::config_cmd::render_applied),
                 Err(e) => fail(json, &e),
             }

@@ -108,6 +108,13 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     assert!(log.contains("tenant-max-cpu-ratio 0.25 -> 0.5"), "{log}");
     assert!(log.contains("SIGHUP") && log.contains("tenant-max-cpu-ratio 0.5 -> 0.1"), "{log}");
     assert_eq!(log.matches("refused, the running configuration stays").count(), 5, "{log}");
+    // A set to the value in force, written another way: nothing changed, and why.
+    let o = governor(&agent, &["config", "set", "write-quota.pending-write-threshold=100mb"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "accepted; nothing changed: write-quota.pending-write-threshold is that value already\n"
+    );
 }
 
 #[test]
