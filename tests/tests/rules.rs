@@ -461,6 +461,7 @@ fn a_cap_that_cannot_hold_a_process_says_so() {
         }
         let table = String::from_utf8(governor(&agent, &["rules", "list"]).stdout).unwrap();
         assert!(table.contains("0.50!") && table.contains("could not be moved"), "{table}");
+        assert!(table.contains("MATCHED: live processes the rule matched (their children"), "{table}");
         let said = String::from_utf8(governor(&agent, &["keyspace", "961"]).stdout).unwrap();
         assert!(said.starts_with("keyspace 961: capped at 0.50 cores by a rule's cgroup, but "), "{said}");
         assert!(said.contains("run outside it, uncapped"), "{said}");

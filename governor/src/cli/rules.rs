@@ -49,9 +49,15 @@ pub fn render_list(l: &RuleList) -> String {
         };
         let _ = writeln!(out, "{:<3} {:<24} {:>10} {:>9} {:>9}  {}", i, r.name, r.keyspace, matched, cap, r.matches);
     }
-    if l.rules.iter().any(|r| r.matches.contains("thread-name-prefix=")) {
-        let _ = writeln!(out, "MATCHED: live processes; Nt: threads a thread rule charges apart from their process");
-    }
+    let _ = writeln!(
+        out,
+        "MATCHED: live processes the rule matched (their children are charged and capped with them, not counted here){}",
+        if l.rules.iter().any(|r| r.matches.contains("thread-name-prefix=")) {
+            "; Nt: threads a thread rule charges apart from their process"
+        } else {
+            ""
+        }
+    );
     let _ = writeln!(out, "caps: {}", l.enforcement);
     for r in l.rules.iter().filter(|r| r.processes_not_capped > 0) {
         let _ = writeln!(
