@@ -304,3 +304,18 @@ comm-prefix = \"z\"
         "{errors}"
     );
 }
+
+#[test]
+fn a_rule_after_one_set_aside_keeps_its_position() {
+    // Rule 0 lacks its keyspace and is set aside; rule 1, unnamed, is still
+    // rules[1] (not rules[0] of what is left), for its unknown key and for
+    // the name it lacks.
+    let source = "[[rules]]\nname = \"a\"\n\n[[rules]]\nkeyspace = 2\nbogus = 1\n";
+    let errors = ValidatedConfig::from_toml_str(source).unwrap_err();
+    let found: Vec<_> = errors.errors.iter().map(|e| (e.key(), e.line())).collect();
+    assert_eq!(
+        found,
+        vec![("rules.a.keyspace", Some(1)), ("rules[1].bogus", Some(6)), ("rules[1].name", Some(4))],
+        "{errors}"
+    );
+}

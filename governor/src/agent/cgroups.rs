@@ -420,6 +420,10 @@ impl Enforcer {
                                     "cgroups: cannot move process {p} into {rel}: {e}; the kernel does not hold it to keyspace {ks}'s cap"
                                 );
                                 self.state.moved.remove(&p);
+                                // Bounded: the ones gone go once many are kept.
+                                if self.unmoved.len() >= 1024 {
+                                    self.unmoved.retain(|t, _| Path::new(&format!("/proc/{t}")).exists());
+                                }
                                 self.unmoved.insert(p, (ks, e.to_string()));
                             }
                         }

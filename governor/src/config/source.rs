@@ -131,8 +131,14 @@ impl SourceMap {
 
     /// Turns a toml/serde error into a [`ConfigError`] naming key and line.
     pub fn convert(&self, error: &toml::de::Error) -> ConfigError {
+        self.convert_at(error, error.span().map(|span| self.line_of_offset(span.start)))
+    }
+
+    /// [`Self::convert`] of an error at `line` of this file (found in a copy
+    /// of it with lines blanked: the lines keep their numbers, the keys and
+    /// elements are this file's).
+    pub fn convert_at(&self, error: &toml::de::Error, line: Option<usize>) -> ConfigError {
         let message = error.message().trim().replace('\n', "; ");
-        let line = error.span().map(|span| self.line_of_offset(span.start));
         if let Some(field) = message.strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()) {
             let table = line.map(|l| self.table_at_line(l)).unwrap_or("");
             // The span may point at the key or at its table; prefer the key's line.

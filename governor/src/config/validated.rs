@@ -55,7 +55,9 @@ pub(crate) fn parse_file(source: &str) -> Result<(RawConfig, SourceMap), super::
                 // The blanked lines moved the byte offsets, not the lines.
                 let error = match &text {
                     std::borrow::Cow::Borrowed(_) => map.convert(&e),
-                    std::borrow::Cow::Owned(t) => SourceMap::new(t).convert(&e),
+                    std::borrow::Cow::Owned(t) => {
+                        map.convert_at(&e, e.span().map(|s| SourceMap::new(t).line_of_offset(s.start)))
+                    }
                 };
                 let line = error.line().filter(|l| {
                     let at = l.wrapping_sub(1);
