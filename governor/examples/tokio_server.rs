@@ -89,8 +89,8 @@ async fn handle(client: &Client, keyspace: u32, cpu_us: u64) -> String {
     }
 }
 
-/// The request's CPU, in stretches of at most a millisecond with a poll
-/// boundary between them.
+/// The request's CPU, in stretches of at most 250 µs with a poll boundary
+/// between them: the runtime runs a light request's task between two.
 async fn work(cpu_us: u64) -> u64 {
     let mut digest = 0;
     let mut left = cpu_us;

@@ -8,8 +8,10 @@
 use keyspace_governor::client;
 use std::time::Instant;
 
-/// The longest stretch of work between two checkpoints, µs.
-pub const STRETCH_US: u64 = 1000;
+/// The longest stretch of work between two checkpoints (and, in the tokio
+/// server, two polls: a light request on the same worker waits behind one
+/// stretch of a heavy one), µs.
+pub const STRETCH_US: u64 = 250;
 
 /// `(keyspace, cpu_us)` of a request line.
 pub fn parse(line: &str) -> Result<(u32, u64), String> {
