@@ -213,3 +213,33 @@ fn the_spared_lane_leaves_everything_else_to_the_ordinary_path_untouched() {
     assert!(acquire_spared(r, 1, &demand(100), &mut s).is_some());
     assert_eq!(s.us, 300);
 }
+
+/// A capped tenant that stopped keeps its threads' spare tokens, but with
+/// no ticket running its bucket is trimmed to one interval as any idle
+/// capped bucket is (the spare must not keep it full: back from idle, it
+/// would take ten intervals at once); a ticket running keeps it whole.
+#[test]
+fn spare_tokens_alone_do_not_keep_an_idle_capped_bucket_full() {
+    let p = essential(0.4);
+    let cell = setup(&p, 1);
+    let r = p.regions();
+    let k = r.header().knobs.snapshot();
+    let mut s = Spare::default();
+    let g = acquire_with(r, &k, 1, cell, &demand(300), Some(&mut s)).unwrap();
+    release_with(r, &g, 100, Some(&mut s));
+    let b = tenant(r, cell);
+    assert_eq!(b.inflight_us(), 200, "spare tokens count in flight");
+    let interval = p.tenant_cap_refill_us();
+    // A second of refill intervals, no ticket running: one interval's worth.
+    for i in 1..=100 {
+        p.tick(i * 10_000, None);
+    }
+    assert_eq!(b.available_us(), interval as i64, "trimmed to one interval");
+    // A ticket running: the refills fill it (its refunds need the room).
+    let running = acquire_with(r, &k, 1, cell, &demand(1000), None).unwrap();
+    for i in 101..=200 {
+        p.tick(i * 10_000, None);
+    }
+    assert!(b.available_us() > 5 * interval as i64, "{} µs with a ticket running", b.available_us());
+    release_with(r, &running, 1000, None);
+}

@@ -99,7 +99,7 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
                 ));
             } else {
                 why.push(format!(
-                    "admitting now: {} µs available of {} µs, {} µs in flight, refilled by {} µs per refill interval",
+                    "admitting now: {} µs available of {} µs, {} µs out (held by running tickets, or kept spare by the threads that served it, for their next request), refilled by {} µs per refill interval",
                     b.available_us, b.capacity_us, b.inflight_us, b.refill_us
                 ));
             }

@@ -41,9 +41,13 @@ impl Policy {
     /// (what stands above is trimmed). So a tenant back from idle starts
     /// from one interval (with the window's ten it took its cap + 9 % in its
     /// first second), while a busy tenant's refunds of over-granted tokens
-    /// still have room to land.
+    /// still have room to land. Tokens only threads keep spare (no ticket
+    /// running) are nothing in flight: a tenant that stopped keeps them
+    /// until its threads serve it again, so they must not keep its bucket
+    /// full as well.
     fn idle_cap_limit(b: &BucketView, p: Option<&ParamsView>, book: &mut BucketBook) -> u64 {
-        if !p.is_some_and(|p| p.has(P_CAP)) || b.inflight_us() != 0 {
+        let running = b.inflight_us() != 0 && b.counter(counter::GRANTED) != b.counter(counter::RELEASED);
+        if !p.is_some_and(|p| p.has(P_CAP)) || running {
             return book.capacity_us;
         }
         let limit = book.refill_us.min(book.capacity_us);
