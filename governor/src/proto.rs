@@ -523,6 +523,9 @@ pub struct KeyspaceStatus {
     pub estimate_us: u64,
     pub granted: u64,
     pub refused: u64,
+    /// Of those, refused by the node's global bucket (`global_exhausted`).
+    #[serde(default)]
+    pub refused_global: u64,
     pub waited: u64,
     pub inflight_requests: u64,
     pub pending_write_bytes: u64,

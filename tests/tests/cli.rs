@@ -175,3 +175,21 @@ fn status_on_a_missing_socket_names_the_path() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(v["error"].as_str().unwrap().contains("/tmp/governor-nothing-here.sock"), "{v}");
 }
+
+/// A tenant cap not below the node's read budget is valid, but one tenant
+/// at its cap can then empty the global bucket: validate warns.
+#[test]
+fn config_validate_warns_of_a_tenant_cap_that_can_take_the_whole_budget() {
+    let dir = Scratch::new("cli");
+    let body = |ratio: f64| {
+        format!("[resource-control.cpu-throttle]\nprofile = \"essential\"\ntenant-max-cpu-ratio = {ratio}\n")
+    };
+    for (ratio, warned) in [(0.4, false), (0.6, true), (0.9, true)] {
+        let file = write(&dir, "cap.toml", &body(ratio));
+        let (code, out, _) = governor(&["config", "validate", &file, "--json"]);
+        assert_eq!(code, 0, "{out}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let said = v["warnings"].to_string();
+        assert_eq!(said.contains("is not below resource-control.max-read-cpu-ratio (0.6)"), warned, "{ratio}: {said}");
+    }
+}

@@ -291,7 +291,7 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
     let server_cpu = server_cpu::ServerCpu::new(opts.config.resource_control().server_cpu_cores);
     let settings = Settings::from_config(&opts.config, server_cpu.current().cores);
-    for notice in opts.config.cpu_throttle().quotas_above(server_cpu.current().cores, "this server's") {
+    for notice in opts.config.notices_on(server_cpu.current().cores, "this server's") {
         log::warn!("{notice}");
     }
     let policy = Policy::with_cells(settings, measurement.sizes.keyspaces, now_us())?;

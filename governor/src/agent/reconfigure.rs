@@ -39,8 +39,13 @@ impl Shared {
         }
         let server_cpu_cores = next.resource_control().server_cpu_cores;
         let cores = self.lock_server_cpu().cores_with(server_cpu_cores);
-        if p.diff.hot().keyspace_cpu_quotas || p.diff.changed("resource-control.server-cpu-cores") {
-            for notice in next.cpu_throttle().quotas_above(cores, "this server's") {
+        let noticed = [
+            "resource-control.server-cpu-cores",
+            "resource-control.max-read-cpu-ratio",
+            "resource-control.cpu-throttle.tenant-max-cpu-ratio",
+        ];
+        if p.diff.hot().keyspace_cpu_quotas || noticed.iter().any(|k| p.diff.changed(k)) {
+            for notice in next.notices_on(cores, "this server's") {
                 log::warn!("{}: {notice}", p.what);
             }
         }

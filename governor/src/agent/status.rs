@@ -124,6 +124,7 @@ impl Shared {
                     estimate_us: p.estimate_us.load(Ordering::Relaxed),
                     granted: c.granted,
                     refused: refused(&c),
+                    refused_global: c.refused_global,
                     waited: c.waited,
                     inflight_requests: b.inflight_requests.load(Ordering::Relaxed),
                     pending_write_bytes: b.pending_write_bytes.load(Ordering::Relaxed),

@@ -70,9 +70,9 @@ pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {
 pub fn notices(config: &ValidatedConfig) -> Vec<String> {
     let configured = config.resource_control().server_cpu_cores;
     let mut notes = if configured > 0.0 {
-        config.cpu_throttle().quotas_above(configured, "resource-control.server-cpu-cores,")
+        config.notices_on(configured, "resource-control.server-cpu-cores,")
     } else {
-        config.cpu_throttle().quotas_above(f64::from(crate::sys::logical_cores()), "this machine's online CPUs,")
+        config.notices_on(f64::from(crate::sys::logical_cores()), "this machine's online CPUs,")
     };
     let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
     let has_uid = |uid: u32| passwd.lines().any(|l| l.split(':').nth(2) == Some(uid.to_string().as_str()));

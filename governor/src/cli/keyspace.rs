@@ -176,6 +176,12 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         "tickets since its cell was created: {} granted, {} waited in line before admission, {} refused; {} in flight{paced}",
         k.granted, k.waited, k.refused, k.inflight_requests
     ));
+    if k.refused_global > 0 {
+        why.push(format!(
+            "{} of its refusals were the node's global bucket's (global_exhausted), not its own: every keyspace's admissions share that bucket, so a tenant near the read budget (max-read-cpu-ratio) holds the others back (`governor status`, global line)",
+            k.refused_global
+        ));
+    }
     // A keyspace measured by rule that took no ticket meets no limit.
     if a.enabled && !(k.rule.is_some() && k.granted == 0) {
         why.push(limits_line(a, &k));

@@ -152,6 +152,25 @@ impl ValidatedConfig {
         toml::Table::try_from(self).expect("validated config always serializes to a table")
     }
 
+    /// What to tell an operator about a configuration that holds on a
+    /// server of `cores` (`whose`: where that figure comes from) but may not
+    /// be what was meant: quotas above the server (they hold nothing back),
+    /// and a tenant cap not below the node's read budget (one tenant at its
+    /// cap can empty the global bucket, and the others are then refused or
+    /// wait there). Not errors.
+    pub fn notices_on(&self, cores: f64, whose: &str) -> Vec<String> {
+        let t = self.cpu_throttle();
+        let mut notes = t.quotas_above(cores, whose);
+        let budget = self.resource_control.max_read_cpu_ratio;
+        if t.enabled && t.tenant_max_cpu_ratio > 0.0 && t.tenant_max_cpu_ratio >= budget {
+            notes.push(format!(
+                "resource-control.cpu-throttle.tenant-max-cpu-ratio: {} is not below resource-control.max-read-cpu-ratio ({budget}): one tenant at its cap can take the node's whole read budget, and the others are then refused (global_exhausted) or wait in the global bucket's line; keep the cap below it (the Essential profile's 0.4 of 0.6)",
+                t.tenant_max_cpu_ratio
+            ));
+        }
+        notes
+    }
+
     /// Back to the raw form, e.g. to edit one key and validate again.
     pub fn to_raw(&self) -> RawConfig {
         let mut raw: RawConfig = self.to_table().try_into().expect("validated config always parses back as raw");
