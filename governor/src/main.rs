@@ -364,6 +364,17 @@ fn main() {
         }
         Verb::Profile { keyspace, top, seconds, frequency, format, output, socket, json } => {
             let ask = cli::profile::Ask { seconds, frequency_hz: frequency, keyspace, top };
+            // Refused before sampling, not after it.
+            if json && !matches!(format, ProfileFormat::Text) {
+                let why = "--json prints the profile as JSON: give it or --format, not both";
+                fail(json, &CliError::Usage(why.into()));
+            }
+            if let Some(dir) = output.as_deref().and_then(|p| p.parent()).filter(|d| !d.as_os_str().is_empty())
+                && !dir.is_dir()
+            {
+                let source = std::io::Error::new(std::io::ErrorKind::NotFound, "no such directory");
+                fail(json, &CliError::Write { path: dir.to_path_buf(), source });
+            }
             let report = match cli::profile::run(&socket.unwrap_or_else(default_socket), &ask) {
                 Ok(r) => r,
                 Err(e) => fail(json, &e),

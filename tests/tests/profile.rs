@@ -592,3 +592,43 @@ mod pprof {
         p
     }
 }
+
+/// A profile that cannot show anything says so: before sampling when the
+/// request cannot work (an unknown keyspace, `--json` with another format,
+/// an output directory that does not exist), and after it when nothing ran
+/// (a known keyspace with no CPU: the text says why, no SVG is drawn).
+#[test]
+fn a_profile_that_cannot_show_anything_says_why() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let agent = Agent::start("ebpf", "").expect("agent");
+    let run = |args: &[&str]| {
+        Command::new(governor_bin()).arg("profile").args(args).arg("--socket").arg(&agent.socket).output().unwrap()
+    };
+    for (args, code, said) in [
+        (&["--keyspace", "999", "--seconds", "5"][..], 1, "keyspace 999 is not known"),
+        (&["--json", "--format", "svg", "--seconds", "5"][..], 64, "give it or --format, not both"),
+        (
+            &["--format", "svg", "-o", "/nonexistent-governor-dir/x.svg", "--seconds", "5"][..],
+            1,
+            "nonexistent-governor-dir",
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let o = run(args);
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {}", output_text(&o));
+        // With --json, the error object is on stdout.
+        assert!(output_text(&o).contains(said), "{args:?}: {}", output_text(&o));
+        assert!(started.elapsed() < Duration::from_secs(3), "{args:?}: refused after sampling");
+    }
+    let mut holder = governor_tests::Holder::start(&agent.socket);
+    assert_eq!(holder.acquire(4242, 0), Ok(()), "keyspace 4242 known, with no CPU");
+    let o = run(&["--keyspace", "4242", "--seconds", "0.3"]);
+    assert!(o.status.success(), "{}", output_text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("no samples: the keyspaces profiled used no CPU"));
+    let scratch = Scratch::new("profile-empty");
+    let svg = scratch.0.join("empty.svg");
+    let o = run(&["--keyspace", "4242", "--seconds", "0.3", "--format", "svg", "-o", svg.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", output_text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no flame graph to draw"), "{}", output_text(&o));
+    assert!(!svg.exists(), "an empty flame graph written");
+}

@@ -31,6 +31,19 @@ pub fn run(socket: &Path, ask: &Ask) -> Result<ProfileReport, CliError> {
             ask.frequency_hz
         )));
     }
+    // A keyspace the agent does not know would sample nothing for the
+    // whole profile: said at once, as `governor keyspace ID` says it.
+    if let Some(id) = ask.keyspace {
+        let status = super::status::run(socket)?;
+        if !status.keyspaces.iter().any(|k| k.keyspace_id == id) {
+            return Err(CliError::Agent {
+                message: format!(
+                    "keyspace {id} is not known: no thread tagged it and no request asked for it since its cell was last evicted (`governor status` lists the {} live keyspaces)",
+                    status.keyspaces.len()
+                ),
+            });
+        }
+    }
     let request = Request::Profile {
         seconds: ask.seconds,
         frequency_hz: ask.frequency_hz,
@@ -61,6 +74,14 @@ pub fn folded(r: &ProfileReport) -> String {
 
 /// A flame graph of the folded stacks, one tower per keyspace.
 pub fn svg(r: &ProfileReport) -> Result<Vec<u8>, CliError> {
+    if r.stacks.is_empty() {
+        return Err(CliError::Agent {
+            message: format!(
+                "no samples in {:.1} s: the keyspaces profiled used no CPU meanwhile, so there is no flame graph to draw (no file written)",
+                r.seconds
+            ),
+        });
+    }
     let text = folded(r);
     let mut options = inferno::flamegraph::Options::default();
     options.title = format!(
@@ -91,6 +112,9 @@ pub fn render(r: &ProfileReport) -> String {
         r.cpus,
         if r.lost_stacks > 0 { format!(" ({} with a lost stack)", r.lost_stacks) } else { String::new() }
     );
+    if total == 0 && r.dropped_samples == 0 {
+        let _ = writeln!(out, "no samples: the keyspaces profiled used no CPU meanwhile");
+    }
     if r.dropped_samples > 0 {
         let _ = writeln!(
             out,
