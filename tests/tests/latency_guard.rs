@@ -113,17 +113,30 @@ fn the_guard_lowers_the_noisy_refill_while_light_waits_miss_the_target_and_gives
     // core: the guard lowers its refill, at most to the floor.
     let mut lowest = u64::MAX;
     let mut seen_suffering = false;
+    // /metrics says the same: the light keyspace suffering, the noisy
+    // one's refill factor below 1.
+    let addr = agent.status().unwrap().metrics_addr.expect("metrics address");
+    let factor_line = format!("governor_latency_guard_refill_factor{{keyspace_id=\"{NOISY}\"}} ");
+    let (mut metric_factor, mut metric_suffering) = (None::<f64>, false);
     let lowered = until(Duration::from_secs(3), || {
         let s = agent.status().unwrap();
         seen_suffering |= s.admission.latency_guard.suffering.contains(&LIGHT);
         if let Some(r) = s.keyspaces.iter().find(|k| k.keyspace_id == NOISY).and_then(|k| k.bucket.as_ref()) {
             lowest = lowest.min(r.refill_us);
         }
-        lowest <= NOISY_BASE_US / 2
+        let text = governor_tests::scrape_metrics(&addr);
+        metric_suffering |= text.contains(&format!("governor_latency_guard_suffering{{keyspace_id=\"{LIGHT}\"}} 1"));
+        if let Some(v) = text.lines().find_map(|l| l.strip_prefix(&factor_line)).and_then(|v| v.trim().parse().ok()) {
+            metric_factor = Some(metric_factor.map_or(v, |m: f64| m.min(v)));
+        }
+        lowest <= NOISY_BASE_US / 2 && metric_factor.is_some_and(|f| f <= 0.5)
     });
     eprintln!("noisy refill lowered to {lowest} µs of {NOISY_BASE_US} µs per refill interval");
     assert!(lowered, "the noisy refill went no lower than {lowest} µs (base {NOISY_BASE_US} µs)");
     assert!(seen_suffering, "status never named the light keyspace as missing its target");
+    assert!(metric_suffering, "/metrics never named the light keyspace as suffering");
+    let f = metric_factor.expect("a refill factor series for the noisy keyspace");
+    assert!((0.2..=0.5).contains(&f), "/metrics: the noisy refill factor went down to {f}");
     assert!(lowest >= NOISY_BASE_US / 5 - 1, "lowered to {lowest} µs, below the floor (0.2 × {NOISY_BASE_US} µs)");
     // The noisy keyspace leaves: its refill comes back whole.
     let mut noisy = noisy;
@@ -134,6 +147,9 @@ fn the_guard_lowers_the_noisy_refill_while_light_waits_miss_the_target_and_gives
     assert!(restored, "the noisy refill stayed at {:?} µs after it left (base {NOISY_BASE_US})", noisy_refill(&agent));
     let s = agent.status().unwrap();
     assert!(s.admission.latency_guard.suffering.is_empty(), "{:?}", s.admission.latency_guard);
+    let text = governor_tests::scrape_metrics(&addr);
+    assert!(text.contains("governor_latency_guard_enabled 1"), "the guard's gauge");
+    assert!(!text.contains(&factor_line), "a refill factor series once the refill is whole");
     let stdin = light.0.stdin.as_mut().expect("stdin");
     let _ = stdin.write_all(b"go\ngo\n");
 }

@@ -93,6 +93,9 @@ pub struct PolicySnapshot {
     /// The same past the target mostly behind something else (an idle CPU,
     /// tasks governor does not measure): nobody is lowered for them.
     pub latency_guard_waiting_elsewhere: Vec<u32>,
+    /// The keyspaces the guard holds below their share, with the factor on
+    /// their refill ([`Policy::guard_factors`]).
+    pub latency_guard_factors: Vec<(u32, f64)>,
     /// Every keyspace with CPU in the monitor window, its ratio (the
     /// global ratio's denominator), whether it has a bucket or not.
     pub keyspace_ratios: Vec<(u32, f64)>,
@@ -175,6 +178,7 @@ impl Policy {
             overflow: self.overflow(),
             latency_guard_suffering,
             latency_guard_waiting_elsewhere,
+            latency_guard_factors: self.guard_factors(),
             keyspace_ratios,
         }
     }

@@ -186,6 +186,32 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         snap.tenant_cap_refill_us as f64,
     );
 
+    // The latency guard: what it acts on, for alerts and panels.
+    let g = &a.latency_guard;
+    f.gauge("governor_latency_guard_enabled", "1 while [latency-guard] is enabled", f64::from(u8::from(g.enabled)));
+    let ones = |ids: &[u32]| ids.iter().map(|id| (id.to_string(), 1.0)).collect::<Vec<_>>();
+    f.gauges(
+        "governor_latency_guard_suffering",
+        "1 for a keyspace under its fair share whose run-queue wait p99 missed the target, mostly behind \
+         keyspaces above their share (those are lowered)",
+        "keyspace_id",
+        &ones(&g.suffering),
+    );
+    f.gauges(
+        "governor_latency_guard_waiting_elsewhere",
+        "1 for a keyspace under its fair share whose wait p99 missed the target mostly behind what no refill \
+         changes (an idle CPU, unmeasured tasks): nobody is lowered for it",
+        "keyspace_id",
+        &ones(&g.waiting_elsewhere),
+    );
+    let factors: Vec<(String, f64)> = snap.latency_guard_factors.iter().map(|(id, x)| (id.to_string(), *x)).collect();
+    f.gauges(
+        "governor_latency_guard_refill_factor",
+        "The factor the guard holds a keyspace's refill (and a rule keyspace's cgroup) at, while below 1",
+        "keyspace_id",
+        &factors,
+    );
+
     // Per keyspace, bounded.
     let buckets: HashMap<u32, &KeyspaceSnapshot> = snap.keyspaces.iter().map(|k| (k.keyspace, k)).collect();
     // Every keyspace's ratio, bucket or not (measured by rule, or with no quota).
