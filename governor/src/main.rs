@@ -262,8 +262,13 @@ enum RulesVerb {
     },
 }
 
+/// The socket a verb without `--socket` talks to: `GOVERNOR_SOCKET` when
+/// set (an agent whose configuration moved its socket), else the default.
 fn default_socket() -> PathBuf {
-    ValidatedConfig::embedded_default().agent().control_socket.clone()
+    match std::env::var_os("GOVERNOR_SOCKET").filter(|s| !s.is_empty()) {
+        Some(path) => PathBuf::from(path),
+        None => ValidatedConfig::embedded_default().agent().control_socket.clone(),
+    }
 }
 
 fn print<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) {
@@ -350,6 +355,9 @@ fn main() {
         Verb::Top { sort, interval, iterations, limit, socket, json } => {
             if !(0.05..=3600.0).contains(&interval) {
                 fail(json, &CliError::Usage(format!("--interval {interval}: between 0.05 and 3600 seconds")));
+            }
+            if iterations == Some(0) {
+                fail(json, &CliError::Usage("--iterations 0 would show nothing: give 1 or more".into()));
             }
             let o = cli::top::Options {
                 interval: std::time::Duration::from_secs_f64(interval),

@@ -193,3 +193,14 @@ fn config_validate_warns_of_a_tenant_cap_that_can_take_the_whole_budget() {
         assert_eq!(said.contains("is not below resource-control.max-read-cpu-ratio (0.6)"), warned, "{ratio}: {said}");
     }
 }
+
+/// Without --socket, a verb talks to GOVERNOR_SOCKET when it is set.
+#[test]
+fn verbs_find_the_agent_at_governor_socket() {
+    let agent = Agent::start("auto", "").unwrap();
+    let o =
+        Command::new(governor_bin()).args(["status", "--json"]).env("GOVERNOR_SOCKET", &agent.socket).output().unwrap();
+    assert!(o.status.success(), "{}", governor_tests::output_text(&o));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(s["uptime_seconds"].is_number(), "{s}");
+}

@@ -103,8 +103,17 @@ fn top_for_scripts_prints_the_frames_asked_for() {
         shown <= ran * 1.02 + 0.02 && shown >= ran * 0.75,
         "top's frames show {shown:.3} s, the kernel counted {ran:.3} s"
     );
-    // A bad interval is a usage error.
-    let bad =
-        Command::new(governor_bin()).args(["top", "--interval", "0", "--socket"]).arg(&agent.socket).output().unwrap();
-    assert_eq!(bad.status.code(), Some(64));
+    // A bad interval, or no frame at all, is a usage error.
+    for args in [&["top", "--interval", "0"][..], &["top", "--iterations", "0"][..]] {
+        let bad = Command::new(governor_bin()).args(args).arg("--socket").arg(&agent.socket).output().unwrap();
+        assert_eq!(bad.status.code(), Some(64), "{args:?}");
+    }
+    // --limit holds for scripts too.
+    let o = Command::new(governor_bin())
+        .args(["top", "--json", "--iterations", "1", "--interval", "0.1", "--limit", "0", "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .unwrap();
+    let frame: serde_json::Value = serde_json::from_slice(&o.stdout).expect("a frame");
+    assert_eq!(frame["rows"], serde_json::json!([]), "{frame}");
 }

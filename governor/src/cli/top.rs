@@ -175,8 +175,10 @@ pub fn run(socket: &Path, o: &Options, mut emit: impl FnMut(&str)) -> Result<(),
             (b, a) if b > 0 && a > b => (a - b) as f64 / 1e9,
             _ => now.duration_since(at).as_secs_f64(),
         };
-        let f = frame(&before, &after, seconds, o.sort);
+        let mut f = frame(&before, &after, seconds, o.sort);
         let body = if o.json {
+            // The same rows the table shows.
+            f.rows.truncate(o.limit);
             serde_json::to_string(&f).expect("frames serialize") + "\n"
         } else if tty {
             // Home, draw, clear what the last frame left below.
