@@ -396,7 +396,7 @@ fn every_dashboard_query_returns_series_with_the_labels_its_panel_shows() {
             .unwrap();
     // A live agent with every source the panels draw from: tenants held to
     // quotas (grants, waits, refusals, top-ups), a PD quota, a rule, eBPF
-    // statistics, CPU pressure and a configuration change.
+    // statistics, CPU pressure, the latency guard and a configuration change.
     let pd = FakePd::start();
     pd.keyspace(9, "pd-tenant", "ENABLED");
     pd.reply("pd-tenant", Reply::Limit(100.0));
@@ -405,7 +405,7 @@ fn every_dashboard_query_returns_series_with_the_labels_its_panel_shows() {
          enable-dynamic-adjustment = false\nkeyspace-cpu-quotas = \"5:100,6:150\"\nenable-burst = false\n\
          enable-pd-service-limit = true\npd-service-limit-fetch-interval = \"200ms\"\n\
          pd-service-limit-request-timeout = \"150ms\"\n[pd]\nendpoints = [\"http://{}\"]\n\
-         [agent]\nmax-threads = 256\ncpu-pressure = true\n[[rules]]\nname = \"sleepers\"\nkeyspace = 77\ncomm-prefix = \"sleep\"\n",
+         [agent]\nmax-threads = 256\ncpu-pressure = true\n[latency-guard]\nenabled = true\n[[rules]]\nname = \"sleepers\"\nkeyspace = 77\ncomm-prefix = \"sleep\"\n",
         pd.addr
     );
     let agent = Agent::start("ebpf", &config).unwrap();

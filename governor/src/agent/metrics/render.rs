@@ -204,10 +204,19 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
         "keyspace_id",
         &ones(&g.waiting_elsewhere),
     );
-    let factors: Vec<(String, f64)> = snap.latency_guard_factors.iter().map(|(id, x)| (id.to_string(), *x)).collect();
+    // While the guard is on, every keyspace with a bucket has a factor (1
+    // when not held down): a panel draws a line that dips, and an alert can
+    // tell "not held" from "no data".
+    let held: HashMap<u32, f64> = snap.latency_guard_factors.iter().copied().collect();
+    let factors: Vec<(String, f64)> = if g.enabled {
+        snap.keyspaces.iter().map(|k| (k.keyspace.to_string(), held.get(&k.keyspace).copied().unwrap_or(1.0))).collect()
+    } else {
+        Vec::new()
+    };
     f.gauges(
         "governor_latency_guard_refill_factor",
-        "The factor the guard holds a keyspace's refill (and a rule keyspace's cgroup) at, while below 1",
+        "While [latency-guard] is enabled, the factor the guard holds each keyspace's refill (and a rule \
+         keyspace's cgroup) at: 1 when not held down",
         "keyspace_id",
         &factors,
     );
