@@ -117,3 +117,49 @@ fn top_for_scripts_prints_the_frames_asked_for() {
     let frame: serde_json::Value = serde_json::from_slice(&o.stdout).expect("a frame");
     assert_eq!(frame["rows"], serde_json::json!([]), "{frame}");
 }
+
+/// With the throttle off, the cells keep their buckets as they were last
+/// and no ticket draws on them: `top` and `status` show none, and show
+/// them again once it is back on.
+#[test]
+fn with_the_throttle_off_no_bucket_is_shown() {
+    let _s = serial();
+    let agent = Agent::start("ebpf", &governor_tests::essential_config(0.2)).unwrap();
+    governor_tests::run_workload(&agent.socket, &["tickets", "--keyspace", "7", "--seconds", "1", "--work-us", "500"])
+        .unwrap();
+    let cli = |args: &[&str]| {
+        let o = Command::new(governor_bin()).args(args).arg("--socket").arg(&agent.socket).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let frame = |text: String| -> serde_json::Value { serde_json::from_str(&text).expect("a frame") };
+    let row7 = |f: &serde_json::Value| f["rows"].as_array().unwrap().iter().find(|r| r["keyspace_id"] == 7).cloned();
+    let top = ["top", "--json", "--iterations", "1", "--interval", "0.1"];
+    let on = frame(cli(&top));
+    assert_eq!(on["throttle"], true, "{on}");
+    assert_eq!(row7(&on).expect("keyspace 7")["bucket_source"], "tenant_cap", "{on}");
+    let table_row = |status: &str| -> Vec<String> {
+        let line = status.lines().find(|l| l.split_whitespace().next() == Some("7")).expect("keyspace 7's row");
+        line.split_whitespace().map(str::to_string).collect()
+    };
+    assert_eq!(table_row(&cli(&["status"]))[5], "tenant_cap");
+
+    cli(&["config", "set", "resource-control.cpu-throttle.enabled=false"]);
+    let off = frame(cli(&top));
+    assert_eq!(off["throttle"], false, "{off}");
+    let r = row7(&off).expect("keyspace 7 still listed");
+    assert!(r["bucket_source"].is_null() && r["bucket_fill_pct"].is_null(), "{off}");
+    let text = cli(&["top", "--iterations", "1", "--interval", "0.1"]);
+    assert!(text.contains("cpu-throttle off: no bucket holds anything"), "{text}");
+    let status = cli(&["status"]);
+    assert!(status.contains("global       no bucket holds anything (cpu-throttle off)"), "{status}");
+    assert_eq!(&table_row(&status)[5..7], ["-", "-"], "{status}");
+    // The JSON keeps the cell's last bucket, beside the switch that says
+    // it holds nothing.
+    let json: serde_json::Value = serde_json::from_str(&cli(&["status", "--json"])).unwrap();
+    assert_eq!(json["admission"]["throttle"], false);
+
+    cli(&["config", "set", "resource-control.cpu-throttle.enabled=true"]);
+    let back = frame(cli(&top));
+    assert_eq!(row7(&back).expect("keyspace 7")["bucket_source"], "tenant_cap", "{back}");
+}

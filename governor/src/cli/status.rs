@@ -89,15 +89,26 @@ pub fn render(s: &StatusReport) -> String {
         let _ = writeln!(out, "latency      guard off (latency-guard.enabled = false)");
     }
     let g = &a.global;
-    let _ = writeln!(
-        out,
-        "global       {} / {} µs available, refill {} µs, {} µs in flight, monitor ratio {:.1}% (of cores × max-read-cpu-ratio × window-size)",
-        g.available_us,
-        g.capacity_us,
-        g.refill_us,
-        g.inflight_us,
-        a.global_ratio * 100.0
-    );
+    // With the throttle off the buckets keep their last state, and no
+    // ticket draws on them.
+    let throttle = a.enabled && a.throttle;
+    if throttle {
+        let _ = writeln!(
+            out,
+            "global       {} / {} µs available, refill {} µs, {} µs in flight, monitor ratio {:.1}% (of cores × max-read-cpu-ratio × window-size)",
+            g.available_us,
+            g.capacity_us,
+            g.refill_us,
+            g.inflight_us,
+            a.global_ratio * 100.0
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "global       no bucket holds anything (cpu-throttle off); monitor ratio {:.1}% (of cores × max-read-cpu-ratio × window-size)",
+            a.global_ratio * 100.0
+        );
+    }
     let _ = writeln!(
         out,
         "tickets      {} granted, {} refused, {} waited, {} fail-open, {} reclaimed",
@@ -139,8 +150,8 @@ pub fn render(s: &StatusReport) -> String {
     );
     for k in &s.keyspaces {
         let (source, tokens) = match &k.bucket {
-            Some(b) => (b.source.as_str(), format!("{} / {}", b.available_us, b.capacity_us)),
-            None => ("-", "-".to_string()),
+            Some(b) if throttle => (b.source.as_str(), format!("{} / {}", b.available_us, b.capacity_us)),
+            _ => ("-", "-".to_string()),
         };
         // The share of the window at least one of its threads waited.
         let pressure = k.cpu_pressure_some.map_or_else(|| "-".to_string(), |p| format!("{:.1}%", p * 100.0));

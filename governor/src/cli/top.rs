@@ -57,11 +57,17 @@ pub struct Frame {
     /// Cores used by every keyspace together over the interval.
     pub total_cores: f64,
     pub global_ratio: f64,
+    /// Whether the buckets hold anything (`resource-control.enabled` and
+    /// `cpu-throttle.enabled`); while not, rows carry no bucket.
+    pub throttle: bool,
     pub rows: Vec<Row>,
 }
 
 fn frame(before: &StatusReport, after: &StatusReport, seconds: f64, sort: SortKey) -> Frame {
     let old: HashMap<u32, &KeyspaceStatus> = before.keyspaces.iter().map(|k| (k.keyspace_id, k)).collect();
+    // With the throttle off a cell keeps its bucket as it was last; no
+    // ticket draws on it, so it is not shown.
+    let throttle = after.admission.enabled && after.admission.throttle;
     let mut rows: Vec<Row> = after
         .keyspaces
         .iter()
@@ -70,18 +76,17 @@ fn frame(before: &StatusReport, after: &StatusReport, seconds: f64, sort: SortKe
             let delta = |f: fn(&KeyspaceStatus) -> u64| f(k).saturating_sub(o.map_or(0, |o| f(o)));
             let cpu = (k.cpu_seconds - o.map_or(0.0, |o| o.cpu_seconds)).max(0.0) / seconds;
             let wait = (k.cpu_wait_seconds - o.map_or(0.0, |o| o.cpu_wait_seconds)).max(0.0) / seconds;
+            let bucket = k.bucket.as_ref().filter(|_| throttle);
             Row {
                 keyspace_id: k.keyspace_id,
                 cpu_cores: cpu,
                 window_ratio: k.window_ratio,
                 cpu_wait_ms_per_s: wait * 1000.0,
-                bucket_fill_pct: k
-                    .bucket
-                    .as_ref()
+                bucket_fill_pct: bucket
                     .filter(|b| b.capacity_us > 0)
                     .map(|b| b.available_us.max(0) as f64 / b.capacity_us as f64 * 100.0),
-                bucket_source: k.bucket.as_ref().map(|b| b.source.clone()),
-                debt_us: k.bucket.as_ref().map_or(0, |b| b.debt_us),
+                bucket_source: bucket.map(|b| b.source.clone()),
+                debt_us: bucket.map_or(0, |b| b.debt_us),
                 granted: delta(|k| k.granted),
                 waited: delta(|k| k.waited),
                 refused: delta(|k| k.refused),
@@ -107,6 +112,7 @@ fn frame(before: &StatusReport, after: &StatusReport, seconds: f64, sort: SortKe
         cores: after.logical_cores,
         total_cores: rows.iter().map(|r| r.cpu_cores).sum(),
         global_ratio: after.admission.global_ratio,
+        throttle,
         rows,
     }
 }
@@ -115,11 +121,12 @@ pub fn render(f: &Frame, limit: usize) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "governor top — {:.2} of {} cores used by keyspaces over the last {:.1} s; monitor ratio {:.1} %",
+        "governor top — {:.2} of {} cores used by keyspaces over the last {:.1} s; monitor ratio {:.1} %{}",
         f.total_cores,
         f.cores,
         f.interval_seconds,
-        f.global_ratio * 100.0
+        f.global_ratio * 100.0,
+        if f.throttle { "" } else { "; cpu-throttle off: no bucket holds anything" }
     );
     let _ = writeln!(
         out,
