@@ -345,9 +345,15 @@ pub struct RuleStatus {
     pub measured: bool,
     /// The cores the kernel holds its keyspace to (cgroup), when capped:
     /// the configured cap, lowered while the latency guard holds it down
-    /// (it follows `guard_factor` at most once a second).
+    /// or while making up for what ran outside (it follows the lower of
+    /// `guard_factor` and `outside_factor` at most once a second).
     #[serde(default)]
     pub cap_cores: Option<f64>,
+    /// The factor on the keyspace cgroup's cap that makes up for CPU its
+    /// processes ran outside the cgroup (those that start and end before
+    /// the agent has moved them), while below 1.
+    #[serde(default)]
+    pub outside_factor: Option<f64>,
     /// The latency guard's factor on the keyspace cgroup's CPU weight (and,
     /// within a second, its cap), while below 1.
     #[serde(default)]

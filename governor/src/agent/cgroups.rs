@@ -27,15 +27,9 @@
 mod files;
 mod guard;
 
-use files::{Factors, cap_files, period_us, quota_us, write_cap};
+use files::{Factors, Version, cap_files, cgroup_of, detect, period_us, quota_us, write_cap};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-enum Version {
-    V1,
-    V2,
-}
 
 /// What the agent changed, as written to the state file.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -136,31 +130,14 @@ pub(crate) struct Enforcer {
     /// Keyspaces whose cgroup refused the latency guard's last write (said
     /// once in the log until a write takes).
     guard_failed: std::collections::HashSet<u32>,
+    /// keyspace → what its processes ran outside its cgroup ([`guard::Outside`]).
+    outside: HashMap<u32, guard::Outside>,
     /// tgid → (keyspace, why): processes of a capped keyspace that could not
     /// be moved into its cgroup (on cgroup v1 moving another user's process
     /// takes euid 0), so the kernel does not hold them.
     unmoved: BTreeMap<u32, (u32, String)>,
-}
-
-/// No mounted hierarchy offers the cpu controller.
-#[derive(Debug, thiserror::Error)]
-#[error("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)")]
-struct NoCpuController;
-
-/// The hierarchy with the cpu controller: v2 when it has it, else v1.
-fn detect() -> Result<(PathBuf, Version), NoCpuController> {
-    let mounts = crate::procs::cgroup_mounts();
-    let pick = |v2: bool| mounts.iter().find(|m| m.cpu && m.v2 == v2).map(|m| m.dir.clone());
-    match (pick(true), pick(false)) {
-        (Some(dir), _) => Ok((dir, Version::V2)),
-        (None, Some(dir)) => Ok((dir, Version::V1)),
-        (None, None) => Err(NoCpuController),
-    }
-}
-
-/// The cgroup of `tgid` in a hierarchy of `version` (relative path).
-fn cgroup_of(tgid: u32, version: Version) -> Option<String> {
-    crate::procs::process_cgroups(tgid).into_iter().find(|(v2, _)| *v2 == (version == Version::V2)).map(|(_, p)| p)
+    /// Moves not yet in the state file.
+    dirty: bool,
 }
 
 impl Enforcer {
@@ -181,7 +158,9 @@ impl Enforcer {
             guard: HashMap::new(),
             guard_written: HashMap::new(),
             guard_failed: std::collections::HashSet::new(),
+            outside: HashMap::new(),
             unmoved: BTreeMap::new(),
+            dirty: false,
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -289,6 +268,17 @@ impl Enforcer {
                 )
             }
             (None, None) => "unavailable".into(),
+        }
+    }
+
+    /// Writes the moves of the last batch of decisions to the state file,
+    /// forgetting gone processes once many are kept.
+    pub(crate) fn flush(&mut self) {
+        if std::mem::take(&mut self.dirty) {
+            if self.state.moved.len() > 256 {
+                self.state.moved.retain(|t, _| Path::new(&format!("/proc/{t}")).exists());
+            }
+            self.save();
         }
     }
 
@@ -409,17 +399,20 @@ impl Enforcer {
                 while let Some(p) = todo.pop() {
                     let Some(orig) = cgroup_of(p, version) else { continue };
                     if orig != format!("/{rel}") {
-                        self.state.moved.entry(p).or_insert(orig);
-                        self.save();
                         match std::fs::write(root.join(&rel).join("cgroup.procs"), p.to_string()) {
                             Ok(()) => {
+                                // Moved first, written to the state file once the batch is done
+                                // (`flush`): a short-lived process runs outside its cap until it
+                                // is in. An agent that dies in between leaves it unrecorded; the
+                                // next one moves it where a recorded process came from.
+                                self.state.moved.entry(p).or_insert(orig);
+                                self.dirty = true;
                                 self.unmoved.remove(&p);
                             }
                             Err(e) => {
                                 log::warn!(
                                     "cgroups: cannot move process {p} into {rel}: {e}; the kernel does not hold it to keyspace {ks}'s cap"
                                 );
-                                self.state.moved.remove(&p);
                                 // Bounded: the ones gone go once many are kept.
                                 if self.unmoved.len() >= 1024 {
                                     self.unmoved.retain(|t, _| Path::new(&format!("/proc/{t}")).exists());

@@ -354,11 +354,33 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     // The autoscaling rules' first sample, before any request can be
     // refused: "recently" starts here.
     shared.autoscale.lock().record(0, std::collections::HashMap::new());
+    // Exec reports are decided as they come, on a thread of their own: a
+    // process a capped rule matches is in its keyspace's cgroup within the
+    // wakeup of that thread, not a tick later (a short-lived process run
+    // in a loop would do most of its work before a tick moved it).
+    let events = shared.lock_measurement().rules().map(|r| r.events_fd());
+    let rules_thread = match events {
+        Some(Ok(fd)) => {
+            let (shared, stop, tick) = (shared.clone(), stop_housekeeping.clone(), tick_of(&opts));
+            Some(
+                std::thread::Builder::new()
+                    .name("governor-rules".into())
+                    .spawn(move || decide_reports(&shared, &fd, tick, &stop))
+                    .map_err(AgentError::Thread)?,
+            )
+        }
+        Some(Err(e)) => {
+            log::warn!("rules: cannot wait on the exec reports ({e}): they are read at each tick");
+            None
+        }
+        None => None,
+    };
     let background = {
         let (shared, opts, stop) = (shared.clone(), opts.clone(), stop_housekeeping.clone());
+        let poll_rules = rules_thread.is_none();
         std::thread::Builder::new()
             .name("governor-tick".into())
-            .spawn(move || housekeeping(&shared, &opts, &stop))
+            .spawn(move || housekeeping(&shared, &opts, &stop, poll_rules))
             .map_err(AgentError::Thread)?
     };
     let exporter = tokio::spawn(metrics::serve(metrics_listener, shared.clone()));
@@ -367,6 +389,9 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let result = server::serve(listener, shared.clone(), shutdown).await;
     stop_housekeeping.store(true, Ordering::Release);
     let _ = background.join();
+    if let Some(t) = rules_thread {
+        let _ = t.join();
+    }
     exporter.abort();
     reloader.abort();
     pd_client.abort();
@@ -384,15 +409,35 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     result
 }
 
+/// The housekeeping period: the timer's, or the refill interval if shorter.
+fn tick_of(opts: &AgentOptions) -> Duration {
+    let timer = Duration::from_nanos(opts.sizing.timer_period_ns);
+    timer.min(opts.config.cpu_throttle().refill_interval.get()).max(Duration::from_millis(1))
+}
+
+/// Decides the rule reports (exec, fork, rename) as they arrive, and at
+/// least once a `tick` (what waits to settle, the sweep of lost reports),
+/// until `stop`.
+fn decide_reports(
+    shared: &Shared,
+    events: &std::os::fd::OwnedFd,
+    tick: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    while !stop.load(Ordering::Acquire) {
+        sys::ring_buffer_wait(events, tick);
+        let mut m = shared.lock_measurement();
+        shared.lock_rules().poll(&mut m);
+    }
+}
+
 /// Periodic work: fallback sampling, the TSC clock, the policy's refills
 /// and its monitor window, idle eviction, the heartbeat, slot reclaim. It
 /// runs on a thread of its own until `stop`: its `/proc` reads (schedstat
 /// samples, rule matching) and lock waits never hold up the control
 /// socket's runtime.
-fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::AtomicBool) {
-    let timer = Duration::from_nanos(opts.sizing.timer_period_ns);
-    let refill = opts.config.cpu_throttle().refill_interval.get();
-    let tick = timer.min(refill).max(Duration::from_millis(1));
+fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::AtomicBool, poll_rules: bool) {
+    let tick = tick_of(opts);
     // The first tick runs at once; then one per `tick`.
     let mut next = None::<Instant>;
     let mut last_reclaim = Instant::now();
@@ -422,7 +467,7 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
             let mut m = shared.lock_measurement();
             if m.is_fallback() {
                 fallback::sample(&m);
-            } else {
+            } else if poll_rules {
                 shared.lock_rules().poll(&mut m);
             }
         }
@@ -455,7 +500,7 @@ fn housekeeping(shared: &Shared, opts: &AgentOptions, stop: &std::sync::atomic::
         if sample.is_some() {
             // The latency guard's step also scales the rule keyspaces' caps.
             let factors = shared.policy.guard_factors().into_iter().collect();
-            shared.lock_rules().guard_caps(&factors);
+            shared.lock_rules().guard_caps(&factors, &cpu_ns);
             let (refused, held_back) = shared.held_back();
             shared.autoscale.lock().record(refused, held_back);
         }

@@ -14,10 +14,11 @@
 //! - **exec** (kernel, then agent): while there are rules, a process that
 //!   calls `execve` becomes *pending* and is reported on a ring buffer with
 //!   its new command name and path; its CPU is kept aside meanwhile. The
-//!   agent matches the rules, sets the entry (the first matching rule's
-//!   keyspace, or what the process had before) and charges the CPU kept
-//!   aside to it (every thread of the process). A process that lives for
-//!   one slice is counted too;
+//!   agent (a thread of its own, woken by the report) matches the rules,
+//!   sets the entry (the first matching rule's keyspace, or what the
+//!   process had before), moves the process into its keyspace's cgroup if
+//!   capped, and charges the CPU kept aside to it (every thread of the
+//!   process). A process that lives for one slice is counted too;
 //! - **scan** (agent): at start and whenever the rules change, every process
 //!   in `/proc` is matched, children inheriting from parents;
 //! - **rename** (kernel, then agent): while a rule matches thread names, a
@@ -134,6 +135,13 @@ impl Rules {
         }
     }
 
+    /// Records the batch's moves in the enforcer's state file.
+    fn flush_moves(&mut self) {
+        if let Some(e) = self.enforcer.as_mut() {
+            e.flush();
+        }
+    }
+
     /// The first rule that decides process `p` (thread rules never do).
     fn first_match(&self, p: &ProcessIdentity) -> Option<usize> {
         self.active.iter().position(|a| a.rule.thread_name_prefix.is_none() && a.rule.matches(p))
@@ -232,6 +240,11 @@ impl Rules {
                         .as_ref()
                         .and_then(|e| e.guard_factor_of(a.rule.keyspace))
                         .map(|f| (f * 1e6).round() / 1e6),
+                    outside_factor: self
+                        .enforcer
+                        .as_ref()
+                        .and_then(|e| e.outside_factor_of(a.rule.keyspace))
+                        .map(|f| (f * 1e6).round() / 1e6),
                     processes_not_capped: not_capped,
                     not_capped_reason: why,
                 }
@@ -240,10 +253,18 @@ impl Rules {
     }
 
     /// Scales the capped rule keyspaces' cgroup caps by the latency
-    /// guard's factors (keyspace → factor below 1).
-    pub(crate) fn guard_caps(&mut self, factors: &HashMap<u32, f64>) {
+    /// guard's factors (keyspace → factor below 1), and makes up for what
+    /// their processes ran outside their cgroups.
+    pub(crate) fn guard_caps(&mut self, factors: &HashMap<u32, f64>, cpu_ns: &[u64]) {
+        // Each rule keyspace's whole charge (cell `tag − 1`), wherever its
+        // processes ran: what makes up for those outside its cgroup.
+        let charged: HashMap<u32, u64> = self
+            .active
+            .iter()
+            .filter_map(|a| Some((a.rule.keyspace, *cpu_ns.get(a.tag.checked_sub(1)? as usize)?)))
+            .collect();
         if let Some(e) = self.enforcer.as_mut() {
-            e.guard(factors);
+            e.guard(factors, &charged);
         }
     }
 
@@ -349,6 +370,7 @@ impl Rules {
         for (t, tag) in placed {
             self.place(t, tag);
         }
+        self.flush_moves();
         // Processes decided before that are gone from /proc now.
         let gone: Vec<u32> = self.decided.keys().filter(|t| !resolved.contains_key(t)).copied().collect();
         for t in gone {
@@ -391,6 +413,7 @@ impl Rules {
                 self.decide(maps, e, now);
             }
         }
+        self.flush_moves();
         // Renames after the decisions: a thread renamed while its process
         // was pending is matched against what its process became.
         for (&tid, &i) in &renamed {

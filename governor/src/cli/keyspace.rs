@@ -154,6 +154,12 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
         if r.processes_not_capped > 0 {
             not_held_note(&mut why, r);
         }
+        if let Some(f) = r.outside_factor {
+            why.push(format!(
+                "its processes ran past the cap outside the cgroup (programs that start and end within a few ms, before the agent has moved them in; its charge counts them wherever they ran): the cgroup's cap is lowered to {:.0} % of it to make up, and given back as they stop",
+                f * 100.0
+            ));
+        }
         if let Some(f) = r.guard_factor {
             why.push(format!(
                 "the latency guard holds its CPU weight at {:.0} % of the configured one, and the cap (above, as in force) follows within a second, while keyspaces under their share wait for a CPU past its target behind this one; it gives both back as they meet the target",

@@ -331,6 +331,13 @@ impl RuleMaps {
                 && e.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok())
     }
 
+    /// A descriptor of the exec and rename reports' ring buffer, to wait on
+    /// (readable when reports are in).
+    pub fn events_fd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::AsRawFd;
+        crate::sys::bpf_map_dup(self.events.as_raw_fd())
+    }
+
     /// Events the ring buffer had no room for, since start.
     pub fn dropped(&self) -> u64 {
         self.ctl.get(&RULE_CTL_DROPPED, 0).unwrap_or(0)

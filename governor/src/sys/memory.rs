@@ -171,6 +171,28 @@ pub fn bpf_map_freeze(fd: RawFd) -> io::Result<()> {
     if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 
+/// A descriptor of its own for the BPF map behind `fd` (close-on-exec):
+/// it keeps the map open for as long as it lives.
+pub fn bpf_map_dup(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC reads no memory; the new descriptor is ours.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `new` was just opened and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+/// Waits until the ring buffer map behind `fd` has records to read, or
+/// `timeout` passes (true: readable). A signal ends the wait early.
+pub fn ring_buffer_wait(fd: &OwnedFd, timeout: std::time::Duration) -> bool {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: one valid pollfd, for the length given.
+    let rc = unsafe { libc::poll(&mut p, 1, ms) };
+    rc > 0 && p.revents & libc::POLLIN != 0
+}
+
 /// Raises RLIMIT_MEMLOCK for old kernels that charge BPF maps to it.
 /// This process's soft RLIMIT_MEMLOCK, bytes (`RLIM_INFINITY` when none).
 pub fn memlock_limit() -> io::Result<u64> {

@@ -37,7 +37,10 @@ pub use cpu::{
     possible_cpus, rdtsc, set_current_thread_cpus, set_task_slice, set_thread_slice,
 };
 pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};
-pub use memory::{Mapping, bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, seal};
+pub use memory::{
+    Mapping, bpf_map_dup, bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, ring_buffer_wait,
+    seal,
+};
 pub use process::{
     CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, effective_gid, effective_uid, gettid, on_fork_child, pidfd_open,
     raise_fd_limit, random_u64,

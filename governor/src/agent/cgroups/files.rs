@@ -1,8 +1,35 @@
-//! The cgroup files a cap and a weight are written to, and the values
-//! written.
+//! The hierarchy the caps live in, the cgroup files a cap and a weight
+//! are written to, and the values written.
 
-use super::Version;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The cgroup version of the hierarchy the caps are written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) enum Version {
+    V1,
+    V2,
+}
+
+/// No mounted hierarchy offers the cpu controller.
+#[derive(Debug, thiserror::Error)]
+#[error("no cgroup hierarchy here offers the cpu controller (cgroup v2 without cpu, and no v1 cpu mount)")]
+pub(super) struct NoCpuController;
+
+/// The hierarchy with the cpu controller: v2 when it has it, else v1.
+pub(super) fn detect() -> Result<(PathBuf, Version), NoCpuController> {
+    let mounts = crate::procs::cgroup_mounts();
+    let pick = |v2: bool| mounts.iter().find(|m| m.cpu && m.v2 == v2).map(|m| m.dir.clone());
+    match (pick(true), pick(false)) {
+        (Some(dir), _) => Ok((dir, Version::V2)),
+        (None, Some(dir)) => Ok((dir, Version::V1)),
+        (None, None) => Err(NoCpuController),
+    }
+}
+
+/// The cgroup of `tgid` in a hierarchy of `version` (relative path).
+pub(super) fn cgroup_of(tgid: u32, version: Version) -> Option<String> {
+    crate::procs::process_cgroups(tgid).into_iter().find(|(v2, _)| *v2 == (version == Version::V2)).map(|(_, p)| p)
+}
 
 /// The files a cap and a weight are written to, in the order to write them.
 pub(super) fn cap_files(version: Version) -> &'static [&'static str] {
