@@ -458,6 +458,10 @@ pub struct LatencyGuardStatus {
 pub struct OverflowStatus {
     /// Keyspaces refused a cell in the last minute.
     pub keyspaces: Vec<u32>,
+    /// Those of them refused by their server's uid's quota of cells
+    /// (`agent.max-keyspaces-per-uid`) while the table had room.
+    #[serde(default)]
+    pub by_uid_quota: Vec<u32>,
     /// Cell requests refused since start.
     pub cells_refused: u64,
     /// Its CPU bucket (`tenant_cap`, `config` or `pd`: what it is held

@@ -596,6 +596,15 @@ fn every_key_acts_online_or_is_refused() {
         overflow.as_array().is_some_and(|a| a.iter().any(|k| k == 42)),
         "42 shares the overflow bucket: {overflow}"
     );
+    // Refused by the uid's quota, with room left in the table: every view
+    // names the quota, not a full table.
+    let by_uid = r.status()["admission"]["overflow"]["by_uid_quota"].clone();
+    assert!(by_uid.as_array().is_some_and(|a| a.iter().any(|k| k == 42)), "{by_uid}");
+    let said = text(&r.governor(&["keyspace", "42"]));
+    assert!(said.contains("its server's uid holds its quota of cells (agent.max-keyspaces-per-uid"), "{said}");
+    assert!(!said.contains("table is full"), "{said}");
+    let status = text(&r.governor(&["status"]));
+    assert!(status.contains("refused by their uid's quota: raise agent.max-keyspaces-per-uid"), "{status}");
     drop(h);
     r.set("agent.max-keyspaces-per-uid", "2048");
 

@@ -33,8 +33,9 @@ pub(crate) enum CellRefusal {
 pub(crate) struct CellGrants {
     /// Who asked for each cell given out: (uid, the cell's generation then).
     owners: HashMap<u32, (u32, u64)>,
-    /// Keyspaces that got no cell: when they last asked.
-    overflowed: BTreeMap<u32, Instant>,
+    /// Keyspaces that got no cell: when they last asked, and the uid whose
+    /// quota of cells refused it (`None`: the table had no room).
+    overflowed: BTreeMap<u32, (Instant, Option<u32>)>,
     refused_total: u64,
 }
 
@@ -43,6 +44,9 @@ pub(crate) struct CellGrants {
 pub(crate) struct OverflowView {
     /// Keyspaces refused a cell in the last [`OVERFLOW_RECENT`], ascending.
     pub recent: Vec<u32>,
+    /// Those of them refused last by their uid's quota
+    /// (`agent.max-keyspaces-per-uid`), not by the table's room.
+    pub by_uid_quota: Vec<u32>,
     /// Cell requests refused since start.
     pub refused_total: u64,
 }
@@ -71,7 +75,7 @@ impl CellGrants {
             });
             let held = self.owners.values().filter(|(u, _)| *u == uid).count();
             if held >= per_uid as usize {
-                return Err(self.refused(CellRefusal::UidQuota { uid, held, keyspace: id }, id));
+                return Err(self.refused(CellRefusal::UidQuota { uid, held, keyspace: id }, id, Some(uid)));
             }
         }
         match policy.ensure_keyspace(id, now_us) {
@@ -82,19 +86,19 @@ impl CellGrants {
                 }
                 Ok((cell, generation, true))
             }
-            Err(source) => Err(self.refused(CellRefusal::Table { keyspace: id, source }, id)),
+            Err(source) => Err(self.refused(CellRefusal::Table { keyspace: id, source }, id, None)),
         }
     }
 
     /// Records a refusal; the first for a keyspace (or the first after it
     /// was forgotten) is a warning in the log.
-    fn refused(&mut self, why: CellRefusal, id: u32) -> CellRefusal {
+    fn refused(&mut self, why: CellRefusal, id: u32, uid_quota: Option<u32>) -> CellRefusal {
         self.refused_total += 1;
         let now = Instant::now();
-        if self.overflowed.insert(id, now).is_none() {
+        if self.overflowed.insert(id, (now, uid_quota)).is_none() {
             log::warn!("{why}");
             if self.overflowed.len() > OVERFLOW_REMEMBERED
-                && let Some(oldest) = self.overflowed.iter().min_by_key(|(_, at)| **at).map(|(k, _)| *k)
+                && let Some(oldest) = self.overflowed.iter().min_by_key(|(_, (at, _))| *at).map(|(k, _)| *k)
             {
                 self.overflowed.remove(&oldest);
             }
@@ -103,8 +107,10 @@ impl CellGrants {
     }
 
     pub(crate) fn overflow(&self) -> OverflowView {
+        let recent = || self.overflowed.iter().filter(|(_, (at, _))| at.elapsed() < OVERFLOW_RECENT);
         OverflowView {
-            recent: self.overflowed.iter().filter(|(_, at)| at.elapsed() < OVERFLOW_RECENT).map(|(k, _)| *k).collect(),
+            recent: recent().map(|(k, _)| *k).collect(),
+            by_uid_quota: recent().filter(|(_, (_, uid))| uid.is_some()).map(|(k, _)| *k).collect(),
             refused_total: self.refused_total,
         }
     }

@@ -24,6 +24,7 @@ impl Shared {
         let seen = self.lock_cell_grants().overflow();
         OverflowStatus {
             keyspaces: seen.recent,
+            by_uid_quota: seen.by_uid_quota,
             cells_refused: seen.refused_total,
             bucket: o.source.map(|src| BucketStatus {
                 source: source_name(src).into(),

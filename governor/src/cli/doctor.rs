@@ -258,9 +258,10 @@ fn agent(socket: &Path) -> Vec<Check> {
                 warn(
                     "keyspace-table",
                     format!(
-                        "{} keyspaces got no cell in the last minute ({} / {} cells in use): they share the overflow \
-                         bucket, held together to the tenant limits",
+                        "{} keyspaces got no cell in the last minute ({} of them refused by their uid's quota; {} / {} \
+                         cells in use): they share the overflow bucket, held together to the tenant limits",
                         a.overflow.keyspaces.len(),
+                        a.overflow.by_uid_quota.len(),
                         a.cells_in_use,
                         a.cells
                     ),

@@ -44,9 +44,14 @@ pub fn explain(s: &StatusReport, id: u32) -> Result<Explanation, CliError> {
     let Some(k) = s.keyspaces.iter().find(|k| k.keyspace_id == id).cloned() else {
         let o = &s.admission.overflow;
         if o.keyspaces.contains(&id) {
+            let why = if o.by_uid_quota.contains(&id) {
+                "its server's uid holds its quota of cells (agent.max-keyspaces-per-uid, half the table by default)"
+            } else {
+                "the keyspace table is full (agent.max-keyspaces)"
+            };
             return Err(CliError::Agent {
                 message: format!(
-                    "keyspace {id} has no cell of its own: the keyspace table is full ({} of {} cells live, agent.max-keyspaces); its requests share the overflow bucket with {} other keyspaces (`governor status`, overflow line)",
+                    "keyspace {id} has no cell of its own: {why}, with {} of {} cells live; its requests share the overflow bucket with {} other keyspaces (`governor status`, overflow line)",
                     s.admission.cells_in_use,
                     s.admission.cells,
                     o.keyspaces.len() - 1

@@ -123,15 +123,33 @@ pub fn render(s: &StatusReport) -> String {
                 b.source, b.available_us, b.capacity_us, b.refill_us
             )
         });
-        let _ = writeln!(
-            out,
-            "overflow     WARNING {} keyspaces without a cell in the last minute ({} cell requests refused; raise \
-             agent.max-keyspaces): held together, {held}; {} granted, {} refused",
-            o.keyspaces.len(),
-            o.cells_refused,
-            o.granted,
-            o.refused
-        );
+        if o.keyspaces.is_empty() {
+            // Over: say what it held, without the alarm.
+            let _ = writeln!(
+                out,
+                "overflow     none in the last minute ({} cell requests refused since start; {} granted, {} refused \
+                 through the overflow bucket)",
+                o.cells_refused, o.granted, o.refused
+            );
+        } else {
+            let uid = o.by_uid_quota.len();
+            let raise = match (uid, o.keyspaces.len() - uid) {
+                (0, _) => "raise agent.max-keyspaces".to_string(),
+                (n, 0) => format!("all {n} refused by their uid's quota: raise agent.max-keyspaces-per-uid"),
+                (n, _) => format!(
+                    "{n} of them by their uid's quota: raise agent.max-keyspaces-per-uid and agent.max-keyspaces"
+                ),
+            };
+            let _ = writeln!(
+                out,
+                "overflow     WARNING {} keyspaces without a cell in the last minute ({} cell requests refused; {raise}): \
+                 held together, {held}; {} granted, {} refused",
+                o.keyspaces.len(),
+                o.cells_refused,
+                o.granted,
+                o.refused
+            );
+        }
     }
     out.push('\n');
     let _ = writeln!(

@@ -441,7 +441,7 @@ pub(crate) fn render(status: &StatusReport, snap: &PolicySnapshot, max_keyspaces
     let o = &a.overflow;
     f.gauge(
         "governor_keyspace_overflow_keyspaces",
-        "Keyspaces refused a cell in the last minute, held together by the overflow bucket (raise agent.max-keyspaces)",
+        "Keyspaces refused a cell in the last minute, held together by the overflow bucket (raise agent.max-keyspaces, or agent.max-keyspaces-per-uid when their uid's quota refused them)",
         o.keyspaces.len() as f64,
     );
     f.counter(
