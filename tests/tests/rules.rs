@@ -225,6 +225,9 @@ fn a_thousand_short_lived_processes_are_all_counted() {
     let pid = sh.id();
     let added = governor(&agent, &["rules", "add", "spawner", "--keyspace", "950", "--tgid", &pid.to_string()]);
     assert!(added.status.success(), "{}", text(&added));
+    // The log names the rules that changed, not every rule in force.
+    let log = agent.log_text();
+    assert!(log.contains("rules add: accepted: rules: 1 in force (added or changed: spawner; removed"), "{log}");
     let t0 = Instant::now();
     std::io::Write::write_all(sh.stdin.as_mut().unwrap(), b"go\n").unwrap();
     // wait4: the shell's rusage with every child it reaped.

@@ -209,8 +209,27 @@ impl Running {
             log::info!("{}: accepted, nothing changed", p.what);
         } else {
             let shown = |v: &str| if v.is_empty() { "(unset)".to_string() } else { v.to_string() };
-            let list: Vec<String> =
-                p.diff.changes.iter().map(|c| format!("{} {} -> {}", c.key, shown(&c.old), shown(&c.new))).collect();
+            // The rules by name (the whole lists would be kilobytes a line
+            // with hundreds of rules); every other key with its values.
+            let (old_rules, new_rules) = (self.config.rules(), p.next.rules());
+            let names = |rs: &[crate::config::Rule], other: &[crate::config::Rule]| -> String {
+                let n: Vec<&str> = rs.iter().filter(|r| !other.contains(r)).map(|r| r.name.as_str()).collect();
+                if n.is_empty() { "none".into() } else { n.join(", ") }
+            };
+            let list: Vec<String> = p
+                .diff
+                .changes
+                .iter()
+                .map(|c| match c.key.as_str() {
+                    "rules" => format!(
+                        "rules: {} in force (added or changed: {}; removed or changed: {})",
+                        new_rules.len(),
+                        names(new_rules, old_rules),
+                        names(old_rules, new_rules)
+                    ),
+                    _ => format!("{} {} -> {}", c.key, shown(&c.old), shown(&c.new)),
+                })
+                .collect();
             log::info!("{}: accepted: {}", p.what, list.join(", "));
         }
         self.config = p.next;
