@@ -57,18 +57,59 @@ pub enum ClientError {
 
 /// A refusal, with how long the request waited before it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{reason} (waited {waited:?})")]
+#[error("{reason}{} (waited {waited:?})", if *.overflow { OVERFLOW_NOTE } else { "" })]
 pub struct Refused {
     /// Why.
     pub reason: Refusal,
     /// How long the request waited in line first.
     pub waited: Duration,
+    overflow: bool,
 }
 
+const OVERFLOW_NOTE: &str = ", in the overflow bucket: the keyspace has no cell of its own and shares one cap with every \
+                             keyspace that has none (`governor status`, overflow line)";
+
 impl Refused {
+    /// A refusal of a request of a keyspace whose cell is `cell` (`None`:
+    /// it has none, the overflow bucket held it).
+    pub(crate) fn new(reason: Refusal, waited: Duration, cell: Option<u32>) -> Refused {
+        let overflow = cell.is_none() && reason.is_cpu();
+        Refused { reason, waited, overflow }
+    }
+
+    /// True when the keyspace has no cell of its own (the agent's table is
+    /// full, or the server's uid holds its quota of cells) and the CPU
+    /// refusal came from the overflow bucket it shares with every keyspace
+    /// that has none, not from a cap of its own: the operator's fix is a
+    /// larger table (`governor status` says which limit).
+    pub fn in_overflow(&self) -> bool {
+        self.overflow
+    }
+
     /// The reason as a metrics label (`tenant_admission_control` for the
     /// concurrency limit).
     pub fn code(&self) -> &'static str {
         self.reason.code()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Refused;
+    use crate::policy::Refusal;
+    use std::time::Duration;
+
+    #[test]
+    fn a_cpu_refusal_without_a_cell_says_the_overflow_bucket_held_it() {
+        let cap = Refusal::TenantCpuExhausted { keyspace: 7 };
+        let shared = Refused::new(cap.clone(), Duration::ZERO, None);
+        assert!(shared.in_overflow());
+        assert_eq!(shared.code(), "tenant_cap_exhausted", "the code stays the seed's");
+        assert!(shared.to_string().contains("in the overflow bucket: the keyspace has no cell of its own"), "{shared}");
+        let own = Refused::new(cap, Duration::ZERO, Some(3));
+        assert!(!own.in_overflow() && !own.to_string().contains("overflow"), "{own}");
+        // Not a CPU refusal: no bucket held it.
+        let tickets = Refused::new(Refusal::TooManyTickets { limit: 4 }, Duration::ZERO, None);
+        assert!(!tickets.in_overflow());
     }
 }

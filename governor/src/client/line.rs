@@ -85,7 +85,7 @@ fn wait_on(
                 if deadline.is_some_and(|d| now >= d) {
                     r.counted_on(cell).observe_wait(refused_hist, now - start);
                     let reason = q.cancel(r);
-                    return (Waited::Refused(Refused { reason, waited: now - start }), now - start);
+                    return (Waited::Refused(Refused::new(reason, now - start, cell)), now - start);
                 }
                 if !(attached() && heartbeat_fresh(r)) {
                     let _ = q.cancel(r);

@@ -240,10 +240,7 @@ impl Client {
             };
             let k = att.admission.header().knobs.snapshot();
             let Some(idx) = mine.or_else(|| claim_shared(att)) else {
-                return Err(Refused {
-                    reason: Refusal::TooManyTickets { limit: att.ledger.len() },
-                    waited: Duration::ZERO,
-                });
+                return Err(Refused::new(Refusal::TooManyTickets { limit: att.ledger.len() }, Duration::ZERO, None));
             };
             let spare = home.as_deref_mut().map(|h| &mut h.spare);
             let queued = demand.deadline.is_some_and(|deadline| deadline > Instant::now());
@@ -283,7 +280,7 @@ impl Client {
                     *t = self.fail_open(keyspace, Some(att));
                     return Ok(None);
                 }
-                Err(Refused { reason, waited: Duration::ZERO })
+                Err(Refused::new(reason, Duration::ZERO, cell.map(|c| c.index)))
             })
         })
     }

@@ -80,7 +80,7 @@ impl Line {
                     if self.deadline.is_some_and(|d| now >= d) {
                         r.counted_on(self.cell).observe_wait(q.wait_hist(false), now - self.started);
                         let reason = self.q.take().expect("queued").cancel(r);
-                        return Poll::Ready(LineResult::Refused(Refused { reason, waited: now - self.started }));
+                        return Poll::Ready(LineResult::Refused(Refused::new(reason, now - self.started, self.cell)));
                     }
                     if !agent_alive(&self.att) {
                         let _ = self.q.take().expect("queued").cancel(r);
