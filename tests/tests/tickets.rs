@@ -108,12 +108,16 @@ fn a_tenant_back_from_idle_takes_no_more_than_its_cap_in_its_first_second() {
         let charged = agent.keyspace_seconds(1).unwrap() - before;
         let wall = report["loop_seconds"].as_f64().unwrap();
         let tickets = report["ticket_consumed_ns"].as_f64().unwrap() / 1e9;
-        eprintln!("after idle: charged {charged:.4} s, tickets {tickets:.4} s in {wall:.4} s; {report}");
-        firsts.push(tickets / wall.max(1.0));
-        // Held back: the cap, not a lack of demand. (Tickets pay by the
-        // thread clock, which counts what the host stole within a slice;
-        // the kernel's charge does not.)
         let steal = steal.share();
+        eprintln!(
+            "after idle: charged {charged:.4} s, tickets {tickets:.4} s in {wall:.4} s, steal {:.2} %; {report}",
+            steal * 100.0
+        );
+        // What the tenant got is the kernel's charge: the tickets' thread
+        // clocks also count what the host stole within a slice (one CI run
+        // read them 3.6 % above the charge, the charge 0.8 % above the cap).
+        firsts.push(charged / wall.max(1.0));
+        // Held back: the cap, not a lack of demand.
         assert!(report["granted"].as_u64().unwrap() > 300 && charged >= cap * (0.9 - steal), "{report}");
     }
     let worst = firsts.iter().copied().fold(0.0, f64::max);
