@@ -358,16 +358,18 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     // process a capped rule matches is in its keyspace's cgroup within the
     // wakeup of that thread, not a tick later (a short-lived process run
     // in a loop would do most of its work before a tick moved it).
-    let events = shared.lock_measurement().rules().map(|r| r.events_fd());
+    let events = shared.lock_measurement().rules().map(|r| Ok::<_, std::io::Error>((r.events_fd()?, sys::wake_fd()?)));
     let rules_thread = match events {
-        Some(Ok(fd)) => {
-            let (shared, stop, tick) = (shared.clone(), stop_housekeeping.clone(), tick_of(&opts));
-            Some(
+        Some(Ok((fd, wake))) => {
+            let wake = Arc::new(wake);
+            let (shared, stop, tick, woken) = (shared.clone(), stop_housekeeping.clone(), tick_of(&opts), wake.clone());
+            Some((
                 std::thread::Builder::new()
                     .name("governor-rules".into())
-                    .spawn(move || decide_reports(&shared, &fd, tick, &stop))
+                    .spawn(move || decide_reports(&shared, &fd, &woken, tick, &stop))
                     .map_err(AgentError::Thread)?,
-            )
+                wake,
+            ))
         }
         Some(Err(e)) => {
             log::warn!("rules: cannot wait on the exec reports ({e}): they are read at each tick");
@@ -389,7 +391,8 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     let result = server::serve(listener, shared.clone(), shutdown).await;
     stop_housekeeping.store(true, Ordering::Release);
     let _ = background.join();
-    if let Some(t) = rules_thread {
+    if let Some((t, wake)) = rules_thread {
+        sys::wake(&wake);
         let _ = t.join();
     }
     exporter.abort();
@@ -415,19 +418,24 @@ fn tick_of(opts: &AgentOptions) -> Duration {
     timer.min(opts.config.cpu_throttle().refill_interval.get()).max(Duration::from_millis(1))
 }
 
-/// Decides the rule reports (exec, fork, rename) as they arrive, and at
-/// least once a `tick` (what waits to settle, the sweep of lost reports),
-/// until `stop`.
+/// Decides the rule reports (exec, fork, rename) as they arrive, until
+/// `stop` (and `wake`). Between reports it wakes once a `tick` while
+/// something waits to settle, else once a second (the sweep of lost
+/// reports): an agent without rules adds no wakeups of its own.
 fn decide_reports(
     shared: &Shared,
     events: &std::os::fd::OwnedFd,
+    wake: &std::os::fd::OwnedFd,
     tick: Duration,
     stop: &std::sync::atomic::AtomicBool,
 ) {
+    let mut wait = tick;
     while !stop.load(Ordering::Acquire) {
-        sys::ring_buffer_wait(events, tick);
+        sys::ring_buffer_wait(events, wake, wait);
         let mut m = shared.lock_measurement();
-        shared.lock_rules().poll(&mut m);
+        let mut rules = shared.lock_rules();
+        rules.poll(&mut m);
+        wait = if rules.settling() { tick } else { Duration::from_secs(1) };
     }
 }
 

@@ -135,6 +135,11 @@ impl Rules {
         }
     }
 
+    /// Whether a decided process waits for its CPU kept aside to be taken.
+    pub(crate) fn settling(&self) -> bool {
+        !self.settle.is_empty()
+    }
+
     /// Records the batch's moves in the enforcer's state file.
     fn flush_moves(&mut self) {
         if let Some(e) = self.enforcer.as_mut() {

@@ -183,14 +183,36 @@ pub fn bpf_map_dup(fd: RawFd) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
 }
 
-/// Waits until the ring buffer map behind `fd` has records to read, or
-/// `timeout` passes (true: readable). A signal ends the wait early.
-pub fn ring_buffer_wait(fd: &OwnedFd, timeout: std::time::Duration) -> bool {
-    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+/// An eventfd to end a [`ring_buffer_wait`] early ([`wake`]).
+pub fn wake_fd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes no pointer; the new descriptor is ours.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just opened and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Ends the [`ring_buffer_wait`] on `wake` (now, or the next one).
+pub fn wake(wake: &OwnedFd) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: 8 readable bytes, as an eventfd takes them.
+    let _ = unsafe { libc::write(wake.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+}
+
+/// Waits until the ring buffer map behind `fd` has records to read, `wake`
+/// was woken, or `timeout` passes (true: records are in). A signal ends the
+/// wait early.
+pub fn ring_buffer_wait(fd: &OwnedFd, wake: &OwnedFd, timeout: std::time::Duration) -> bool {
+    let mut p = [
+        libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: wake.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+    ];
     let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
-    // SAFETY: one valid pollfd, for the length given.
-    let rc = unsafe { libc::poll(&mut p, 1, ms) };
-    rc > 0 && p.revents & libc::POLLIN != 0
+    // SAFETY: two valid pollfds, for the length given.
+    let rc = unsafe { libc::poll(p.as_mut_ptr(), 2, ms) };
+    rc > 0 && p[0].revents & libc::POLLIN != 0
 }
 
 /// Raises RLIMIT_MEMLOCK for old kernels that charge BPF maps to it.

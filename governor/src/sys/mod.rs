@@ -39,7 +39,7 @@ pub use cpu::{
 pub use futex::{futex_wait, futex_wait_bits, futex_waitv, futex_wake, futex_wake_bits};
 pub use memory::{
     Mapping, bpf_map_dup, bpf_map_freeze, memfd, memlock_limit, page_size, raise_memlock, region_len, ring_buffer_wait,
-    seal,
+    seal, wake, wake_fd,
 };
 pub use process::{
     CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN, effective_gid, effective_uid, gettid, on_fork_child, pidfd_open,
