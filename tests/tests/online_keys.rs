@@ -6,7 +6,7 @@
 //! embedded default, so a new key without an online check fails here.
 
 use governor_tests::fake_pd::{FakePd, Reply};
-use governor_tests::{Agent, Holder, governor_bin, output_text as text, scrape_metrics, workload_bin};
+use governor_tests::{Agent, Holder, Reap, governor_bin, output_text as text, scrape_metrics, workload_bin};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;
@@ -656,7 +656,9 @@ fn every_key_acts_online_or_is_refused() {
     assert_eq!(cap_refill(&r), per_interval(0.4, cores));
     r.set("tenant-max-cpu-ratio", "0.25");
     r.until("the cap at 0.25", Duration::from_secs(2), |_| cap_refill(&r) == per_interval(0.25, cores));
-    let o = r.governor(&["rules", "add", "capped", "--keyspace", "60", "--comm-prefix", "zz-no-such"]);
+    // The cgroup of a rule is made when the rule first matches a process.
+    let sleeper = Reap(Command::new("sleep").arg("600").spawn().unwrap());
+    let o = r.governor(&["rules", "add", "capped", "--keyspace", "60", "--tgid", &sleeper.0.id().to_string()]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     r.covered.insert("rules".into());
     let rule_cap = |s: &Value| num(&s["rules"][0]["cap_cores"]);
@@ -678,6 +680,7 @@ fn every_key_acts_online_or_is_refused() {
             .unwrap_or_default()
     };
     let dir = dir.expect("rule caps enforced by a cgroup on this host");
+    r.until("the rule's process in its cgroup", Duration::from_secs(2), |_| !read_period(&dir).is_empty());
     assert!(read_period(&dir).trim().ends_with("250000"), "{}: {}", dir.display(), read_period(&dir));
     r.set("resource-control.rule-cpu-period", "\"100ms\"");
     r.until("the period at 100 ms", Duration::from_secs(2), |s| {

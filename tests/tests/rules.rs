@@ -230,17 +230,9 @@ fn a_thousand_short_lived_processes_are_all_counted() {
     assert!(log.contains("rules add: accepted: rules: 1 in force (added or changed: spawner; removed"), "{log}");
     let t0 = Instant::now();
     std::io::Write::write_all(sh.stdin.as_mut().unwrap(), b"go\n").unwrap();
-    // wait4: the shell's rusage with every child it reaped.
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is valid; wait4 on our own child.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: status and ru are valid and writable for the call.
-    let r = unsafe { libc::wait4(pid as i32, &mut status, 0, &mut ru) };
-    assert_eq!(r, pid as i32);
+    let truth = reap_cpu_seconds(pid);
     let elapsed = t0.elapsed();
     eventually("the agent read every exec", || agent.status().unwrap().rule_events >= 1000);
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    let truth = tv(ru.ru_utime) + tv(ru.ru_stime);
     let charged = agent.keyspace_seconds(950).unwrap();
     let err = (charged / truth - 1.0) * 100.0;
     let s = agent.status().unwrap();
@@ -346,8 +338,9 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
 #[test]
 fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
     let _s = serial();
-    let config = "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"960:500\"\n\n\
-                  [[rules]]\nname = \"capped\"\nkeyspace = 960\ncomm-prefix = \"govtest-capped\"\n";
+    let config = "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"960:500,959:500\"\n\n\
+                  [[rules]]\nname = \"capped\"\nkeyspace = 960\ncomm-prefix = \"govtest-capped\"\n\n\
+                  [[rules]]\nname = \"unmatched\"\nkeyspace = 959\ncomm-prefix = \"govtest-no-such\"\n";
     let scratch = Scratch::new("rules-capped");
     let mut agent = Agent::start("ebpf", config).unwrap();
     let listed = governor(&agent, &["rules", "list", "--json"]);
@@ -366,6 +359,9 @@ fn a_rule_capped_process_is_held_to_its_cap_by_the_kernel_and_put_back_after() {
         group.len() >= 3 && group.iter().all(|p| cpu_cgroup(*p).is_some_and(|c| c.ends_with("-ks-960")))
     });
     let inside = cpu_cgroup(root).unwrap();
+    // A capped rule that matches nothing has no cgroup.
+    let unmatched = cpu_hierarchy().join(inside.trim_start_matches('/').replace("-ks-960", "-ks-959"));
+    assert!(!unmatched.exists(), "{} made for a rule that matches nothing", unmatched.display());
     // Twice 6 s, read while stopped: the agent's charge and the kernel's
     // schedstat, each against the 0.5-core cap (a stretch may get one
     // period's quota more or less at its edges: 2 % of 6 s at 250 ms).
@@ -927,14 +923,8 @@ fn a_program_run_in_a_loop_is_held_to_its_cap_though_it_starts_outside() {
     }
     let why = text(&governor(&agent, &["keyspace", "962"]));
     let (t1, c1) = (Instant::now(), agent.keyspace_seconds(962).unwrap());
-    let mut status = 0;
-    // SAFETY: an all-zero rusage is valid; wait4 on our own child.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: status and ru are valid and writable for the call.
-    assert_eq!(unsafe { libc::wait4(pid as i32, &mut status, 0, &mut ru) }, pid as i32);
+    let truth = reap_cpu_seconds(pid);
     let (t2, c2) = (Instant::now(), agent.keyspace_seconds(962).unwrap());
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    let truth = tv(ru.ru_utime) + tv(ru.ru_stime);
     let whole = truth / t0.elapsed().as_secs_f64();
     let later = (c2 - c1) / (t2 - t1).as_secs_f64();
     eprintln!(
@@ -954,4 +944,17 @@ fn a_program_run_in_a_loop_is_held_to_its_cap_though_it_starts_outside() {
     assert!((CAP * 0.8..=CAP * 1.3).contains(&whole), "{whole:.3} cores over the run, cap {CAP}");
     assert!(lowest < 0.95, "the cgroup's cap was not lowered (lowest factor {lowest})");
     assert!(why.contains("ran past the cap outside the cgroup"), "{why}");
+}
+
+/// Waits for our child `pid` to exit and returns the CPU seconds, user and
+/// system, it and every child it reaped ran (`wait4`'s rusage: the kernel's
+/// count, the truth a charge is held against).
+fn reap_cpu_seconds(pid: u32) -> f64 {
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is valid.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: status and ru are valid and writable for the call; pid is our child.
+    assert_eq!(unsafe { libc::wait4(pid as i32, &mut status, 0, &mut ru) }, pid as i32);
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }

@@ -3,7 +3,8 @@
 //!
 //! A keyspace measured by rule that has a CPU cap (its configured quota
 //! while cpu-throttle is on, else the tenant cap) gets a cgroup
-//! `<prefix>-ks-<id>` at the top of the hierarchy that has the `cpu`
+//! `<prefix>-ks-<id>`, made when its first process is placed, at the top
+//! of the hierarchy that has the `cpu`
 //! controller (one level: a group nested under another made the wakeups of
 //! its neighbours wait 2–4× longer, docs/design.md §3): the
 //! cgroup v2 one (`cpu.max`) where it offers it, else cgroup v1's `cpu`
@@ -26,6 +27,7 @@
 
 mod files;
 mod guard;
+mod restore;
 
 use files::{Factors, Version, cap_files, cgroup_of, detect, period_us, quota_us, write_cap};
 use std::collections::{BTreeMap, HashMap};
@@ -138,6 +140,9 @@ pub(crate) struct Enforcer {
     unmoved: BTreeMap<u32, (u32, String)>,
     /// Moves not yet in the state file.
     dirty: bool,
+    /// Keyspaces the rules cap on the operator's own cgroup: never given
+    /// one of ours.
+    capped_in_place: std::collections::HashSet<u32>,
 }
 
 impl Enforcer {
@@ -161,6 +166,7 @@ impl Enforcer {
             outside: HashMap::new(),
             unmoved: BTreeMap::new(),
             dirty: false,
+            capped_in_place: std::collections::HashSet::new(),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -310,6 +316,7 @@ impl Enforcer {
             return;
         }
         self.state.root = Some((root.clone(), version));
+        self.capped_in_place = in_place.keys().copied().collect();
         // In place: the operator's cgroups, values kept to put back.
         let dropped: Vec<u32> = self
             .state
@@ -356,16 +363,13 @@ impl Enforcer {
         for ks in old {
             self.release_keyspace(ks);
         }
+        // A keyspace's cgroup is made when its first process is placed
+        // (`cgroup_for`): a rule that matches nothing leaves no trace in the
+        // hierarchy. The ones there take the new cap now.
+        self.settings = settings;
         for (&ks, &cores) in &caps {
-            let rel = format!("{}-ks-{ks}", self.prefix);
-            let dir = root.join(&rel);
-            if !dir.is_dir()
-                && let Err(e) = std::fs::create_dir(&dir)
-            {
-                return self.fail(format!("cannot create {}: {e}", dir.display()));
-            }
-            self.state.created.insert(ks, rel);
-            self.save();
+            let Some(rel) = self.state.created.get(&ks) else { continue };
+            let dir = root.join(rel);
             self.guard_written.insert(ks, std::time::Instant::now());
             if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
                 return self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
@@ -374,8 +378,39 @@ impl Enforcer {
         if caps.is_empty() && self.state.created.is_empty() {
             self.remove_slice();
         }
-        self.settings = settings;
         self.save();
+    }
+
+    /// The cgroup (relative to the root) that holds capped `keyspace`'s
+    /// processes, made and capped now if it is not there yet; none once
+    /// enforcement fails.
+    fn cgroup_for(&mut self, keyspace: u32, root: &Path, version: Version) -> Option<String> {
+        if let Some(rel) = self.state.created.get(&keyspace) {
+            return Some(rel.clone());
+        }
+        if self.capped_in_place.contains(&keyspace) {
+            return None;
+        }
+        let cores = *self.settings.caps.get(&keyspace)?;
+        let rel = format!("{}-ks-{keyspace}", self.prefix);
+        let dir = root.join(&rel);
+        if !dir.is_dir()
+            && let Err(e) = std::fs::create_dir(&dir)
+        {
+            self.fail(format!("cannot create {}: {e}", dir.display()));
+            return None;
+        }
+        // Recorded before anything is moved in: an agent that dies now
+        // leaves a record the next one removes it by.
+        self.state.created.insert(keyspace, rel.clone());
+        self.save();
+        self.guard_written.insert(keyspace, std::time::Instant::now());
+        let (weighted, period_us) = (self.settings.weighted, self.settings.period_us);
+        if let Err(e) = write_cap(&dir, version, cores, self.factors(keyspace), weighted, period_us) {
+            self.fail(format!("cannot set the CPU cap of {}: {e}", dir.display()));
+            return None;
+        }
+        Some(rel)
     }
 
     /// Puts process `tgid`, charged to `keyspace` (None: to none), where its
@@ -387,7 +422,7 @@ impl Enforcer {
         }
         let Some((root, version)) = self.hierarchy.clone() else { return };
         let capped = keyspace.filter(|k| self.settings.caps.contains_key(k));
-        match capped.and_then(|k| Some((k, self.state.created.get(&k).cloned()?))) {
+        match capped.and_then(|k| Some((k, self.cgroup_for(k, &root, version)?))) {
             Some((ks, rel)) => {
                 if cgroup_of(tgid, version).as_deref() == Some(&format!("/{rel}")) {
                     self.unmoved.remove(&tgid);
@@ -480,102 +515,5 @@ impl Enforcer {
         let (_, version) = self.hierarchy.as_ref()?;
         let now = cgroup_of(tgid, *version).filter(|now| self.is_ours(now))?;
         Some((now, orig.as_str()))
-    }
-
-    fn move_back(&self, root: &Path, tgid: u32, orig: &str) {
-        let target = root.join(orig.trim_start_matches('/'));
-        let target = if target.is_dir() { target } else { root.to_path_buf() };
-        if let Err(e) = std::fs::write(target.join("cgroup.procs"), tgid.to_string())
-            && e.raw_os_error() != Some(libc::ESRCH)
-        {
-            log::warn!("cgroups: cannot move process {tgid} back to {}: {e}", target.display());
-        }
-    }
-
-    /// Moves every process of `keyspace`'s cgroup back and removes it.
-    fn release_keyspace(&mut self, keyspace: u32) {
-        self.unmoved.retain(|_, (k, _)| *k != keyspace);
-        let Some(rel) = self.state.created.remove(&keyspace) else { return };
-        let Some((root, _)) = self.state.root.clone() else { return };
-        let dir = root.join(&rel);
-        // Children forked inside go where their ancestor came from (or the root).
-        let fallback = self.state.moved.values().next().cloned().unwrap_or_else(|| "/".into());
-        for _ in 0..3 {
-            let procs: Vec<u32> = std::fs::read_to_string(dir.join("cgroup.procs"))
-                .unwrap_or_default()
-                .lines()
-                .filter_map(|l| l.trim().parse().ok())
-                .collect();
-            if procs.is_empty() {
-                break;
-            }
-            for p in procs {
-                let orig = self.state.moved.remove(&p).unwrap_or_else(|| fallback.clone());
-                self.move_back(&root, p, &orig);
-            }
-        }
-        if let Err(e) = std::fs::remove_dir(&dir)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            log::warn!("cgroups: cannot remove {}: {e}", dir.display());
-        }
-        self.save();
-    }
-
-    /// Puts back what a keyspace's in-place cap replaced.
-    fn restore_in_place(&mut self, keyspace: u32) {
-        let Some(p) = self.state.in_place.remove(&keyspace) else { return };
-        let Some((root, _)) = self.state.root.clone() else { return };
-        let dir = root.join(p.rel.trim_start_matches('/'));
-        for (file, value) in &p.saved {
-            if let Err(e) = std::fs::write(dir.join(file), value)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                log::warn!("cgroups: cannot put {value:?} back into {}: {e}", dir.join(file).display());
-            }
-        }
-        self.save();
-    }
-
-    fn remove_slice(&mut self) {
-        if let (Some((root, _)), Some(slice)) = (self.state.root.clone(), self.state.slice.take()) {
-            let _ = std::fs::remove_dir(root.join(slice));
-        }
-    }
-
-    /// Puts everything back: processes where they were, no cgroups of ours.
-    pub(crate) fn restore_all(&mut self) {
-        if !self.state.created.is_empty() || !self.state.in_place.is_empty() {
-            log::info!(
-                "cgroups: putting back {} keyspace cgroups (their processes where they came from) and {} caps in place",
-                self.state.created.len(),
-                self.state.in_place.len()
-            );
-        }
-        let keyspaces: Vec<u32> = self.state.created.keys().copied().collect();
-        for ks in keyspaces {
-            self.release_keyspace(ks);
-        }
-        let in_place: Vec<u32> = self.state.in_place.keys().copied().collect();
-        for ks in in_place {
-            self.restore_in_place(ks);
-        }
-        // What is left was not in a cgroup of ours (the keyspaces' own went
-        // back above): moved elsewhere by the operator since, or gone, its
-        // pid perhaps another process's now. It stays where it is.
-        let left = std::mem::take(&mut self.state.moved);
-        if !left.is_empty() {
-            log::debug!(
-                "cgroups: {} processes moved out of the keyspace cgroups since, or gone, left where they are",
-                left.len()
-            );
-        }
-        self.remove_slice();
-        self.settings.caps.clear();
-        self.guard.clear();
-        self.guard_written.clear();
-        self.guard_failed.clear();
-        let _ = std::fs::remove_file(&self.state_path);
-        self.state = State::default();
     }
 }

@@ -205,6 +205,7 @@ mod tests {
             guard_failed: Default::default(),
             unmoved: Default::default(),
             dirty: false,
+            capped_in_place: Default::default(),
             outside: HashMap::new(),
         }
     }

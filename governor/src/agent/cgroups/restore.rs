@@ -1,0 +1,106 @@
+//! Putting back what the enforcer changed: a keyspace's processes where
+//! they came from and its cgroup removed, the operator's cgroup values a cap
+//! in place replaced, and everything at stop (or at the start after a
+//! crash, from the state file).
+
+use super::{Enforcer, State};
+use std::path::Path;
+
+impl Enforcer {
+    pub(super) fn move_back(&self, root: &Path, tgid: u32, orig: &str) {
+        let target = root.join(orig.trim_start_matches('/'));
+        let target = if target.is_dir() { target } else { root.to_path_buf() };
+        if let Err(e) = std::fs::write(target.join("cgroup.procs"), tgid.to_string())
+            && e.raw_os_error() != Some(libc::ESRCH)
+        {
+            log::warn!("cgroups: cannot move process {tgid} back to {}: {e}", target.display());
+        }
+    }
+
+    /// Moves every process of `keyspace`'s cgroup back and removes it.
+    pub(super) fn release_keyspace(&mut self, keyspace: u32) {
+        self.unmoved.retain(|_, (k, _)| *k != keyspace);
+        let Some(rel) = self.state.created.remove(&keyspace) else { return };
+        let Some((root, _)) = self.state.root.clone() else { return };
+        let dir = root.join(&rel);
+        // Children forked inside go where their ancestor came from (or the root).
+        let fallback = self.state.moved.values().next().cloned().unwrap_or_else(|| "/".into());
+        for _ in 0..3 {
+            let procs: Vec<u32> = std::fs::read_to_string(dir.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.trim().parse().ok())
+                .collect();
+            if procs.is_empty() {
+                break;
+            }
+            for p in procs {
+                let orig = self.state.moved.remove(&p).unwrap_or_else(|| fallback.clone());
+                self.move_back(&root, p, &orig);
+            }
+        }
+        if let Err(e) = std::fs::remove_dir(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            log::warn!("cgroups: cannot remove {}: {e}", dir.display());
+        }
+        self.save();
+    }
+
+    /// Puts back what a keyspace's in-place cap replaced.
+    pub(super) fn restore_in_place(&mut self, keyspace: u32) {
+        let Some(p) = self.state.in_place.remove(&keyspace) else { return };
+        let Some((root, _)) = self.state.root.clone() else { return };
+        let dir = root.join(p.rel.trim_start_matches('/'));
+        for (file, value) in &p.saved {
+            if let Err(e) = std::fs::write(dir.join(file), value)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                log::warn!("cgroups: cannot put {value:?} back into {}: {e}", dir.join(file).display());
+            }
+        }
+        self.save();
+    }
+
+    pub(super) fn remove_slice(&mut self) {
+        if let (Some((root, _)), Some(slice)) = (self.state.root.clone(), self.state.slice.take()) {
+            let _ = std::fs::remove_dir(root.join(slice));
+        }
+    }
+
+    /// Puts everything back: processes where they were, no cgroups of ours.
+    pub(crate) fn restore_all(&mut self) {
+        if !self.state.created.is_empty() || !self.state.in_place.is_empty() {
+            log::info!(
+                "cgroups: putting back {} keyspace cgroups (their processes where they came from) and {} caps in place",
+                self.state.created.len(),
+                self.state.in_place.len()
+            );
+        }
+        let keyspaces: Vec<u32> = self.state.created.keys().copied().collect();
+        for ks in keyspaces {
+            self.release_keyspace(ks);
+        }
+        let in_place: Vec<u32> = self.state.in_place.keys().copied().collect();
+        for ks in in_place {
+            self.restore_in_place(ks);
+        }
+        // What is left was not in a cgroup of ours (the keyspaces' own went
+        // back above): moved elsewhere by the operator since, or gone, its
+        // pid perhaps another process's now. It stays where it is.
+        let left = std::mem::take(&mut self.state.moved);
+        if !left.is_empty() {
+            log::debug!(
+                "cgroups: {} processes moved out of the keyspace cgroups since, or gone, left where they are",
+                left.len()
+            );
+        }
+        self.remove_slice();
+        self.settings.caps.clear();
+        self.guard.clear();
+        self.guard_written.clear();
+        self.guard_failed.clear();
+        let _ = std::fs::remove_file(&self.state_path);
+        self.state = State::default();
+    }
+}
