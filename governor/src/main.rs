@@ -332,10 +332,10 @@ fn main() {
             if let Err(e) = run_agent(cfg, config, measure, socket, metrics_addr) {
                 eprintln!("governor agent: {}", keyspace_governor::error_chain(&e));
                 // EX_NOPERM when privileges are what is missing.
+                use keyspace_governor::agent::AgentError;
                 let code = match &e {
-                    keyspace_governor::agent::AgentError::Measure(
-                        keyspace_governor::measure::MeasureError::MissingCapability { .. },
-                    ) => 77,
+                    AgentError::Measure(keyspace_governor::measure::MeasureError::MissingCapability { .. }) => 77,
+                    AgentError::Listen { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => 77,
                     _ => 1,
                 };
                 std::process::exit(code);
@@ -546,7 +546,8 @@ fn run_agent(
         opts.measure = m;
     }
     if let Some(s) = socket {
-        opts.socket = s;
+        // Absolute, as the configuration's `control-socket` must be.
+        opts.socket = std::path::absolute(&s).unwrap_or(s);
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -65,15 +65,20 @@ fn config_validate_warns_of_rules_that_match_nothing_here() {
         "rules.toml",
         "[[rules]]\nname = \"gone\"\nkeyspace = 1\nexe = \"/usr/bin/governor-no-such-binary\"\n\n\
          [[rules]]\nname = \"nobody-here\"\nkeyspace = 2\nuid = 3999999\n\n\
-         [[rules]]\nname = \"root\"\nkeyspace = 3\nuid = 0\nexe = \"/bin/sh\"\n",
+         [[rules]]\nname = \"root\"\nkeyspace = 3\nuid = 0\nexe = \"/bin/sh\"\n\n\
+         [[rules]]\nname = \"service\"\nkeyspace = 4\ncgroup = \"/system.slice/governor-no-such.service\"\n",
     );
     let (code, out, _) = governor(&["config", "validate", &file, "--json"]);
     assert_eq!(code, 0, "{out}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let warnings: Vec<&str> = v["warnings"].as_array().unwrap().iter().map(|w| w.as_str().unwrap()).collect();
-    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert_eq!(warnings.len(), 3, "{warnings:?}");
     assert!(warnings[0].starts_with("rules.gone.exe: /usr/bin/governor-no-such-binary does not exist here"));
     assert!(warnings[1].starts_with("rules.nobody-here.uid: no user has uid 3999999"));
+    // A service's cgroup exists while it runs: the rule waits for it.
+    assert!(warnings[2].starts_with(
+        "rules.service.cgroup: /system.slice/governor-no-such.service does not exist here; the rule matches nothing until it does"
+    ));
 }
 
 /// A quota larger than the server is valid (one file may serve nodes of
@@ -203,4 +208,57 @@ fn verbs_find_the_agent_at_governor_socket() {
     assert!(o.status.success(), "{}", governor_tests::output_text(&o));
     let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(s["uptime_seconds"].is_number(), "{s}");
+}
+
+/// The agent's control socket path: a file there that is not a socket is
+/// never removed; a second agent on a path is refused even after the first
+/// one's socket file was deleted under it (they would share the keyspace
+/// cgroups and the crash record); a start that fails on the metrics port
+/// leaves no socket file.
+#[test]
+fn an_agent_keeps_to_its_own_socket_path() {
+    let dir = Scratch::new("cli-socket");
+    let not_a_socket = write(&dir, "g.sock", "precious data\n");
+    let (code, _, err) = governor(&["agent", "--measure", "thread-clock", "--socket", &not_a_socket]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is there and is not a socket"), "{err}");
+    assert_eq!(std::fs::read_to_string(&not_a_socket).unwrap(), "precious data\n");
+
+    let mut first = Agent::start("thread-clock", "").unwrap();
+    let socket = first.socket.to_string_lossy().into_owned();
+    std::fs::remove_file(&first.socket).unwrap();
+    let (code, _, err) =
+        governor(&["agent", "--measure", "thread-clock", "--metrics-addr", "127.0.0.1:0", "--socket", &socket]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("another agent is already serving"), "{err}");
+    first.kill9().unwrap();
+
+    // The port taken: refused, and the socket it had bound is gone again.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let fresh = dir.0.join("fresh.sock");
+    let (code, _, err) =
+        governor(&["agent", "--measure", "thread-clock", "--metrics-addr", &port, "--socket", fresh.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("cannot serve /metrics"), "{err}");
+    assert!(!fresh.exists(), "a failed start left {}", fresh.display());
+}
+
+/// An agent that is there but does not answer (stopped): the verbs say so
+/// after the call's timeout, and doctor does not tell the operator to start it.
+#[test]
+fn a_stopped_agent_is_said_to_not_answer() {
+    let agent = Agent::start("thread-clock", "").unwrap();
+    let socket = agent.socket.to_string_lossy().into_owned();
+    agent.signal(libc::SIGSTOP);
+    let (code, out, _) = governor(&["status", "--socket", &socket, "--json"]);
+    let (dcode, dout, _) = governor(&["doctor", "--socket", &socket, "--json"]);
+    agent.signal(libc::SIGCONT);
+    assert_eq!(code, 1, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let said = v["error"].as_str().unwrap_or_default();
+    assert!(said.contains("the agent did not answer within 5 s (stopped or stalled?)"), "{v}");
+    assert!(dcode != 0 || dout.contains("does not answer"), "{dout}");
+    assert!(dout.contains("it runs but does not answer"), "{dout}");
+    assert!(!dout.contains("start it"), "{dout}");
 }

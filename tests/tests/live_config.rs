@@ -316,6 +316,17 @@ fn fifty_invalid_changes_are_each_refused_naming_the_key_and_change_nothing() {
     assert!(String::from_utf8_lossy(&o.stdout).contains(&*path.to_string_lossy()), "{}", text(&o));
     assert_eq!(cap_ratio(&agent), 0.25, "a reload of no file changed the running configuration");
     refused += 1;
+    // A FIFO in its place (no writer ever comes): refused at once, naming
+    // what it is; the agent goes on answering.
+    assert!(Command::new("mkfifo").arg(&path).status().unwrap().success());
+    let t0 = Instant::now();
+    let o = governor(&agent, &["config", "reload", "--json"]);
+    assert_eq!(o.status.code(), Some(66), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("a FIFO, not a configuration file"), "{}", text(&o));
+    assert!(t0.elapsed() < Duration::from_secs(2), "the reload of a FIFO took {:?}", t0.elapsed());
+    assert_eq!(cap_ratio(&agent), 0.25);
+    std::fs::remove_file(&path).unwrap();
+    refused += 1;
     assert!(refused >= 50, "{refused} attempts");
     let after = agent.status().expect("status");
     assert_eq!(after.config_updates.rejected - before.config_updates.rejected, refused);

@@ -287,7 +287,7 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     let file = scratch.0.join("bad.toml");
     std::fs::write(
         &file,
-        "[[rules]]\nname = \"a\"\nkeyspace = 1\ncgroup = \"/no/such/cgroup-here\"\n\n\
+        "[[rules]]\nname = \"a\"\nkeyspace = 1\ncgroup = \"/no/such/cgroup-here\"\ncap-in-place = true\n\n\
          [[rules]]\nname = \"b\"\nkeyspace = -1\ncomm-prefix = \"a-name-much-too-long\"\n\n\
          [[rules]]\nname = \"a\"\nkeyspace = 2\nuid = 0\n\n\
          [[rules]]\nname = \"c\"\nkeyspace = 3\n\n\
@@ -301,15 +301,16 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     let keys: Vec<(&str, Option<u64>)> =
         v["errors"].as_array().unwrap().iter().filter_map(|e| Some((e["key"].as_str()?, e["line"].as_u64()))).collect();
     // Each with the line of the key in its rule (the duplicate name: the
-    // second rule's).
+    // second rule's). A cgroup that does not exist is refused only to a cap
+    // in place, which writes into it.
     for want in [
         ("rules.a.cgroup", 4),
-        ("rules.b.keyspace", 8),
-        ("rules.b.comm-prefix", 9),
-        ("rules.a.name", 12),
-        ("rules.c", 16),
-        ("rules.d.exe", 23),
-        ("rules.e.thread-name-prefix", 28),
+        ("rules.b.keyspace", 9),
+        ("rules.b.comm-prefix", 10),
+        ("rules.a.name", 13),
+        ("rules.c", 17),
+        ("rules.d.exe", 24),
+        ("rules.e.thread-name-prefix", 29),
     ] {
         assert!(keys.contains(&(want.0, Some(want.1))), "no error for {want:?}: {keys:?}");
     }

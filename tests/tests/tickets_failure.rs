@@ -285,3 +285,60 @@ fn a_client_scribbling_on_the_regions_does_not_stop_the_agent_or_the_others() {
     assert!(agent.status().is_ok(), "the agent died: {}", agent.log_text());
     assert!(!agent.log_text().contains("panicked"), "{}", agent.log_text());
 }
+
+/// The shared regions mapped into this process, by name (`/proc/self/maps`):
+/// the agent's memfds (`memfd:governor-…`) and BPF maps.
+fn governor_mappings() -> std::collections::BTreeMap<String, usize> {
+    let mut by_name = std::collections::BTreeMap::new();
+    for line in std::fs::read_to_string("/proc/self/maps").unwrap().lines() {
+        if let Some(name) = line.split_whitespace().nth(5)
+            && (name.starts_with("/memfd:governor") || name.starts_with("anon_inode:bpf-map"))
+        {
+            *by_name.entry(name.to_string()).or_insert(0) += 1;
+        }
+    }
+    by_name
+}
+
+#[test]
+fn a_server_that_outlives_many_agents_keeps_one_set_of_regions() {
+    let _s = serial();
+    let mut agent = Agent::start("ebpf", &bare_cap_config(0.4)).unwrap();
+    let c = Client::connect(&agent.socket).unwrap();
+    c.register_current_thread().unwrap();
+    drop(c.acquire(5, Demand::new()).unwrap());
+    // A ticket admitted by the first agent and given back after its regions are.
+    let held = c.acquire(5, Demand::new()).unwrap();
+    for round in 2..=6 {
+        if round % 2 == 0 {
+            agent.kill9().unwrap();
+        }
+        agent.restart().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while c.attachments() < round && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(c.attachments(), round, "the client did not re-attach");
+        drop(c.acquire(5, Demand::new()).unwrap());
+    }
+    // Given back 2 s after each agent went away (so are those of the
+    // clients of tests before, whose agents went): one agent's regions, its
+    // header, buckets, parameters and this client's ledger (memfds) and the
+    // three measurement maps.
+    std::thread::sleep(Duration::from_millis(2500));
+    let after = governor_mappings();
+    eprintln!("mapped after 6 agents: {after:?}");
+    let one: std::collections::BTreeMap<String, usize> =
+        ["/memfd:governor-buckets", "/memfd:governor-header", "/memfd:governor-ledger", "/memfd:governor-params"]
+            .into_iter()
+            .map(|n| (n.to_string(), 1))
+            .chain([("anon_inode:bpf-map".to_string(), 3)])
+            .collect();
+    assert_eq!(after, one, "a gone agent's regions are still mapped");
+    drop(held);
+    // Still governed by the last agent.
+    let t = c.acquire(5, Demand::new()).unwrap();
+    drop(t);
+    let status = agent.status().unwrap();
+    assert!(status.keyspaces.iter().any(|k| k.keyspace_id == 5 && k.granted >= 1), "{:?}", status.keyspaces);
+}

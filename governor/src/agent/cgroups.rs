@@ -29,7 +29,7 @@ mod files;
 mod guard;
 mod restore;
 
-use files::{Factors, Version, cap_files, cgroup_of, detect, period_us, quota_us, write_cap};
+use files::{Factors, Version, an_agents, cap_files, cgroup_of, detect, period_us, quota_us, write_cap, write_whole};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -187,6 +187,7 @@ impl Enforcer {
                 Err(err) => log::warn!("cgroups: ignoring unreadable state file {}: {err}", e.state_path.display()),
             }
         }
+        e.sweep();
         e
     }
 
@@ -288,11 +289,27 @@ impl Enforcer {
         }
     }
 
-    fn save(&self) {
+    /// Writes the state file whole ([`write_whole`]); false, said in the
+    /// log, when it cannot.
+    fn save(&self) -> bool {
         let text = serde_json::to_string(&self.state).expect("state serializes");
-        if let Err(e) = std::fs::write(&self.state_path, text) {
-            log::warn!("cgroups: cannot write the state file {}: {e}", self.state_path.display());
+        match write_whole(&self.state_path, text.as_bytes()) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!("cgroups: cannot write the state file {}: {e}", self.state_path.display());
+                false
+            }
         }
+    }
+
+    /// Enforcement stops because the record of what it changes cannot be
+    /// written: without it a crash would leave processes capped with nobody
+    /// to put them back.
+    fn unrecorded(&mut self) {
+        self.fail(format!(
+            "cannot write the state file {} (the record that puts back what the agent changes, after a crash too); restart the agent once it can",
+            self.state_path.display()
+        ));
     }
 
     fn fail(&mut self, what: String) {
@@ -346,7 +363,11 @@ impl Enforcer {
                     })
                     .collect();
                 e.insert(InPlace { rel: rel.clone(), saved });
-                self.save();
+                if !self.save() {
+                    self.state.in_place.remove(&ks);
+                    self.settings = settings;
+                    return self.unrecorded();
+                }
             }
             // A quota written refills its period: the guard's next write waits.
             self.guard_written.insert(ks, std::time::Instant::now());
@@ -403,7 +424,12 @@ impl Enforcer {
         // Recorded before anything is moved in: an agent that dies now
         // leaves a record the next one removes it by.
         self.state.created.insert(keyspace, rel.clone());
-        self.save();
+        if !self.save() {
+            self.state.created.remove(&keyspace);
+            let _ = std::fs::remove_dir(&dir);
+            self.unrecorded();
+            return None;
+        }
         self.guard_written.insert(keyspace, std::time::Instant::now());
         let (weighted, period_us) = (self.settings.weighted, self.settings.period_us);
         if let Err(e) = write_cap(&dir, version, cores, self.factors(keyspace), weighted, period_us) {
@@ -440,6 +466,8 @@ impl Enforcer {
                                 // (`flush`): a short-lived process runs outside its cap until it
                                 // is in. An agent that dies in between leaves it unrecorded; the
                                 // next one moves it where a recorded process came from.
+                                // Never back into another agent's keyspace cgroup.
+                                let orig = if an_agents(&orig) { "/".to_string() } else { orig };
                                 self.state.moved.entry(p).or_insert(orig);
                                 self.dirty = true;
                                 self.unmoved.remove(&p);
@@ -488,7 +516,7 @@ impl Enforcer {
                 return Some(orig.clone());
             }
             match cgroup_of(p, version) {
-                Some(now) if !self.is_ours(&now) => return Some(now),
+                Some(now) if !self.is_ours(&now) => return Some(if an_agents(&now) { "/".into() } else { now }),
                 Some(_) => {}
                 None => return None,
             }

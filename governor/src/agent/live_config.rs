@@ -153,7 +153,7 @@ impl Running {
                 None => Err(Refused::NoFile),
                 Some(path) => {
                     what = format!("{what} ({})", path.display());
-                    std::fs::read_to_string(path)
+                    crate::config::file::read_within(path, crate::config::file::READ_TIMEOUT)
                         .map_err(|source| Refused::Read { path: path.clone(), source })
                         .and_then(|text| self.config.apply_update(&text).map_err(Refused::Invalid))
                 }

@@ -72,6 +72,10 @@ pub enum AgentError {
     },
     #[error("another agent is already serving {path}")]
     AlreadyRunning { path: PathBuf },
+    #[error(
+        "{path} is there and is not a socket: the agent removes only a socket a crashed agent left; move the file away or choose another --socket (agent.control-socket)"
+    )]
+    NotASocket { path: PathBuf },
     #[error("starting the async runtime failed")]
     Runtime(#[source] std::io::Error),
     #[error("starting the housekeeping thread failed")]
@@ -282,10 +286,15 @@ fn fnv32(bytes: &[u8]) -> u32 {
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
-    let listener = server::bind(&opts.socket, opts.config.access())?;
-    let metrics_listener = tokio::net::TcpListener::bind(opts.metrics_addr)
-        .await
-        .map_err(|source| AgentError::Metrics { addr: opts.metrics_addr, source })?;
+    let (listener, _claim) = server::bind(&opts.socket, opts.config.access())?;
+    let metrics_listener = match tokio::net::TcpListener::bind(opts.metrics_addr).await {
+        Ok(l) => l,
+        Err(source) => {
+            // The socket is this agent's (it holds the claim): no stale file left.
+            let _ = std::fs::remove_file(&opts.socket);
+            return Err(AgentError::Metrics { addr: opts.metrics_addr, source });
+        }
+    };
     let metrics_addr = metrics_listener.local_addr().ok();
     sys::raise_fd_limit();
     let measurement = Measurement::start(opts.measure, opts.sizing)?;

@@ -39,13 +39,31 @@ pub const MAX_CONNECTIONS: usize = 4096;
 /// take the others' share.
 pub const MAX_CONNECTIONS_PER_UID: usize = 1024;
 
-pub(super) fn bind(path: &Path, access: &Access) -> Result<UnixListener, AgentError> {
+///
+/// Also returns the agent's claim on the path, to hold while it runs: an
+/// abstract socket named after the path (the kernel drops it with the
+/// process, and no file operation removes it), so a second agent on the
+/// same path is refused even when the socket file was deleted under the
+/// first. Two agents on one path would share the keyspace cgroups and the
+/// state file, and each would undo the other's caps.
+pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim), AgentError> {
     let listen_err = |source| AgentError::Listen { path: path.to_path_buf(), source };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(listen_err)?;
     }
-    if path.exists() {
-        // A live agent answers; a stale socket file from a crash does not.
+    let claim = Claim::take(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::AddrInUse => AgentError::AlreadyRunning { path: path.to_path_buf() },
+        _ => listen_err(source),
+    })?;
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        // Only a socket is taken for a crashed agent's and removed: any
+        // other file there is someone's, and stays.
+        if !meta.file_type().is_socket() {
+            return Err(AgentError::NotASocket { path: path.to_path_buf() });
+        }
+        // A live agent answers (one in another network namespace holds no
+        // claim here); a stale socket file from a crash does not.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             return Err(AgentError::AlreadyRunning { path: path.to_path_buf() });
         }
@@ -58,7 +76,28 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<UnixListener, AgentEr
         mode: access.mode,
         source,
     })?;
-    Ok(listener)
+    Ok((listener, claim))
+}
+
+/// An agent's claim on its control socket's path ([`bind`]).
+pub(crate) struct Claim(#[allow(dead_code)] std::os::unix::net::UnixListener);
+
+impl Claim {
+    fn take(path: &Path) -> std::io::Result<Claim> {
+        use std::os::linux::net::SocketAddrExt;
+        // The path as every agent names it: absolute, its directory's links
+        // resolved.
+        let abs = match (path.parent().map(std::fs::canonicalize), path.file_name()) {
+            (Some(Ok(dir)), Some(name)) => dir.join(name),
+            _ => std::path::absolute(path)?,
+        };
+        let hash = std::os::unix::ffi::OsStrExt::as_bytes(abs.as_os_str())
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3));
+        let name = format!("governor-agent-{hash:016x}");
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+        Ok(Claim(std::os::unix::net::UnixListener::bind_addr(&addr)?))
+    }
 }
 
 /// Who a peer is taken for when its credentials cannot be read: the least.

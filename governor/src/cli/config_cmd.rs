@@ -65,8 +65,9 @@ pub fn validate(path: &Path) -> Result<ValidatedConfig, CliError> {
 /// server's cores (`server-cpu-cores`, else this machine's: the agent
 /// compares with its servers' cgroup limit, which a command does not see).
 /// Also rules that can match nothing on this machine as it is now (an `exe`
-/// that does not exist, a `uid` no user in /etc/passwd has): valid, since
-/// either may appear later, but worth a look.
+/// or a `cgroup` that does not exist, a `uid` no user in /etc/passwd has):
+/// valid, since each may appear later (a service's cgroup exists while it
+/// runs), but worth a look.
 pub fn notices(config: &ValidatedConfig) -> Vec<String> {
     let configured = config.resource_control().server_cpu_cores;
     let mut notes = if configured > 0.0 {
@@ -80,6 +81,14 @@ pub fn notices(config: &ValidatedConfig) -> Vec<String> {
         if let Some(exe) = r.exe.as_deref().filter(|e| !Path::new(e).exists()) {
             notes.push(format!(
                 "rules.{}.exe: {exe} does not exist here; the rule matches nothing until it does",
+                r.name
+            ));
+        }
+        if let Some(cg) = r.cgroup.as_deref().filter(|cg| {
+            !crate::config::cgroup_roots().iter().any(|root| root.join(cg.trim_start_matches('/')).is_dir())
+        }) {
+            notes.push(format!(
+                "rules.{}.cgroup: {cg} does not exist here; the rule matches nothing until it does",
                 r.name
             ));
         }

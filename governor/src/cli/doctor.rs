@@ -284,11 +284,15 @@ fn agent(socket: &Path) -> Vec<Check> {
                 rule_caps(&s),
             ]
         }
-        Err(e) => vec![warn(
-            "agent",
-            crate::error_chain(&e),
-            "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)",
-        )],
+        Err(e) => {
+            let said = crate::error_chain(&e);
+            let fix = if said.contains("did not answer within") {
+                "it runs but does not answer: see whether it is stopped (ps -o stat) or stuck, and its log"
+            } else {
+                "start it: governor agent (as root, or with CAP_BPF and CAP_PERFMON)"
+            };
+            vec![warn("agent", said, fix)]
+        }
     }
 }
 

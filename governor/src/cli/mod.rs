@@ -71,7 +71,8 @@ impl CliError {
 
 /// Reads and validates a configuration file.
 pub fn load_config(path: &Path) -> Result<crate::config::ValidatedConfig, CliError> {
-    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read { path: path.into(), source })?;
+    let text = crate::config::file::read_within(path, crate::config::file::READ_TIMEOUT)
+        .map_err(|source| CliError::Read { path: path.into(), source })?;
     crate::config::ValidatedConfig::from_toml_str(&text)
         .map_err(|errors| CliError::Config { path: path.into(), errors })
 }

@@ -25,7 +25,20 @@ impl Conn {
         let mut line = serde_json::to_string(req).expect("requests serialize");
         line.push('\n');
         self.reader.get_mut().write_all(line.as_bytes())?;
-        read_reply(&mut self.reader)
+        read_reply(&mut self.reader).map_err(|e| match e {
+            // The read timed out: the agent is there (it accepted) but does
+            // not answer.
+            ClientError::Io(io)
+                if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+            {
+                let waited = self.reader.get_ref().read_timeout().ok().flatten().unwrap_or(CALL_TIMEOUT);
+                ClientError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the agent did not answer within {} s (stopped or stalled?)", waited.as_secs()),
+                ))
+            }
+            e => e,
+        })
     }
 }
 
@@ -106,7 +119,8 @@ pub(crate) struct Attachment {
     /// The client it belongs to, set as it comes in force: a ticket's work
     /// on a thread the client has not registered registers it through it.
     pub(crate) owner: OnceLock<Weak<dyn Adopter>>,
-    conn: Mutex<Conn>,
+    /// The control connection; closed once the agent's memory is given back.
+    conn: Mutex<Option<Conn>>,
 }
 
 impl Attachment {
@@ -153,7 +167,7 @@ impl Attachment {
             epoch,
             detached: AtomicBool::new(false),
             owner: OnceLock::new(),
-            conn: Mutex::new(Conn { reader }),
+            conn: Mutex::new(Some(Conn { reader })),
         })
     }
 
@@ -172,7 +186,10 @@ impl Attachment {
     }
 
     pub(crate) fn call(&self, req: &Request) -> Result<Reply, ClientError> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner()).call(req)
+        match self.conn.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            Some(conn) => conn.call(req),
+            None => Err(ClientError::Protocol { detail: "the agent went away".into() }),
+        }
     }
 
     /// Whether the agent behind it is still the one that answered `hello`.
@@ -185,6 +202,17 @@ impl Attachment {
         for (_, bucket) in self.admission.buckets.iter() {
             bucket.notify();
         }
+    }
+
+    /// Gives back the memory of an agent that went away: its regions and
+    /// the ledger read zero from now on (not alive: the instance reads 0),
+    /// and the pages are freed. Tickets and threads that still point into
+    /// them write where nobody reads.
+    pub(crate) fn retire(&self) -> std::io::Result<()> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.measure.retire()?;
+        self.admission.retire()?;
+        self.ledger.retire()
     }
 
     pub(crate) fn alive(&self) -> bool {

@@ -18,13 +18,20 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 /// Agents one client attaches to in its life (each restart of the agent is
-/// one more); past that it stays detached and admits without checks.
-const MAX_ATTACHMENTS: usize = 1024;
+/// one more; an agent restarted every 2 s takes 9 hours to reach it); past
+/// that it stays detached and admits without checks. A gone agent's regions
+/// and connection are given back ([`retire_later`]); what stays of it is a
+/// few hundred bytes.
+const MAX_ATTACHMENTS: usize = 16384;
 
 /// Longest pause between two attempts to attach to a new agent.
 /// (A connect to an absent socket costs a few µs: short enough that a
 /// server started before its agent is governed within this of its start.)
 const REATTACH_MAX_BACKOFF: Duration = Duration::from_millis(250);
+
+/// How long after its agent went away an attachment's regions are given
+/// back: far past any admission under way when it was marked detached.
+const RETIRE_AFTER: Duration = Duration::from_secs(2);
 
 pub(crate) struct Inner {
     path: PathBuf,
@@ -400,6 +407,7 @@ fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
             }
             if let Some(att) = inner.current() {
                 att.detach();
+                retire_later(att.clone());
             }
             log::warn!(
                 "governor agent at {} went away; admitting without checks until one is back",
@@ -445,6 +453,22 @@ fn watch_loop(client: Weak<Inner>, mut watch: Option<UnixStream>) {
                 }
             }
         }
+    }
+}
+
+/// Gives a gone agent's memory back ([`Attachment::retire`]) once every
+/// admission that read it before it was marked detached has long finished:
+/// a client that outlives many agents keeps one set of regions, not one per
+/// agent (8–10 MB each at the default sizes).
+fn retire_later(att: Arc<Attachment>) {
+    let spawned = std::thread::Builder::new().name("governor-retire".into()).spawn(move || {
+        std::thread::sleep(RETIRE_AFTER);
+        if let Err(e) = att.retire() {
+            log::warn!("giving back a gone governor agent's regions: {e}");
+        }
+    });
+    if let Err(e) = spawned {
+        log::warn!("giving back a gone governor agent's regions: {e}");
     }
 }
 

@@ -32,6 +32,7 @@
 mod access;
 mod checker;
 mod error;
+pub mod file;
 mod keyspace_list;
 mod pd;
 mod raw;

@@ -223,11 +223,19 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
                     format!("{id}.{key}"),
                     format!("{v:?} is not a cgroup path: absolute, as /proc/<pid>/cgroup shows it, without .."),
                 );
-            } else if key == "cgroup" && !roots.iter().any(|root| root.join(v.trim_start_matches('/')).is_dir()) {
+            } else if key == "cgroup"
+                && r.cap_in_place
+                && !roots.iter().any(|root| root.join(v.trim_start_matches('/')).is_dir())
+            {
+                // A rule that only matches by it waits for it (`config
+                // validate` warns); a cap in place is written into it.
                 let list: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
                 c.invalid(
                     format!("{id}.{key}"),
-                    format!("unknown cgroup {v:?}: not under any cgroup hierarchy here ({})", list.join(", ")),
+                    format!(
+                        "unknown cgroup {v:?}: not under any cgroup hierarchy here ({}); cap-in-place writes the cap into it, so it must exist",
+                        list.join(", ")
+                    ),
                 );
             }
         }

@@ -150,6 +150,12 @@ impl<T: SharedCell> Table<T> {
         self.len == 0
     }
 
+    /// Gives the table's pages back ([`Mapping::retire`]): every entry
+    /// reads zero from now on.
+    pub fn retire(&self) -> std::io::Result<()> {
+        self.map.retire()
+    }
+
     /// Entry `i`, or `None` past the end.
     #[inline]
     pub fn get(&self, i: u32) -> Option<&T> {
@@ -229,6 +235,13 @@ pub struct MeasureRegions {
 }
 
 impl MeasureRegions {
+    /// Gives every table's pages back ([`Table::retire`]).
+    pub fn retire(&self) -> std::io::Result<()> {
+        self.cpus.retire()?;
+        self.slots.retire()?;
+        self.keyspaces.retire()
+    }
+
     /// Maps them from their descriptors (`fd::CPUS..=fd::KEYSPACES`).
     pub fn map(fds: &[RawFd], sizes: RegionSizes, access_cpus: Access) -> Result<Self, RegionError> {
         Ok(MeasureRegions {
@@ -252,6 +265,13 @@ pub struct AdmissionRegions {
 }
 
 impl AdmissionRegions {
+    /// Gives every table's pages back ([`Table::retire`]).
+    pub fn retire(&self) -> std::io::Result<()> {
+        self.header.retire()?;
+        self.buckets.retire()?;
+        self.params.retire()
+    }
+
     /// Maps them from their descriptors (`fd::HEADER..=fd::PARAMS`); `agent`
     /// maps everything writable, a client the header and parameters
     /// read-only.

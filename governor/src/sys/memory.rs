@@ -43,6 +43,30 @@ impl Mapping {
         self.ptr
     }
 
+    /// Gives the mapped pages back: the range is replaced, in one step, by
+    /// private zero-filled memory, so the descriptor's pages are freed once
+    /// nobody else maps them, while a pointer still held into the range
+    /// reads zeros and writes into memory nobody shares instead of faulting.
+    pub fn retire(&self) -> io::Result<()> {
+        // SAFETY: MAP_FIXED over exactly the range this mapping owns (from
+        // a successful mmap, unmapped only on drop): the kernel swaps the
+        // pages under its mapping lock, so no access sees the range unmapped.
+        let ptr = unsafe {
+            libc::mmap(
+                self.ptr.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

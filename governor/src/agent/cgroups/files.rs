@@ -106,3 +106,68 @@ pub(super) struct Factors {
 impl Factors {
     pub(super) const WHOLE: Factors = Factors { quota: 1.0, weight: 1.0 };
 }
+
+/// Whether cgroup `path` (as /proc shows it) is a keyspace cgroup of some
+/// governor agent (`/governor-ks-<id>`, `/governor-<hash>-ks-<id>`): never
+/// where a process is put back to, as that agent may be gone and its cap
+/// would hold the process with nobody to lift it.
+pub(super) fn an_agents(path: &str) -> bool {
+    let name = path.trim_start_matches('/');
+    let Some((head, id)) = name.rsplit_once("-ks-") else { return false };
+    let hashed = |h: &str| h.len() == 8 && h.bytes().all(|b| b.is_ascii_hexdigit());
+    !name.contains('/')
+        && !id.is_empty()
+        && id.bytes().all(|b| b.is_ascii_digit())
+        && (head == "governor" || head.strip_prefix("governor-").is_some_and(hashed))
+}
+
+/// Writes `bytes` to `path` whole or not at all: a new file beside it,
+/// synced, renamed over it. A crash or a full disk leaves the old file.
+pub(super) fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".new");
+    let tmp = PathBuf::from(tmp);
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    match written.and_then(|()| std::fs::rename(&tmp, path)) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_agents_keyspace_cgroups_are_told_by_their_names() {
+        for yes in ["/governor-ks-960", "/governor-5f6dc58d-ks-1", "governor-ks-0"] {
+            assert!(an_agents(yes), "{yes}");
+        }
+        for no in
+            ["/", "/system.slice/governor-ks-1", "/governor-ks-", "/governor-xyz-ks-1", "/governor-ks-1a", "/gov-ks-1"]
+        {
+            assert!(!an_agents(no), "{no}");
+        }
+    }
+
+    #[test]
+    fn a_file_written_whole_replaces_the_old_one_or_leaves_it() {
+        let dir = std::env::temp_dir().join(format!("governor-write-whole-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("state.json");
+        write_whole(&p, b"one").unwrap();
+        write_whole(&p, b"two").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        // Its directory gone: an error, nothing half written anywhere.
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(write_whole(&p, b"three").is_err());
+        assert!(!dir.exists());
+    }
+}

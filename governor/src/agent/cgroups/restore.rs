@@ -68,6 +68,37 @@ impl Enforcer {
         }
     }
 
+    /// Removes the keyspace cgroups of this agent's name that no record
+    /// names (a record a full disk kept from being written, or one lost):
+    /// their processes go to the root of the hierarchy, as nothing says
+    /// where they came from. Agents on other sockets have other names.
+    pub(super) fn sweep(&mut self) {
+        let Some((root, version)) = self.hierarchy.clone() else { return };
+        let Ok(entries) = std::fs::read_dir(&root) else { return };
+        let mine = format!("{}-ks-", self.prefix);
+        let found: Vec<(u32, String)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let id = name.strip_prefix(&mine)?.parse().ok()?;
+                (!self.state.created.contains_key(&id)).then_some((id, name))
+            })
+            .collect();
+        if found.is_empty() {
+            return;
+        }
+        log::warn!(
+            "cgroups: {} keyspace cgroups of this agent's name that no record names ({}): their processes go to the root",
+            found.len(),
+            found.iter().map(|(_, n)| n.as_str()).collect::<Vec<_>>().join(", ")
+        );
+        self.state.root.get_or_insert((root, version));
+        for (id, name) in found {
+            self.state.created.insert(id, name);
+            self.release_keyspace(id);
+        }
+    }
+
     /// Puts everything back: processes where they were, no cgroups of ours.
     pub(crate) fn restore_all(&mut self) {
         if !self.state.created.is_empty() || !self.state.in_place.is_empty() {

@@ -1,0 +1,99 @@
+//! The record of what the agent changes in the cgroup hierarchy (the state
+//! file beside its socket), when it is lost or cannot be written: no process
+//! is left capped with nobody to put it back.
+
+use governor_tests::{Agent, Reap, Scratch, cpu_cgroup, cpu_hierarchy, eventually, governor_bin, output_text as text};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The name the agent on `socket` gives its keyspace cgroups (FNV-1a of
+/// the path, as the agent derives it).
+fn prefix_of(socket: &Path) -> String {
+    let h = socket
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(*b)).wrapping_mul(0x0100_0193));
+    format!("governor-{h:08x}")
+}
+
+/// A program named `name` (a copy of sleep) sleeping a minute.
+fn sleeper(scratch: &Scratch, name: &str) -> Reap {
+    let exe = scratch.0.join(name);
+    std::fs::copy("/bin/sleep", &exe).unwrap();
+    Reap(Command::new(&exe).arg("60").spawn().unwrap())
+}
+
+#[test]
+fn cgroups_of_the_agents_name_that_no_record_names_are_removed_at_start() {
+    let _s = serial();
+    let scratch = Scratch::new("crash-record-sweep");
+    let socket = scratch.0.join("g.sock");
+    // What an agent that died with its record lost left: its keyspace
+    // cgroup, capped, with a process inside; an empty record.
+    let left = cpu_hierarchy().join(format!("{}-ks-999", prefix_of(&socket)));
+    std::fs::create_dir_all(&left).unwrap();
+    let sleep = sleeper(&scratch, "govtest-left");
+    let pid = sleep.0.id();
+    let before = cpu_cgroup(pid).unwrap();
+    std::fs::write(left.join("cgroup.procs"), pid.to_string()).unwrap();
+    std::fs::write(socket.with_file_name("g.sock.cgroups.json"), "").unwrap();
+    // Another agent's cgroup of the same kind is not this one's to remove.
+    let other = cpu_hierarchy().join("governor-0badf00d-ks-999");
+    std::fs::create_dir_all(&other).unwrap();
+    let agent = Agent::start_on("ebpf", "", &socket).unwrap();
+    let log = agent.log_text();
+    assert!(!left.exists(), "{} still there; log: {log}", left.display());
+    assert_eq!(cpu_cgroup(pid).as_deref(), Some("/"), "the process goes to the root (it was in {before})");
+    assert!(log.contains("that no record names"), "{log}");
+    assert!(other.exists(), "another agent's cgroup was removed");
+    std::fs::remove_dir(&other).unwrap();
+    drop(agent);
+}
+
+#[test]
+fn a_record_that_cannot_be_written_stops_the_caps_and_moves_nothing() {
+    let _s = serial();
+    let scratch = Scratch::new("crash-record-full");
+    // The socket's directory on a file system with no room left.
+    let dir = scratch.0.join("run");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&dir).status().unwrap();
+    assert!(mounted.success(), "mount a tmpfs on {}", dir.display());
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg("-l").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&dir);
+    let _ = Command::new("dd").arg("if=/dev/zero").arg(format!("of={}/fill", dir.display())).args(["bs=4k"]).output();
+    let socket = dir.join("g.sock");
+    let sleep = sleeper(&scratch, "govtest-nospace");
+    let pid = sleep.0.id();
+    let before = cpu_cgroup(pid).unwrap();
+    let config = "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"998:500\"\n\n\
+                  [[rules]]\nname = \"nospace\"\nkeyspace = 998\ncomm-prefix = \"govtest-nospac\"\n";
+    let agent = Agent::start_on("ebpf", config, &socket).unwrap();
+    let list = || {
+        let o =
+            Command::new(governor_bin()).args(["rules", "list", "--json", "--socket"]).arg(&socket).output().unwrap();
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap_or_else(|_| panic!("{}", text(&o)))
+    };
+    eventually("the rule matched its process", || list()["rules"][0]["processes_matched"].as_u64() == Some(1));
+    let l = list();
+    let how = l["enforcement"].as_str().unwrap_or_default();
+    eprintln!("with no room for the record: {how}");
+    assert!(how.starts_with("unavailable") && how.contains("cannot write the state file"), "{l}");
+    assert_eq!(cpu_cgroup(pid), Some(before), "moved without a record");
+    let made = cpu_hierarchy().join(format!("{}-ks-998", prefix_of(&socket)));
+    assert!(!made.exists(), "{} made without a record", made.display());
+    drop(agent);
+}
