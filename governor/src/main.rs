@@ -319,6 +319,22 @@ fn main() {
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
             let _ = e.print();
+            // With --json a usage error is a JSON object on stdout too, as
+            // every other error is.
+            if code != 0 && std::env::args().skip(1).any(|a| a == "--json") {
+                let kind = e.kind();
+                let message = e.render().to_string();
+                // Its first paragraph, on one line.
+                let first: Vec<&str> = message.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+                let first = first.join(" ").trim_start_matches("error: ").to_string();
+                write_stdout(
+                    &(serde_json::to_string_pretty(
+                        &serde_json::json!({ "error": first, "usage": format!("{kind:?}") }),
+                    )
+                    .expect("json")
+                        + "\n"),
+                );
+            }
             std::process::exit(code);
         }
     };

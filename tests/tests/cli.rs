@@ -157,6 +157,16 @@ fn agent_with_a_bad_config_exits_64() {
 fn unknown_verbs_and_flags_are_usage_errors() {
     assert_eq!(governor(&["frobnicate"]).0, 64);
     assert_eq!(governor(&["status", "--bogus"]).0, 64);
+    // With --json, a JSON object on stdout too, saying what was wrong.
+    for (args, said) in [
+        (&["keyspace", "abc", "--json"][..], "invalid value 'abc'"),
+        (&["rules", "add", "x", "--json"][..], "required arguments were not provided: --keyspace"),
+    ] {
+        let (code, out, err) = governor(args);
+        assert_eq!(code, 64, "{args:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|_| panic!("{args:?}: {out:?}"));
+        assert!(v["error"].as_str().is_some_and(|e| e.contains(said)), "{args:?}: {v}");
+    }
 }
 
 #[test]
@@ -233,15 +243,17 @@ fn an_agent_keeps_to_its_own_socket_path() {
     assert!(err.contains("another agent is already serving"), "{err}");
     first.kill9().unwrap();
 
-    // The port taken: refused, and the socket it had bound is gone again.
+    // The port taken: refused, and the socket it had bound is gone again,
+    // with the directory it made for it.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().to_string();
-    let fresh = dir.0.join("fresh.sock");
+    let fresh = dir.0.join("made").join("fresh.sock");
     let (code, _, err) =
         governor(&["agent", "--measure", "thread-clock", "--metrics-addr", &port, "--socket", fresh.to_str().unwrap()]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("cannot serve /metrics"), "{err}");
     assert!(!fresh.exists(), "a failed start left {}", fresh.display());
+    assert!(!dir.0.join("made").exists(), "a failed start left the directory it made");
 }
 
 /// An agent that is there but does not answer (stopped): the verbs say so

@@ -97,3 +97,30 @@ fn a_record_that_cannot_be_written_stops_the_caps_and_moves_nothing() {
     assert!(!made.exists(), "{} made without a record", made.display());
     drop(agent);
 }
+
+/// A process found in another agent's keyspace cgroup (an agent on another
+/// socket whose rules match it too, or one that died there): taken, said in
+/// the log, and put back to the root, never into that cgroup, whose cap
+/// would hold it with nobody to lift it.
+#[test]
+fn a_process_taken_from_another_agents_cgroup_is_put_back_to_the_root() {
+    let _s = serial();
+    let scratch = Scratch::new("crash-record-other");
+    let other = cpu_hierarchy().join("governor-0badf00d-ks-997");
+    std::fs::create_dir_all(&other).unwrap();
+    let sleep = sleeper(&scratch, "govtest-other");
+    let pid = sleep.0.id();
+    std::fs::write(other.join("cgroup.procs"), pid.to_string()).unwrap();
+    let config = "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"997:500\"\n\n\
+                  [[rules]]\nname = \"other\"\nkeyspace = 997\ncomm-prefix = \"govtest-other\"\n";
+    let mut agent = Agent::start("ebpf", config).unwrap();
+    eventually("moved into this agent's cgroup", || {
+        cpu_cgroup(pid).is_some_and(|c| c.ends_with("-ks-997") && !c.contains("0badf00d"))
+    });
+    let log = agent.log_text();
+    assert!(log.contains("another governor agent's keyspace cgroup"), "{log}");
+    agent.restart_with_config("").unwrap();
+    assert_eq!(cpu_cgroup(pid).as_deref(), Some("/"), "put back into the other agent's cgroup");
+    drop(agent);
+    std::fs::remove_dir(&other).unwrap();
+}

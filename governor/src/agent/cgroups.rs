@@ -143,6 +143,8 @@ pub(crate) struct Enforcer {
     /// Keyspaces the rules cap on the operator's own cgroup: never given
     /// one of ours.
     capped_in_place: std::collections::HashSet<u32>,
+    /// Other agents' keyspace cgroups a process was taken from (said once).
+    taken_from: std::collections::HashSet<String>,
 }
 
 impl Enforcer {
@@ -167,6 +169,7 @@ impl Enforcer {
             unmoved: BTreeMap::new(),
             dirty: false,
             capped_in_place: std::collections::HashSet::new(),
+            taken_from: std::collections::HashSet::new(),
         };
         if let Ok(text) = std::fs::read_to_string(&e.state_path) {
             match serde_json::from_str::<State>(&text) {
@@ -466,8 +469,19 @@ impl Enforcer {
                                 // (`flush`): a short-lived process runs outside its cap until it
                                 // is in. An agent that dies in between leaves it unrecorded; the
                                 // next one moves it where a recorded process came from.
-                                // Never back into another agent's keyspace cgroup.
-                                let orig = if an_agents(&orig) { "/".to_string() } else { orig };
+                                // Never back into another agent's keyspace cgroup; taken
+                                // from one, said (once per cgroup): two agents' rules match it.
+                                let orig = if an_agents(&orig) {
+                                    if self.taken_from.insert(orig.clone()) {
+                                        log::warn!(
+                                            "cgroups: process {p} was in {orig}, another governor agent's keyspace cgroup: \
+                                             rules of two agents match it, and the last to move it holds it"
+                                        );
+                                    }
+                                    "/".to_string()
+                                } else {
+                                    orig
+                                };
                                 self.state.moved.entry(p).or_insert(orig);
                                 self.dirty = true;
                                 self.unmoved.remove(&p);

@@ -65,6 +65,10 @@ pub(crate) enum Refused {
     },
     #[error(transparent)]
     Invalid(UpdateRejected),
+    #[error(
+        "{} is empty (0 bytes): a file still being written? Reload once it is whole; to go back to the embedded default, give it a comment"
+    , path.display())]
+    EmptyFile { path: PathBuf },
     #[error("rule: {0}")]
     RuleSyntax(String),
     #[error("rule {name:?} refused")]
@@ -155,7 +159,10 @@ impl Running {
                     what = format!("{what} ({})", path.display());
                     crate::config::file::read_within(path, crate::config::file::READ_TIMEOUT)
                         .map_err(|source| Refused::Read { path: path.clone(), source })
-                        .and_then(|text| self.config.apply_update(&text).map_err(Refused::Invalid))
+                        .and_then(|text| match text.is_empty() {
+                            true => Err(Refused::EmptyFile { path: path.clone() }),
+                            false => self.config.apply_update(&text).map_err(Refused::Invalid),
+                        })
                 }
             },
             Change::Set(key, value) => self.config.apply_set(key, value).map_err(Refused::Invalid),

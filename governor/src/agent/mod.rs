@@ -286,15 +286,11 @@ fn fnv32(bytes: &[u8]) -> u32 {
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+    // Held to the end: dropped, it removes the socket file.
     let (listener, _claim) = server::bind(&opts.socket, opts.config.access())?;
-    let metrics_listener = match tokio::net::TcpListener::bind(opts.metrics_addr).await {
-        Ok(l) => l,
-        Err(source) => {
-            // The socket is this agent's (it holds the claim): no stale file left.
-            let _ = std::fs::remove_file(&opts.socket);
-            return Err(AgentError::Metrics { addr: opts.metrics_addr, source });
-        }
-    };
+    let metrics_listener = tokio::net::TcpListener::bind(opts.metrics_addr)
+        .await
+        .map_err(|source| AgentError::Metrics { addr: opts.metrics_addr, source })?;
     let metrics_addr = metrics_listener.local_addr().ok();
     sys::raise_fd_limit();
     let measurement = Measurement::start(opts.measure, opts.sizing)?;
@@ -417,7 +413,6 @@ pub async fn run(opts: AgentOptions, shutdown: impl Future<Output = ()>) -> Resu
     header.agent.stopping.store(1, Ordering::Release);
     header.agent.instance.store(0, Ordering::Release);
     crate::tsc::Calibrator::withdraw(&header.clock);
-    let _ = std::fs::remove_file(&opts.socket);
     result
 }
 

@@ -48,10 +48,11 @@ pub const MAX_CONNECTIONS_PER_UID: usize = 1024;
 /// state file, and each would undo the other's caps.
 pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim), AgentError> {
     let listen_err = |source| AgentError::Listen { path: path.to_path_buf(), source };
+    let made_dir = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()).map(Path::to_path_buf);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(listen_err)?;
     }
-    let claim = Claim::take(path).map_err(|source| match source.kind() {
+    let mut claim = Claim::take(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::AddrInUse => AgentError::AlreadyRunning { path: path.to_path_buf() },
         _ => listen_err(source),
     })?;
@@ -69,7 +70,9 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim)
         }
         std::fs::remove_file(path).map_err(listen_err)?;
     }
+    claim.made_dir = made_dir;
     let listener = UnixListener::bind(path).map_err(listen_err)?;
+    claim.socket = Some(path.to_path_buf());
     access.apply_to_socket(path).map_err(|source| AgentError::SocketAccess {
         path: path.to_path_buf(),
         group: access.written.socket_group.clone().unwrap_or_else(|| "(the agent's own)".into()),
@@ -79,8 +82,28 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim)
     Ok((listener, claim))
 }
 
-/// An agent's claim on its control socket's path ([`bind`]).
-pub(crate) struct Claim(#[allow(dead_code)] std::os::unix::net::UnixListener);
+/// An agent's claim on its control socket's path ([`bind`]). Given up
+/// when dropped, as the agent stops (or fails to start once it bound):
+/// the socket file goes, and the directory the agent made for it if
+/// nothing else is in it now.
+pub(crate) struct Claim {
+    _held: std::os::unix::net::UnixListener,
+    /// The socket, once bound.
+    socket: Option<std::path::PathBuf>,
+    /// The socket's directory, when the agent made it.
+    made_dir: Option<std::path::PathBuf>,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(socket) = &self.socket {
+            let _ = std::fs::remove_file(socket);
+        }
+        if let Some(dir) = &self.made_dir {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
 
 impl Claim {
     fn take(path: &Path) -> std::io::Result<Claim> {
@@ -96,7 +119,7 @@ impl Claim {
             .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3));
         let name = format!("governor-agent-{hash:016x}");
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
-        Ok(Claim(std::os::unix::net::UnixListener::bind_addr(&addr)?))
+        Ok(Claim { _held: std::os::unix::net::UnixListener::bind_addr(&addr)?, socket: None, made_dir: None })
     }
 }
 

@@ -212,7 +212,8 @@ pub(super) fn check(c: &mut Checker<'_>, raw: &[RawRule]) -> Vec<Rule> {
         };
         let keyspace = int(c, "keyspace", r.keyspace);
         let tgid = r.tgid.map(|v| int(c, "tgid", v));
-        if tgid == Some(0) {
+        // Judged on the value written: one out of range is said above.
+        if r.tgid == Some(0) {
             c.invalid(format!("{id}.tgid"), "0 is no process");
         }
         let uid = r.uid.map(|v| int(c, "uid", v));

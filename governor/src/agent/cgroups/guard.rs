@@ -206,6 +206,7 @@ mod tests {
             unmoved: Default::default(),
             dirty: false,
             capped_in_place: Default::default(),
+            taken_from: Default::default(),
             outside: HashMap::new(),
         }
     }
