@@ -731,6 +731,19 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     agent.kill9().unwrap();
     agent.restart_with_config("").unwrap();
     assert_eq!(bandwidth(&dir), before, "put back by the next agent");
+    // Changed by the operator while no agent ran: the next agent puts back
+    // the rest and leaves their value as they wrote it.
+    agent.restart_with_config(&config).unwrap();
+    eventually("capped in place once more", || bandwidth(&dir).contains("50000"));
+    agent.kill9().unwrap();
+    let (file, theirs) =
+        if dir.join("cpu.max").exists() { ("cpu.max", "300000 250000") } else { ("cpu.cfs_quota_us", "300000") };
+    std::fs::write(dir.join(file), theirs).unwrap();
+    agent.restart_with_config("").unwrap();
+    let now = bandwidth(&dir);
+    assert!(now.contains("300000"), "the operator's {file} overwritten: {now}");
+    assert!(agent.log_text().contains("changed since by someone else, left as it is"), "{}", agent.log_text());
+    std::fs::write(dir.join(file), before.split(' ').next().unwrap()).unwrap();
     // Without a cgroup to cap, the key is refused naming the rule.
     let bad = governor(&agent, &["rules", "add", "loose", "--keyspace", "982", "--comm-prefix", "x", "--cap-in-place"]);
     assert_eq!(bad.status.code(), Some(64), "{}", text(&bad));

@@ -29,7 +29,7 @@ mod files;
 mod guard;
 mod restore;
 
-use files::{Factors, Version, an_agents, cap_files, cgroup_of, detect, period_us, quota_us, write_cap, write_whole};
+use files::{Factors, Version, an_agents, cgroup_of, detect, period_us, quota_us, write_cap, write_whole};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -55,6 +55,11 @@ struct State {
 struct InPlace {
     rel: String,
     saved: Vec<(String, String)>,
+    /// What the files held after the agent's last write: a file that holds
+    /// something else when it is put back was changed by the operator since,
+    /// and stays as they left it.
+    #[serde(default)]
+    written: Vec<(String, String)>,
 }
 
 /// What the rule caps take from the configuration, derived here and nowhere
@@ -359,13 +364,8 @@ impl Enforcer {
                 continue;
             }
             if let std::collections::btree_map::Entry::Vacant(e) = self.state.in_place.entry(ks) {
-                let saved = cap_files(version)
-                    .iter()
-                    .filter_map(|f| {
-                        Some((f.to_string(), std::fs::read_to_string(dir.join(f)).ok()?.trim().to_string()))
-                    })
-                    .collect();
-                e.insert(InPlace { rel: rel.clone(), saved });
+                let saved = restore::read_values(&dir, version);
+                e.insert(InPlace { rel: rel.clone(), saved, written: Vec::new() });
                 if !self.save() {
                     self.state.in_place.remove(&ks);
                     self.settings = settings;
@@ -377,6 +377,7 @@ impl Enforcer {
             if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
                 log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
             }
+            self.note_written(ks);
         }
         let caps: HashMap<u32, f64> = caps.into_iter().filter(|(k, _)| !in_place.contains_key(k)).collect();
         if !caps.is_empty() && version == Version::V2 {

@@ -169,6 +169,9 @@ impl Enforcer {
                 }
                 None => {}
             }
+            if now != had {
+                self.note_written(ks);
+            }
             if now != Factors::WHOLE && !gone {
                 next.insert(ks, now);
             }

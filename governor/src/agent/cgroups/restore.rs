@@ -3,8 +3,17 @@
 //! in place replaced, and everything at stop (or at the start after a
 //! crash, from the state file).
 
+use super::files::{Version, cap_files};
 use super::{Enforcer, State};
 use std::path::Path;
+
+/// What the cap files of cgroup `dir` hold now, trimmed.
+pub(super) fn read_values(dir: &Path, version: Version) -> Vec<(String, String)> {
+    cap_files(version)
+        .iter()
+        .filter_map(|f| Some((f.to_string(), std::fs::read_to_string(dir.join(f)).ok()?.trim().to_string())))
+        .collect()
+}
 
 impl Enforcer {
     pub(super) fn move_back(&self, root: &Path, tgid: u32, orig: &str) {
@@ -47,12 +56,39 @@ impl Enforcer {
         self.save();
     }
 
-    /// Puts back what a keyspace's in-place cap replaced.
+    /// Records what an in-place cap's files hold after the agent wrote
+    /// them (`InPlace::written`), in the state file when it changed.
+    pub(super) fn note_written(&mut self, keyspace: u32) {
+        let Some((root, version)) = self.state.root.clone() else { return };
+        let Some(p) = self.state.in_place.get_mut(&keyspace) else { return };
+        let dir = root.join(p.rel.trim_start_matches('/'));
+        let now = read_values(&dir, version);
+        if now != p.written {
+            p.written = now;
+            self.save();
+        }
+    }
+
+    /// Puts back what a keyspace's in-place cap replaced: each file that
+    /// still holds what the agent wrote (one the operator changed since
+    /// stays as they left it, and the log says so).
     pub(super) fn restore_in_place(&mut self, keyspace: u32) {
         let Some(p) = self.state.in_place.remove(&keyspace) else { return };
-        let Some((root, _)) = self.state.root.clone() else { return };
+        let Some((root, version)) = self.state.root.clone() else { return };
         let dir = root.join(p.rel.trim_start_matches('/'));
+        let now = read_values(&dir, version);
         for (file, value) in &p.saved {
+            let holds = now.iter().find(|(f, _)| f == file).map(|(_, v)| v);
+            let wrote = p.written.iter().find(|(f, _)| f == file).map(|(_, v)| v);
+            if let (Some(holds), Some(wrote)) = (holds, wrote)
+                && holds != wrote
+            {
+                log::warn!(
+                    "cgroups: {} holds {holds:?}, not the {wrote:?} the agent wrote: changed since by someone else, left as it is",
+                    dir.join(file).display()
+                );
+                continue;
+            }
             if let Err(e) = std::fs::write(dir.join(file), value)
                 && e.kind() != std::io::ErrorKind::NotFound
             {
