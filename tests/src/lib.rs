@@ -274,7 +274,7 @@ impl Agent {
     }
 
     /// SIGTERM, then SIGKILL if it has not exited within 5 s; reaps it.
-    fn stop(&mut self) -> Result<()> {
+    pub fn stop(&mut self) -> Result<()> {
         unsafe_kill(self.child.id() as i32, libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {

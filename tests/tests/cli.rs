@@ -241,7 +241,10 @@ fn an_agent_keeps_to_its_own_socket_path() {
         governor(&["agent", "--measure", "thread-clock", "--metrics-addr", "127.0.0.1:0", "--socket", &socket]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("another agent is already serving"), "{err}");
-    first.kill9().unwrap();
+    // Someone's file put at the path since: the agent's stop leaves it.
+    std::fs::write(&first.socket, "theirs\n").unwrap();
+    first.stop().unwrap();
+    assert_eq!(std::fs::read_to_string(&first.socket).unwrap(), "theirs\n", "removed at the agent's stop");
 
     // The port taken: refused, and the socket it had bound is gone again,
     // with the directory it made for it.

@@ -176,7 +176,14 @@ impl Enforcer {
             capped_in_place: std::collections::HashSet::new(),
             taken_from: std::collections::HashSet::new(),
         };
-        if let Ok(text) = std::fs::read_to_string(&e.state_path) {
+        // Read as a regular file only (a FIFO there would hang the start).
+        let left = crate::config::file::read_regular(&e.state_path, "state file", 64 << 20);
+        if let Err(err) = &left
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            log::warn!("cgroups: ignoring unreadable state file {}: {err}", e.state_path.display());
+        }
+        if let Ok(text) = left {
             match serde_json::from_str::<State>(&text) {
                 Ok(left) => {
                     // An agent killed with nothing in place left an empty record.
@@ -293,7 +300,9 @@ impl Enforcer {
             if self.state.moved.len() > 256 {
                 self.state.moved.retain(|t, _| Path::new(&format!("/proc/{t}")).exists());
             }
-            self.save();
+            if !self.save() {
+                self.unrecorded();
+            }
         }
     }
 
@@ -312,8 +321,10 @@ impl Enforcer {
 
     /// Enforcement stops because the record of what it changes cannot be
     /// written: without it a crash would leave processes capped with nobody
-    /// to put them back.
+    /// to put them back. Everything it changed is put back first, from what
+    /// it knows.
     fn unrecorded(&mut self) {
+        self.restore_all();
         self.fail(format!(
             "cannot write the state file {} (the record that puts back what the agent changes, after a crash too); restart the agent once it can",
             self.state_path.display()

@@ -66,7 +66,7 @@ pub(crate) enum Refused {
     #[error(transparent)]
     Invalid(UpdateRejected),
     #[error(
-        "{} is empty (0 bytes): a file still being written? Reload once it is whole; to go back to the embedded default, give it a comment"
+        "{} is empty: a file still being written? Reload once it is whole; to go back to the embedded default, give it a comment"
     , path.display())]
     EmptyFile { path: PathBuf },
     #[error("rule: {0}")]
@@ -102,7 +102,7 @@ impl Refused {
         let each = |e: &UpdateRejected| e.errors.errors.iter().map(|x| x.to_string()).collect::<Vec<_>>();
         match self {
             Refused::Invalid(e) => each(e),
-            Refused::Rule { source, .. } => std::iter::once(format!("{self}:")).chain(each(source)).collect(),
+            Refused::Rule { source, .. } => std::iter::once(self.to_string()).chain(each(source)).collect(),
             Refused::Read { source, .. } => vec![format!("{self}: {source}")],
             _ => vec![self.to_string()],
         }
@@ -159,7 +159,7 @@ impl Running {
                     what = format!("{what} ({})", path.display());
                     crate::config::file::read_within(path, crate::config::file::READ_TIMEOUT)
                         .map_err(|source| Refused::Read { path: path.clone(), source })
-                        .and_then(|text| match text.is_empty() {
+                        .and_then(|text| match text.trim().is_empty() {
                             true => Err(Refused::EmptyFile { path: path.clone() }),
                             false => self.config.apply_update(&text).map_err(Refused::Invalid),
                         })

@@ -72,7 +72,10 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim)
     }
     claim.made_dir = made_dir;
     let listener = UnixListener::bind(path).map_err(listen_err)?;
-    claim.socket = Some(path.to_path_buf());
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::MetadataExt;
+        claim.socket = Some((path.to_path_buf(), m.dev(), m.ino()));
+    }
     access.apply_to_socket(path).map_err(|source| AgentError::SocketAccess {
         path: path.to_path_buf(),
         group: access.written.socket_group.clone().unwrap_or_else(|| "(the agent's own)".into()),
@@ -88,15 +91,19 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim)
 /// nothing else is in it now.
 pub(crate) struct Claim {
     _held: std::os::unix::net::UnixListener,
-    /// The socket, once bound.
-    socket: Option<std::path::PathBuf>,
+    /// The socket, once bound, with its device and inode: only that file
+    /// is removed (one put at the path since is someone else's).
+    socket: Option<(std::path::PathBuf, u64, u64)>,
     /// The socket's directory, when the agent made it.
     made_dir: Option<std::path::PathBuf>,
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        if let Some(socket) = &self.socket {
+        use std::os::unix::fs::MetadataExt;
+        if let Some((socket, dev, ino)) = &self.socket
+            && std::fs::symlink_metadata(socket).is_ok_and(|m| m.dev() == *dev && m.ino() == *ino)
+        {
             let _ = std::fs::remove_file(socket);
         }
         if let Some(dir) = &self.made_dir {

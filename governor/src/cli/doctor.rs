@@ -311,6 +311,13 @@ fn rule_caps(s: &crate::proto::StatusReport) -> Check {
             )
         })
         .collect();
+    if s.rule_enforcement.starts_with("unavailable") && !s.rules.is_empty() {
+        return warn(
+            "rule-caps",
+            format!("rules are in force, but their caps are not enforced: {}", s.rule_enforcement),
+            "fix what it says, then restart the agent",
+        );
+    }
     if unheld.is_empty() {
         let how = if s.rule_enforcement.is_empty() { "no rule caps" } else { s.rule_enforcement.as_str() };
         return ok("rule-caps", how);

@@ -18,12 +18,18 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// with no writer does not hang the caller), as is a file over
 /// [`MAX_CONFIG_BYTES`] or text that is not UTF-8.
 pub fn read(path: &Path) -> io::Result<String> {
+    read_regular(path, "configuration file", MAX_CONFIG_BYTES)
+}
+
+/// The text of `path` if it is a regular file of at most `max` bytes (a
+/// `what`, as errors name it), opened without blocking.
+pub fn read_regular(path: &Path, what: &str, max: u64) -> io::Result<String> {
     let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
     let meta = file.metadata()?;
     if !meta.is_file() {
         let ft = meta.file_type();
         use std::os::unix::fs::FileTypeExt;
-        let what = if ft.is_dir() {
+        let kind = if ft.is_dir() {
             "a directory"
         } else if ft.is_fifo() {
             "a FIFO"
@@ -34,16 +40,16 @@ pub fn read(path: &Path) -> io::Result<String> {
         } else {
             "not a regular file"
         };
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{what}, not a configuration file")));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{kind}, not a {what}")));
     }
-    if meta.len() > MAX_CONFIG_BYTES {
+    if meta.len() > max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("{} bytes, more than a configuration's {} MiB", meta.len(), MAX_CONFIG_BYTES >> 20),
+            format!("{} bytes, more than a {what}'s {} MiB", meta.len(), max >> 20),
         ));
     }
     let mut text = String::new();
-    file.by_ref().take(MAX_CONFIG_BYTES + 1).read_to_string(&mut text)?;
+    file.by_ref().take(max + 1).read_to_string(&mut text)?;
     Ok(text)
 }
 
@@ -85,7 +91,7 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(1));
         let big = dir.join("big.toml");
         std::fs::File::create(&big).unwrap().set_len(MAX_CONFIG_BYTES + 1).unwrap();
-        assert!(read(&big).unwrap_err().to_string().contains("more than a configuration's 16 MiB"));
+        assert!(read(&big).unwrap_err().to_string().contains("more than a configuration file's 16 MiB"));
         assert_eq!(read(&dir.join("absent.toml")).unwrap_err().kind(), io::ErrorKind::NotFound);
         std::fs::remove_dir_all(&dir).unwrap();
     }

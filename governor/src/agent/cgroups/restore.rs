@@ -77,15 +77,20 @@ impl Enforcer {
         let Some((root, version)) = self.state.root.clone() else { return };
         let dir = root.join(p.rel.trim_start_matches('/'));
         let now = read_values(&dir, version);
-        for (file, value) in &p.saved {
+        let changed = |file: &str| {
             let holds = now.iter().find(|(f, _)| f == file).map(|(_, v)| v);
             let wrote = p.written.iter().find(|(f, _)| f == file).map(|(_, v)| v);
-            if let (Some(holds), Some(wrote)) = (holds, wrote)
-                && holds != wrote
-            {
+            matches!((holds, wrote), (Some(h), Some(w)) if h != w)
+        };
+        // cgroup v1's quota and period are one setting: both stay if either changed.
+        let pair = ["cpu.cfs_period_us", "cpu.cfs_quota_us"];
+        let pair_changed = pair.iter().any(|f| changed(f));
+        for (file, value) in &p.saved {
+            if changed(file) || (pair_changed && pair.contains(&file.as_str())) {
                 log::warn!(
-                    "cgroups: {} holds {holds:?}, not the {wrote:?} the agent wrote: changed since by someone else, left as it is",
-                    dir.join(file).display()
+                    "cgroups: {} was changed by someone else since the agent wrote it{}: left as it is",
+                    dir.join(file).display(),
+                    if changed(file) { "" } else { " (with the other half of the quota and period)" }
                 );
                 continue;
             }
