@@ -29,7 +29,7 @@ mod files;
 mod guard;
 mod restore;
 
-use files::{Factors, Version, an_agents, cgroup_of, detect, period_us, quota_us, write_cap, write_whole};
+use files::{Factors, Version, an_agents, cgroup_of, detect, period_us, put_back_to, quota_us, write_cap, write_whole};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -177,30 +177,25 @@ impl Enforcer {
             taken_from: std::collections::HashSet::new(),
         };
         // Read as a regular file only (a FIFO there would hang the start).
-        let left = crate::config::file::read_regular(&e.state_path, "state file", 64 << 20);
-        if let Err(err) = &left
-            && err.kind() != std::io::ErrorKind::NotFound
-        {
-            log::warn!("cgroups: ignoring unreadable state file {}: {err}", e.state_path.display());
-        }
-        if let Ok(text) = left {
-            match serde_json::from_str::<State>(&text) {
-                Ok(left) => {
-                    // An agent killed with nothing in place left an empty record.
-                    if !(left.created.is_empty() && left.moved.is_empty() && left.in_place.is_empty()) {
-                        log::warn!(
-                            "cgroups: a previous agent left {} keyspace cgroups, {} moved processes and {} caps in place ({}); putting them back",
-                            left.created.len(),
-                            left.moved.len(),
-                            left.in_place.len(),
-                            e.state_path.display()
-                        );
-                    }
-                    e.state = left;
-                    e.restore_all();
+        let left = crate::config::file::read_regular(&e.state_path, "state file", 64 << 20)
+            .and_then(|text| serde_json::from_str::<State>(&text).map_err(std::io::Error::other));
+        match left {
+            Ok(left) => {
+                // An agent killed with nothing in place left an empty record.
+                if !(left.created.is_empty() && left.moved.is_empty() && left.in_place.is_empty()) {
+                    log::warn!(
+                        "cgroups: a previous agent left {} keyspace cgroups, {} moved processes and {} caps in place ({}); putting them back",
+                        left.created.len(),
+                        left.moved.len(),
+                        left.in_place.len(),
+                        e.state_path.display()
+                    );
                 }
-                Err(err) => log::warn!("cgroups: ignoring unreadable state file {}: {err}", e.state_path.display()),
+                e.state = left;
+                e.restore_all();
             }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+            Err(err) => log::warn!("cgroups: ignoring unreadable state file {}: {err}", e.state_path.display()),
         }
         e.sweep();
         e
@@ -483,18 +478,13 @@ impl Enforcer {
                                 // next one moves it where a recorded process came from.
                                 // Never back into another agent's keyspace cgroup; taken
                                 // from one, said (once per cgroup): two agents' rules match it.
-                                let orig = if an_agents(&orig) {
-                                    if self.taken_from.insert(orig.clone()) {
-                                        log::warn!(
-                                            "cgroups: process {p} was in {orig}, another governor agent's keyspace cgroup: \
-                                             rules of two agents match it, and the last to move it holds it"
-                                        );
-                                    }
-                                    "/".to_string()
-                                } else {
-                                    orig
-                                };
-                                self.state.moved.entry(p).or_insert(orig);
+                                if an_agents(&orig) && self.taken_from.insert(orig.clone()) {
+                                    log::warn!(
+                                        "cgroups: process {p} was in {orig}, another governor agent's keyspace cgroup: \
+                                         rules of two agents match it, and the last to move it holds it"
+                                    );
+                                }
+                                self.state.moved.entry(p).or_insert(put_back_to(orig));
                                 self.dirty = true;
                                 self.unmoved.remove(&p);
                             }
@@ -542,7 +532,7 @@ impl Enforcer {
                 return Some(orig.clone());
             }
             match cgroup_of(p, version) {
-                Some(now) if !self.is_ours(&now) => return Some(if an_agents(&now) { "/".into() } else { now }),
+                Some(now) if !self.is_ours(&now) => return Some(put_back_to(now)),
                 Some(_) => {}
                 None => return None,
             }

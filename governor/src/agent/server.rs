@@ -121,10 +121,7 @@ impl Claim {
             (Some(Ok(dir)), Some(name)) => dir.join(name),
             _ => std::path::absolute(path)?,
         };
-        let hash = std::os::unix::ffi::OsStrExt::as_bytes(abs.as_os_str())
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3));
-        let name = format!("governor-agent-{hash:016x}");
+        let name = format!("governor-agent-{:08x}", super::fnv32(abs.as_os_str().as_encoded_bytes()));
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
         Ok(Claim { _held: std::os::unix::net::UnixListener::bind_addr(&addr)?, socket: None, made_dir: None })
     }

@@ -121,6 +121,12 @@ pub(super) fn an_agents(path: &str) -> bool {
         && (head == "governor" || head.strip_prefix("governor-").is_some_and(hashed))
 }
 
+/// Where a process found in cgroup `path` is put back to: there, unless it
+/// is a keyspace cgroup of some agent ([`an_agents`]), then the root.
+pub(super) fn put_back_to(path: String) -> String {
+    if an_agents(&path) { "/".into() } else { path }
+}
+
 /// Writes `bytes` to `path` whole or not at all: a new file beside it,
 /// synced, renamed over it. A crash or a full disk leaves the old file.
 pub(super) fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
