@@ -67,6 +67,13 @@ pub const MAX_PENDING: u32 = 8192;
 /// decides on, so a process is measured from its first slice.
 pub const TAG_PENDING: u32 = u32::MAX;
 
+/// The most CPU a process may have run between its fork and an exec a rule
+/// matches for it to be charged to that rule's keyspace as the program's
+/// launch (a shell's redirections, the pages its fork copied: well under a
+/// millisecond to a few). A process that ran longer before its exec was
+/// running another program, which no rule measured.
+pub const LAUNCH_MAX_NS: u64 = 50_000_000;
+
 /// [`RuleEvent::kind`]: a process called `execve`.
 pub const EVENT_EXEC: u32 = 1;
 /// [`RuleEvent::kind`]: a process whose rule is undecided forked.

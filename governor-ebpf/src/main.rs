@@ -82,10 +82,10 @@ use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 use keyspace_governor_common::{
     BEHIND_IDLE, BEHIND_SLOTS, BEHIND_UNKNOWN, BEHIND_UNMEASURED, BEHIND_UNTAGGED, CpuCell, DEFAULT_MAX_KEYSPACES,
     DEFAULT_MAX_THREADS, DEFAULT_MAX_TIDS, EVENT_EXEC, EVENT_FORK, EVENT_RENAME, FRESH_OFFSET_NS, KeyspaceCell,
-    KeyspaceWait, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS, MAX_RULE_TASKS, MAX_STACKS,
-    NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu, RuleEvent,
-    SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, WAIT_TAG_WAITING, cell_of_tag, cpu_owner,
-    kind_of_tag, wait_bucket,
+    KeyspaceWait, LAUNCH_MAX_NS, LOST_STACK, MAX_CPUS, MAX_FRAMES, MAX_PENDING, MAX_PROFILE_KEYS, MAX_RULE_TASKS,
+    MAX_STACKS, NO_STACK, ProfileKey, RULE_CTL_DROPPED, RULE_CTL_ENTRIES, RULE_CTL_ON, RULE_CTL_RENAME, RuleCpu,
+    RuleEvent, SLOT_DEAD, SLOT_LIVE, StackFrames, TAG_PENDING, TASK_DEAD, ThreadSlot, WAIT_TAG_WAITING, cell_of_tag,
+    cpu_owner, kind_of_tag, wait_bucket,
 };
 
 /// `BPF_F_MMAPABLE`: the array's values can be mmapped by userspace.
@@ -774,6 +774,20 @@ pub fn gov_exec(ctx: BtfTracePointContext) -> i32 {
                 .unwrap_or(core::ptr::null());
         // Pending first: the slices that follow the report wait for the decision.
         write_volatile(entry.add(1), TAG_PENDING);
+        // A process nothing measured before is charged from here on as one
+        // seen at its switch-in, so a move into a cgroup that restarts its
+        // slice (`sched_move_task`) loses nothing: from its fork when what it
+        // ran before is a launch (so a matched process is charged its whole
+        // life as the kernel counts it), else from its exec.
+        if prior == 0
+            && let Some(cell) = GOV_RULE_CPUS.get_ptr_mut(bpf_get_smp_processor_id())
+        {
+            let launch = task_field::<u64>(task, &GOV_OFF_PREV_RUNTIME);
+            let base = if launch <= LAUNCH_MAX_NS { 0 } else { task_field::<u64>(task, &GOV_OFF_RUNTIME) };
+            write_volatile(addr_of_mut!((*cell).runner), BEHIND_UNKNOWN as u64);
+            write_volatile(addr_of_mut!((*cell).tid), task_field::<u32>(task, &GOV_OFF_PID) as u64 + 1);
+            write_volatile(addr_of_mut!((*cell).base_ns), base);
+        }
         if !report(EVENT_EXEC, tgid, 0, prior, 0, core::ptr::null(), filename) {
             write_volatile(entry.add(1), if prior == TAG_PENDING { 0 } else { prior });
         }
