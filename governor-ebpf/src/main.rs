@@ -790,6 +790,12 @@ pub fn gov_exec(ctx: BtfTracePointContext) -> i32 {
         }
         if !report(EVENT_EXEC, tgid, 0, prior, 0, core::ptr::null(), filename) {
             write_volatile(entry.add(1), if prior == TAG_PENDING { 0 } else { prior });
+            // Unmeasured again: nothing is kept for its switch-out.
+            if prior == 0
+                && let Some(cell) = GOV_RULE_CPUS.get_ptr_mut(bpf_get_smp_processor_id())
+            {
+                write_volatile(addr_of_mut!((*cell).tid), 0);
+            }
         }
     }
     0

@@ -342,11 +342,13 @@ fn main() {
         Verb::Agent { config, measure, socket, metrics_addr, json } => {
             init_logging(json);
             let cfg = match &config {
-                Some(p) => cli::load_config(p).unwrap_or_else(|e| fail(false, &e)),
+                Some(p) => cli::load_config(p).unwrap_or_else(|e| match json {
+                    false => fail(false, &e),
+                    true => agent_fatal(keyspace_governor::error_chain(&e), e.exit_code()),
+                }),
                 None => ValidatedConfig::embedded_default(),
             };
             if let Err(e) = run_agent(cfg, config, measure, socket, metrics_addr) {
-                eprintln!("governor agent: {}", keyspace_governor::error_chain(&e));
                 // EX_NOPERM when privileges are what is missing.
                 use keyspace_governor::agent::AgentError;
                 let code = match &e {
@@ -354,6 +356,10 @@ fn main() {
                     AgentError::Listen { source, .. } if source.kind() == std::io::ErrorKind::PermissionDenied => 77,
                     _ => 1,
                 };
+                if json {
+                    agent_fatal(keyspace_governor::error_chain(&e), code);
+                }
+                eprintln!("governor agent: {}", keyspace_governor::error_chain(&e));
                 std::process::exit(code);
             }
         }
@@ -474,7 +480,18 @@ fn main() {
                 cap_in_place,
             };
             match cli::rules::add(&socket.unwrap_or_else(default_socket), &rule, position) {
-                Ok(a) => print(json, &a, cli::config_cmd::render_applied),
+                Ok(mut a) => {
+                    a.warnings = cli::config_cmd::rule_notices(
+                        &rule.name,
+                        rule.exe.as_deref(),
+                        rule.cgroup.as_deref(),
+                        rule.uid,
+                    );
+                    for w in &a.warnings {
+                        eprintln!("warning: {w}");
+                    }
+                    print(json, &a, cli::config_cmd::render_applied)
+                }
                 Err(e) => fail(json, &e),
             }
         }
@@ -528,6 +545,14 @@ fn main() {
             }
         }
     }
+}
+
+/// An agent started with `--json` that cannot run: its reason as one more
+/// JSON log line on stderr (with the exit code; whatever the log filter),
+/// then the exit.
+fn agent_fatal(message: String, code: i32) -> ! {
+    eprintln!("{}", serde_json::json!({"level": "ERROR", "target": "governor", "message": message, "exit_code": code}));
+    std::process::exit(code)
 }
 
 fn init_logging(json: bool) {

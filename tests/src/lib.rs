@@ -200,7 +200,7 @@ impl Agent {
         let config = match config {
             Some(text) => {
                 let cfg = dir.0.join("governor.toml");
-                std::fs::write(&cfg, text)?;
+                std::fs::write(&cfg, config_file_text(text))?;
                 Some(cfg)
             }
             None => None,
@@ -267,7 +267,7 @@ impl Agent {
     pub fn restart_with_config(&mut self, config: &str) -> Result<()> {
         self.stop()?;
         let cfg = self._dir.0.join("governor.toml");
-        std::fs::write(&cfg, config).with_context(|| format!("writing {}", cfg.display()))?;
+        std::fs::write(&cfg, config_file_text(config)).with_context(|| format!("writing {}", cfg.display()))?;
         self.config = Some(cfg);
         self.child = Self::launch(&self.wrapper, &self.measure, &self.socket, self.config.as_deref(), &self.log)?;
         self.wait_ready()
@@ -595,6 +595,12 @@ impl Steal {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         (steal_ns() - self.ns) as f64 / (self.at.elapsed().as_secs_f64() * 1e9 * cores)
     }
+}
+
+/// A configuration's text as a file: one of blanks only (the defaults) says
+/// so in a comment, as the agent wants it (it refuses an empty file).
+fn config_file_text(text: &str) -> String {
+    if text.trim().is_empty() { "# the defaults\n".into() } else { text.into() }
 }
 
 /// The kernel's count of a thread's on-CPU ns (`/proc/<pid>/task/<tid>/schedstat`,

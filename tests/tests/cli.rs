@@ -151,6 +151,18 @@ fn agent_with_a_bad_config_exits_64() {
     let (code, _, err) = governor(&["agent", "--config", &bad, "--measure", "thread-clock"]);
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("agent.max-threads"), "{err}");
+    // An empty file (cut short, or still being written) is refused, at
+    // start as by validate; a comment alone is the embedded default.
+    let empty = write(&dir, "empty.toml", "\n");
+    let (code, _, err) = governor(&["agent", "--config", &empty, "--measure", "thread-clock"]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("the file is empty"), "{err}");
+    let (code, out, _) = governor(&["config", "validate", "--json", &empty]);
+    assert_eq!(code, 64, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["valid"], false, "{v}");
+    let comment = write(&dir, "comment.toml", "# the embedded default\n");
+    assert_eq!(governor(&["config", "validate", &comment]).0, 0);
 }
 
 #[test]
@@ -233,6 +245,25 @@ fn an_agent_keeps_to_its_own_socket_path() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("is there and is not a socket"), "{err}");
     assert_eq!(std::fs::read_to_string(&not_a_socket).unwrap(), "precious data\n");
+    // With --json (its log as JSON lines), the reason is a JSON line too.
+    let (code, _, err) = governor(&["agent", "--json", "--measure", "thread-clock", "--socket", &not_a_socket]);
+    assert_eq!(code, 1, "{err}");
+    let last: serde_json::Value = serde_json::from_str(err.lines().last().unwrap_or("")).unwrap_or_default();
+    assert_eq!(last["level"], "ERROR", "{err}");
+    assert_eq!(last["exit_code"], 1, "{err}");
+    assert!(last["message"].as_str().is_some_and(|m| m.contains("is there and is not a socket")), "{err}");
+    // Another program's live socket at the path: left alone, and said so
+    // (not read as an agent's).
+    let foreign = dir.0.join("foreign.sock");
+    let _listener = std::os::unix::net::UnixListener::bind(&foreign).unwrap();
+    let (code, _, err) = governor(&["agent", "--measure", "thread-clock", "--socket", foreign.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is a socket something listens on, and no agent here holds it"), "{err}");
+    assert!(foreign.exists(), "the other program's socket was removed");
+    // A verb pointed at it is told the path is wrong, not that no agent runs.
+    let (code, _, err) = governor(&["status", "--socket", &not_a_socket]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("it is a file, not a socket"), "{err}");
 
     let mut first = Agent::start("thread-clock", "").unwrap();
     let socket = first.socket.to_string_lossy().into_owned();

@@ -118,6 +118,13 @@ fn a_record_that_cannot_be_written_stops_the_caps_and_moves_nothing() {
     let d: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|_| panic!("{}", text(&o)));
     let caps = d["checks"].as_array().unwrap().iter().find(|c| c["check"] == "rule-caps").cloned().unwrap_or_default();
     assert_eq!(caps["status"], "warn", "{d:#}");
+    // So does the text status.
+    let o = Command::new(governor_bin()).args(["status", "--socket"]).arg(&socket).output().unwrap();
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        said.contains("rules        1 in force; caps: unavailable") && said.contains("cannot write the state file"),
+        "{said}"
+    );
     drop(agent);
 }
 

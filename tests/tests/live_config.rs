@@ -55,6 +55,14 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     }
     let o = governor(&agent, &["config", "set", "not-an-assignment"]);
     assert_eq!(o.status.code(), Some(64), "{}", text(&o));
+    let o = governor(&agent, &["config", "set", "=5"]);
+    assert_eq!(o.status.code(), Some(64), "{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`=5` names no key"), "{}", text(&o));
+    // Several wrong entries of a list: each is named.
+    let o = governor(&agent, &["config", "set", "resource-control.cpu-throttle.keyspace-cpu-quotas=1:0,x:5"]);
+    assert_eq!(o.status.code(), Some(64), "{}", text(&o));
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(said.contains("2 entries are wrong") && said.contains("\"1:0\"") && said.contains("\"x:5\""), "{said}");
 
     // A file with several errors: every one of them reported, none applied.
     std::fs::write(
@@ -86,10 +94,10 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("nothing changed"), "{}", text(&o));
 
-    // Counted and logged: 3 accepted (set, SIGHUP, reload), 5 refused (the
-    // malformed assignment never reached the agent).
+    // Counted and logged: 3 accepted (set, SIGHUP, reload), 6 refused (the
+    // malformed assignments never reached the agent).
     let s = agent.status().expect("status");
-    assert_eq!((s.config_updates.accepted, s.config_updates.rejected), (3, 5), "{:?}", s.config_updates);
+    assert_eq!((s.config_updates.accepted, s.config_updates.rejected), (3, 6), "{:?}", s.config_updates);
     assert_eq!(s.config_updates.path.as_deref(), Some(path.canonicalize().unwrap().to_str().unwrap()));
     // `config show --socket`: what the agent holds now, and where it came from.
     let o = governor(&agent, &["config", "show", "--json"]);
@@ -102,12 +110,12 @@ fn set_reload_and_sighup_apply_at_once_and_bad_changes_change_nothing() {
     assert_eq!(shown["overridden"]["agent.control-socket"].as_str(), agent.socket.to_str(), "{shown}");
     let o = governor(&agent, &["status"]);
     let said = String::from_utf8_lossy(&o.stdout);
-    assert!(said.contains("3 changes accepted, 5 refused since start"), "{said}");
+    assert!(said.contains("3 changes accepted, 6 refused since start"), "{said}");
     assert!(said.contains(&format!("metrics      http://{}/metrics", s.metrics_addr.as_deref().unwrap())), "{said}");
     let log = agent.log_text();
     assert!(log.contains("tenant-max-cpu-ratio 0.25 -> 0.5"), "{log}");
     assert!(log.contains("SIGHUP") && log.contains("tenant-max-cpu-ratio 0.5 -> 0.1"), "{log}");
-    assert_eq!(log.matches("refused, the running configuration stays").count(), 5, "{log}");
+    assert_eq!(log.matches("refused, the running configuration stays").count(), 6, "{log}");
     // A set to the value in force, written another way: nothing changed, and why.
     let o = governor(&agent, &["config", "set", "write-quota.pending-write-threshold=100mb"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));

@@ -293,7 +293,8 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
          [[rules]]\nname = \"a\"\nkeyspace = 2\nuid = 0\n\n\
          [[rules]]\nname = \"c\"\nkeyspace = 3\n\n\
          [[rules]]\nname = \"d\"\nkeyspace = 4\nexe = \"bin/x\"\n\n\
-         [[rules]]\nname = \"e\"\nkeyspace = 5\nthread-name-prefix = \"\"\n",
+         [[rules]]\nname = \"e\"\nkeyspace = 5\nthread-name-prefix = \"\"\n\n\
+         [[rules]]\nname = \"f\"\nkeyspace = 6\ntgid = 99999999\n",
     )
     .unwrap();
     let out = Command::new(governor_bin()).args(["config", "validate", "--json"]).arg(&file).output().unwrap();
@@ -302,16 +303,17 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     let keys: Vec<(&str, Option<u64>)> =
         v["errors"].as_array().unwrap().iter().filter_map(|e| Some((e["key"].as_str()?, e["line"].as_u64()))).collect();
     // Each with the line of the key in its rule (the duplicate name: the
-    // second rule's). A cgroup that does not exist is refused only to a cap
-    // in place, which writes into it.
+    // second rule's). A cgroup that does not exist is no error, to a cap in
+    // place either (its cap is written when it appears).
+    assert!(!keys.iter().any(|(k, _)| *k == "rules.a.cgroup"), "{keys:?}");
     for want in [
-        ("rules.a.cgroup", 4),
         ("rules.b.keyspace", 9),
         ("rules.b.comm-prefix", 10),
         ("rules.a.name", 13),
         ("rules.c", 17),
         ("rules.d.exe", 24),
         ("rules.e.thread-name-prefix", 29),
+        ("rules.f.tgid", 34),
     ] {
         assert!(keys.contains(&(want.0, Some(want.1))), "no error for {want:?}: {keys:?}");
     }
@@ -329,6 +331,20 @@ fn bad_rules_are_refused_naming_the_rule_and_the_key() {
     assert!(said.contains("position 2 is past the end: there is 1 rule"), "{}", text(&past));
     let s = agent.status().unwrap();
     assert_eq!(s.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["keep"]);
+    // A cgroup that does not exist (yet): accepted, with a warning, as
+    // `config validate` gives one.
+    let absent =
+        governor(&agent, &["rules", "add", "later", "--keyspace", "7", "--cgroup", "/no/such/cgroup-yet", "--json"]);
+    assert!(absent.status.success(), "{}", text(&absent));
+    let v: serde_json::Value = serde_json::from_slice(&absent.stdout).unwrap();
+    assert!(
+        v["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("rules.later.cgroup: /no/such/cgroup-yet does not exist here")),
+        "{v}"
+    );
+    assert!(String::from_utf8_lossy(&absent.stderr).contains("warning: rules.later.cgroup"), "{}", text(&absent));
+    assert!(governor(&agent, &["rules", "remove", "later"]).status.success());
     let removed = governor(&agent, &["rules", "remove", "keep"]);
     assert!(removed.status.success(), "{}", text(&removed));
     // The reply says what changed: the last rule went, so `rules` is unset.
@@ -704,6 +720,8 @@ fn with_fair_allocation_capped_keyspaces_split_a_saturated_node_by_their_caps() 
 #[test]
 fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     let _s = serial();
+    // Quota and period, as cpu.max has them and v1's two files read in turn.
+    const HALF_A_CORE: &str = "125000 250000";
     // The operator's cgroup, with a stress-ng in it.
     let own = OperatorCgroup::new("own");
     let (rel, dir) = (own.rel.clone(), own.dir.clone());
@@ -717,7 +735,7 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
          [[rules]]\nname = \"own\"\nkeyspace = 981\ncgroup = \"{rel}\"\ncap-in-place = true\n"
     );
     let mut agent = Agent::start("ebpf", &config).unwrap();
-    eventually("the operator's cgroup capped in place", || bandwidth(&dir).contains("50000"));
+    eventually("the operator's cgroup capped in place", || bandwidth(&dir) == HALF_A_CORE);
     for p in tree(root) {
         assert_eq!(cpu_cgroup(p).as_deref(), Some(rel.as_str()), "process {p} stays in the operator's cgroup");
     }
@@ -728,14 +746,14 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     assert_eq!(bandwidth(&dir), before, "put back when the agent stopped");
     // SIGKILLed while capping: the next agent on the socket puts it back.
     agent.restart_with_config(&config).unwrap();
-    eventually("the operator's cgroup capped in place again", || bandwidth(&dir).contains("50000"));
+    eventually("the operator's cgroup capped in place again", || bandwidth(&dir) == HALF_A_CORE);
     agent.kill9().unwrap();
     agent.restart_with_config("").unwrap();
     assert_eq!(bandwidth(&dir), before, "put back by the next agent");
     // Changed by the operator while no agent ran: the next agent puts back
     // the rest and leaves their value as they wrote it.
     agent.restart_with_config(&config).unwrap();
-    eventually("capped in place once more", || bandwidth(&dir).contains("50000"));
+    eventually("capped in place once more", || bandwidth(&dir) == HALF_A_CORE);
     agent.kill9().unwrap();
     let (file, theirs) =
         if dir.join("cpu.max").exists() { ("cpu.max", "300000 250000") } else { ("cpu.cfs_quota_us", "300000") };
@@ -755,6 +773,25 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("rules.loose.cap-in-place"), "{}", text(&bad));
     signal_all(&tree(root), libc::SIGKILL);
     let _ = stress.wait();
+
+    // A cgroup that is not there yet (a service's while it is stopped): the
+    // agent starts, and caps it once a process in it is matched.
+    let later_rel = format!("/governor-test-later-{}", std::process::id());
+    let waiting = format!(
+        "[resource-control.cpu-throttle]\nenabled = true\nkeyspace-cpu-quotas = \"983:250\"\n\n\
+         [[rules]]\nname = \"later\"\nkeyspace = 983\ncgroup = \"{later_rel}\"\ncap-in-place = true\n"
+    );
+    agent.restart_with_config(&waiting).unwrap();
+    let later = OperatorCgroup::new("later");
+    assert_eq!(later.rel, later_rel);
+    let untouched = bandwidth(&later.dir);
+    let mut hog = later.spawn("stress-ng --cpu 1 --timeout 60");
+    let _reap_hog = KillTree(hog.id());
+    eventually("the cgroup that appeared capped in place", || bandwidth(&later.dir) == "62500 250000");
+    agent.restart_with_config("").unwrap();
+    assert_eq!(bandwidth(&later.dir), untouched, "put back when the agent stopped");
+    signal_all(&tree(hog.id()), libc::SIGKILL);
+    let _ = hog.wait();
 }
 
 /// The operator's own cgroup for a test, removed when dropped (once its

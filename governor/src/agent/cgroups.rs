@@ -145,9 +145,10 @@ pub(crate) struct Enforcer {
     unmoved: BTreeMap<u32, (u32, String)>,
     /// Moves not yet in the state file.
     dirty: bool,
-    /// Keyspaces the rules cap on the operator's own cgroup: never given
-    /// one of ours.
-    capped_in_place: std::collections::HashSet<u32>,
+    /// Keyspaces the rules cap on the operator's own cgroup (relative to
+    /// the root): never given one of ours. One not there yet is capped when
+    /// its first process is placed.
+    capped_in_place: HashMap<u32, String>,
     /// Other agents' keyspace cgroups a process was taken from (said once).
     taken_from: std::collections::HashSet<String>,
 }
@@ -173,7 +174,7 @@ impl Enforcer {
             outside: HashMap::new(),
             unmoved: BTreeMap::new(),
             dirty: false,
-            capped_in_place: std::collections::HashSet::new(),
+            capped_in_place: HashMap::new(),
             taken_from: std::collections::HashSet::new(),
         };
         // Read as a regular file only (a FIFO there would hang the start).
@@ -347,7 +348,7 @@ impl Enforcer {
             return;
         }
         self.state.root = Some((root.clone(), version));
-        self.capped_in_place = in_place.keys().copied().collect();
+        self.capped_in_place = in_place.clone();
         // In place: the operator's cgroups, values kept to put back.
         let dropped: Vec<u32> = self
             .state
@@ -359,31 +360,18 @@ impl Enforcer {
         for ks in dropped {
             self.restore_in_place(ks);
         }
-        for (&ks, rel) in in_place {
-            let Some(&cores) = caps.get(&ks) else { continue };
+        self.settings = settings;
+        for (ks, rel) in in_place {
             let dir = root.join(rel.trim_start_matches('/'));
-            if !dir.is_dir() {
-                log::warn!(
-                    "cgroups: keyspace {ks} is to be capped on {}, which does not exist in the cpu hierarchy",
+            if caps.contains_key(ks) && !dir.is_dir() {
+                // A service's cgroup exists while it runs.
+                log::info!(
+                    "cgroups: keyspace {ks} is capped on {} once it exists (at its first process)",
                     dir.display()
                 );
-                continue;
+            } else if !self.cap_in_place(*ks, &root, version) {
+                return;
             }
-            if let std::collections::btree_map::Entry::Vacant(e) = self.state.in_place.entry(ks) {
-                let saved = restore::read_values(&dir, version);
-                e.insert(InPlace { rel: rel.clone(), saved, written: Vec::new() });
-                if !self.save() {
-                    self.state.in_place.remove(&ks);
-                    self.settings = settings;
-                    return self.unrecorded();
-                }
-            }
-            // A quota written refills its period: the guard's next write waits.
-            self.guard_written.insert(ks, std::time::Instant::now());
-            if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
-                log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
-            }
-            self.note_written(ks);
         }
         let caps: HashMap<u32, f64> = caps.into_iter().filter(|(k, _)| !in_place.contains_key(k)).collect();
         if !caps.is_empty() && version == Version::V2 {
@@ -397,7 +385,6 @@ impl Enforcer {
         // A keyspace's cgroup is made when its first process is placed
         // (`cgroup_for`): a rule that matches nothing leaves no trace in the
         // hierarchy. The ones there take the new cap now.
-        self.settings = settings;
         for (&ks, &cores) in &caps {
             let Some(rel) = self.state.created.get(&ks) else { continue };
             let dir = root.join(rel);
@@ -412,6 +399,36 @@ impl Enforcer {
         self.save();
     }
 
+    /// Caps keyspace `ks` on the operator's cgroup it is capped in place
+    /// on, if that is there, its values kept first to put back; false when
+    /// they could not be recorded (enforcement stopped).
+    fn cap_in_place(&mut self, ks: u32, root: &Path, version: Version) -> bool {
+        let (Some(&cores), Some(rel)) = (self.settings.caps.get(&ks), self.capped_in_place.get(&ks)) else {
+            return true;
+        };
+        let dir = root.join(rel.trim_start_matches('/'));
+        if !dir.is_dir() {
+            return true;
+        }
+        if let std::collections::btree_map::Entry::Vacant(e) = self.state.in_place.entry(ks) {
+            let saved = restore::read_values(&dir, version);
+            e.insert(InPlace { rel: rel.clone(), saved, written: Vec::new() });
+            if !self.save() {
+                self.state.in_place.remove(&ks);
+                self.unrecorded();
+                return false;
+            }
+        }
+        // A quota written refills its period: the guard's next write waits.
+        self.guard_written.insert(ks, std::time::Instant::now());
+        let (weighted, period_us) = (self.settings.weighted, self.settings.period_us);
+        if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
+            log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
+        }
+        self.note_written(ks);
+        true
+    }
+
     /// The cgroup (relative to the root) that holds capped `keyspace`'s
     /// processes, made and capped now if it is not there yet; none once
     /// enforcement fails.
@@ -419,7 +436,11 @@ impl Enforcer {
         if let Some(rel) = self.state.created.get(&keyspace) {
             return Some(rel.clone());
         }
-        if self.capped_in_place.contains(&keyspace) {
+        if self.capped_in_place.contains_key(&keyspace) {
+            // Its own cgroup, capped now if it appeared since.
+            if !self.state.in_place.contains_key(&keyspace) {
+                self.cap_in_place(keyspace, root, version);
+            }
             return None;
         }
         let cores = *self.settings.caps.get(&keyspace)?;

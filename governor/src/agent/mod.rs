@@ -73,6 +73,10 @@ pub enum AgentError {
     #[error("another agent is already serving {path}")]
     AlreadyRunning { path: PathBuf },
     #[error(
+        "{path} is a socket something listens on, and no agent here holds it (an agent in another network namespace, or another program): the agent takes only a socket nobody answers on; stop that or choose another --socket (agent.control-socket)"
+    )]
+    SocketInUse { path: PathBuf },
+    #[error(
         "{path} is there and is not a socket: the agent removes only a socket a crashed agent left; move the file away or choose another --socket (agent.control-socket)"
     )]
     NotASocket { path: PathBuf },

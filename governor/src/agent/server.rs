@@ -66,7 +66,7 @@ pub(super) fn bind(path: &Path, access: &Access) -> Result<(UnixListener, Claim)
         // A live agent answers (one in another network namespace holds no
         // claim here); a stale socket file from a crash does not.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(AgentError::AlreadyRunning { path: path.to_path_buf() });
+            return Err(AgentError::SocketInUse { path: path.to_path_buf() });
         }
         std::fs::remove_file(path).map_err(listen_err)?;
     }

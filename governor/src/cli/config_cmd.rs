@@ -12,11 +12,15 @@ pub struct Applied {
     pub accepted: bool,
     /// Every key it changed, with both values as TOML.
     pub changes: Vec<ConfigChange>,
+    /// What may keep it from acting as meant on this machine now (a rule's
+    /// cgroup that does not exist): printed as warnings.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 pub(super) fn applied(reply: Reply) -> Result<Applied, CliError> {
     match reply {
-        Reply::ConfigUpdated { changes } => Ok(Applied { accepted: true, changes }),
+        Reply::ConfigUpdated { changes } => Ok(Applied { accepted: true, changes, warnings: Vec::new() }),
         Reply::ConfigRejected { errors, file_unreadable } => Err(CliError::Rejected { errors, file_unreadable }),
         Reply::Error { message } => Err(CliError::Agent { message }),
         other => Err(CliError::Reply { detail: format!("{other:?}") }),
@@ -26,11 +30,15 @@ pub(super) fn applied(reply: Reply) -> Result<Applied, CliError> {
 /// `governor config set KEY=VALUE`: one key of the running agent's
 /// configuration (VALUE is TOML, or a bare string: `10ms`, `1:100,2:200`).
 pub fn set(socket: &Path, assignment: &str) -> Result<Applied, CliError> {
-    let Some((key, value)) = assignment.split_once('=') else {
-        return Err(CliError::Usage(format!(
-            "`{assignment}` is not KEY=VALUE (for example resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25)"
-        )));
+    let usage = |what: &str| {
+        CliError::Usage(format!(
+            "`{assignment}` {what} (KEY=VALUE, for example resource-control.cpu-throttle.tenant-max-cpu-ratio=0.25)"
+        ))
     };
+    let Some((key, value)) = assignment.split_once('=') else { return Err(usage("is not KEY=VALUE")) };
+    if key.trim().is_empty() {
+        return Err(usage("names no key"));
+    }
     applied(crate::client::request(socket, &Request::ConfigSet { key: key.trim().into(), value: value.trim().into() })?)
 }
 
@@ -75,26 +83,28 @@ pub fn notices(config: &ValidatedConfig) -> Vec<String> {
     } else {
         config.notices_on(f64::from(crate::sys::logical_cores()), "this machine's online CPUs,")
     };
-    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
-    let has_uid = |uid: u32| passwd.lines().any(|l| l.split(':').nth(2) == Some(uid.to_string().as_str()));
     for r in config.rules() {
-        if let Some(exe) = r.exe.as_deref().filter(|e| !Path::new(e).exists()) {
-            notes.push(format!(
-                "rules.{}.exe: {exe} does not exist here; the rule matches nothing until it does",
-                r.name
-            ));
-        }
-        if let Some(cg) = r.cgroup.as_deref().filter(|cg| {
-            !crate::config::cgroup_roots().iter().any(|root| root.join(cg.trim_start_matches('/')).is_dir())
-        }) {
-            notes.push(format!(
-                "rules.{}.cgroup: {cg} does not exist here; the rule matches nothing until it does",
-                r.name
-            ));
-        }
-        if let Some(uid) = r.uid.filter(|&u| !passwd.is_empty() && !has_uid(u)) {
-            notes.push(format!("rules.{}.uid: no user has uid {uid} in /etc/passwd here", r.name));
-        }
+        notes.extend(rule_notices(&r.name, r.exe.as_deref(), r.cgroup.as_deref(), r.uid.map(i64::from)));
+    }
+    notes
+}
+
+/// What may keep a rule from matching anything on this machine as it is
+/// now ([`notices`]; `rules add` says them too).
+pub fn rule_notices(name: &str, exe: Option<&str>, cgroup: Option<&str>, uid: Option<i64>) -> Vec<String> {
+    let mut notes = Vec::new();
+    if let Some(exe) = exe.filter(|e| !Path::new(e).exists()) {
+        notes.push(format!("rules.{name}.exe: {exe} does not exist here; the rule matches nothing until it does"));
+    }
+    if let Some(cg) = cgroup
+        .filter(|cg| !crate::config::cgroup_roots().iter().any(|root| root.join(cg.trim_start_matches('/')).is_dir()))
+    {
+        notes.push(format!("rules.{name}.cgroup: {cg} does not exist here; the rule matches nothing until it does"));
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let has_uid = |uid: i64| passwd.lines().any(|l| l.split(':').nth(2) == Some(uid.to_string().as_str()));
+    if let Some(uid) = uid.filter(|&u| !passwd.is_empty() && !has_uid(u)) {
+        notes.push(format!("rules.{name}.uid: no user has uid {uid} in /etc/passwd here"));
     }
     notes
 }

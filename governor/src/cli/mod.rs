@@ -73,6 +73,19 @@ impl CliError {
 pub fn load_config(path: &Path) -> Result<crate::config::ValidatedConfig, CliError> {
     let text = crate::config::file::read_within(path, crate::config::file::READ_TIMEOUT)
         .map_err(|source| CliError::Read { path: path.into(), source })?;
+    // As a reload refuses it: a file cut short (a deploy that failed, an
+    // editor between truncating and writing) would put every default in
+    // force, every quota and rule gone.
+    if text.trim().is_empty() {
+        let empty = crate::config::ConfigError::Syntax {
+            key: "<file>".into(),
+            line: None,
+            message: "the file is empty: cut short, or still being written? For the embedded default, give it a \
+                      comment, or name no file"
+                .into(),
+        };
+        return Err(CliError::Config { path: path.into(), errors: crate::config::ConfigErrors::one(empty) });
+    }
     crate::config::ValidatedConfig::from_toml_str(&text)
         .map_err(|errors| CliError::Config { path: path.into(), errors })
 }

@@ -49,6 +49,11 @@ pub fn render(s: &StatusReport) -> String {
         "threads      {} registered / {} slots ({} handed out, {} reclaimed, {} refused)",
         s.threads.registered, s.threads.capacity, s.threads.handed_out, s.threads.reclaimed, s.threads.exhausted
     );
+    if !s.rules.is_empty() {
+        // How their caps are held, or why they are not.
+        let caps = if s.rule_enforcement.is_empty() { "no rule caps" } else { s.rule_enforcement.as_str() };
+        let _ = writeln!(out, "rules        {} in force; caps: {caps}", s.rules.len());
+    }
     let _ = writeln!(out, "window       {:.1} s", s.window_seconds);
     let _ = writeln!(
         out,

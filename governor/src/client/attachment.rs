@@ -65,8 +65,7 @@ pub fn request(path: &Path, req: &Request) -> Result<Reply, ClientError> {
 /// design (a profile): the reply is awaited up to `timeout`.
 #[cfg(feature = "agent")]
 pub fn request_within(path: &Path, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
-    let stream =
-        UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+    let stream = UnixStream::connect(path).map_err(|source| ClientError::connect(path, source))?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(CALL_TIMEOUT))?;
     Conn { reader: BufReader::new(stream) }.call(req)
@@ -126,8 +125,7 @@ pub(crate) struct Attachment {
 impl Attachment {
     /// Connects, says `hello` and maps what the agent hands over.
     pub(crate) fn open(path: &Path, epoch: u64) -> Result<Attachment, ClientError> {
-        let stream =
-            UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+        let stream = UnixStream::connect(path).map_err(|source| ClientError::connect(path, source))?;
         // A hung agent must not hang the server's threads (registration,
         // thread exit): calls fail after this long instead.
         stream.set_read_timeout(Some(CALL_TIMEOUT))?;

@@ -383,7 +383,7 @@ impl Drop for Inner {
 /// A second connection that says `watch` and then only waits: it ends when
 /// the agent does.
 fn watch_connection(path: &Path, instance: u64) -> Result<UnixStream, ClientError> {
-    let s = UnixStream::connect(path).map_err(|source| ClientError::Connect { path: path.to_path_buf(), source })?;
+    let s = UnixStream::connect(path).map_err(|source| ClientError::connect(path, source))?;
     let mut line = serde_json::to_string(&Request::Watch { instance }).expect("serializes");
     line.push('\n');
     (&s).write_all(line.as_bytes())?;

@@ -55,6 +55,27 @@ pub enum ClientError {
     AgentGone,
 }
 
+impl ClientError {
+    /// Connecting to `path` failed with `source`. A path that is there but
+    /// not a socket (a wrong `--socket`) is said as such, and is the
+    /// operator's to fix: the kernel's "connection refused" would read as
+    /// an agent that is not running.
+    pub(crate) fn connect(path: &std::path::Path, source: std::io::Error) -> Self {
+        use std::os::unix::fs::FileTypeExt;
+        let source = match std::fs::metadata(path) {
+            Ok(m) if source.kind() == std::io::ErrorKind::ConnectionRefused && !m.file_type().is_socket() => {
+                let what = if m.is_dir() { "a directory" } else { "a file" };
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("it is {what}, not a socket: is the path the agent's control socket?"),
+                )
+            }
+            _ => source,
+        };
+        ClientError::Connect { path: path.to_path_buf(), source }
+    }
+}
+
 /// A refusal, with how long the request waited before it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{reason}{} (waited {waited:?})", if *.overflow { OVERFLOW_NOTE } else { "" })]

@@ -64,6 +64,14 @@ pub enum ListError {
     BadValue { entry: String, value: String, expected: &'static str },
     #[error("keyspace {id} appears more than once")]
     Duplicate { id: KeyspaceId },
+    /// More than one entry is wrong: each is said, in order.
+    #[error("{} entries are wrong: {}", .0.len(), joined(.0))]
+    Several(Vec<ListError>),
+}
+
+/// The errors' messages, in order, separated by "; ".
+fn joined(errors: &[ListError]) -> String {
+    errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
 }
 
 /// A parsed `"id:value,..."` list, sorted by keyspace id.
@@ -96,31 +104,46 @@ impl<T: ListValue> KeyspaceList<T> {
         if text.trim().is_empty() {
             return Ok(Self { entries, malformed: None });
         }
+        // Every entry is read, so one reading names all that are wrong.
+        let mut errors = Vec::new();
         for (index, raw) in text.split(',').enumerate() {
-            let entry = raw.trim();
-            let position = index + 1;
-            if entry.is_empty() {
-                return Err(ListError::EmptyEntry { position, text: text.to_string() });
-            }
-            let Some((id, value)) = entry.split_once(':') else {
-                return Err(ListError::NoColon { entry: entry.to_string() });
-            };
-            let (id, value) = (id.trim(), value.trim());
-            let id: KeyspaceId = id
-                .parse()
-                .ok()
-                .filter(|_| id.bytes().all(|b| b.is_ascii_digit()))
-                .ok_or_else(|| ListError::BadId { entry: entry.to_string(), id: id.to_string() })?;
-            let value = T::parse_value(value).ok_or_else(|| ListError::BadValue {
-                entry: entry.to_string(),
-                value: value.to_string(),
-                expected: T::EXPECTED,
-            })?;
-            if entries.insert(id, value).is_some() {
-                return Err(ListError::Duplicate { id });
+            match Self::entry(raw.trim(), index + 1, text) {
+                Ok((id, value)) if entries.insert(id, value).is_some() => {
+                    if !errors.contains(&ListError::Duplicate { id }) {
+                        errors.push(ListError::Duplicate { id });
+                    }
+                }
+                Ok(_) => {}
+                Err(why) => errors.push(why),
             }
         }
-        Ok(Self { entries, malformed: None })
+        match errors.len() {
+            0 => Ok(Self { entries, malformed: None }),
+            1 => Err(errors.remove(0)),
+            _ => Err(ListError::Several(errors)),
+        }
+    }
+
+    /// One entry, `id:value`, the `position`th of `text`.
+    fn entry(entry: &str, position: usize, text: &str) -> Result<(KeyspaceId, T), ListError> {
+        if entry.is_empty() {
+            return Err(ListError::EmptyEntry { position, text: text.to_string() });
+        }
+        let Some((id, value)) = entry.split_once(':') else {
+            return Err(ListError::NoColon { entry: entry.to_string() });
+        };
+        let (id, value) = (id.trim(), value.trim());
+        let id: KeyspaceId = id
+            .parse()
+            .ok()
+            .filter(|_| id.bytes().all(|b| b.is_ascii_digit()))
+            .ok_or_else(|| ListError::BadId { entry: entry.to_string(), id: id.to_string() })?;
+        let value = T::parse_value(value).ok_or_else(|| ListError::BadValue {
+            entry: entry.to_string(),
+            value: value.to_string(),
+            expected: T::EXPECTED,
+        })?;
+        Ok((id, value))
     }
 
     /// The string form read as it is: parsed, or kept with why it does not
@@ -209,6 +232,21 @@ impl<'de, T: ListValue> Deserialize<'de> for KeyspaceList<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_wrong_entry_is_named_at_once() {
+        let why = KeyspaceList::<u64>::parse("1:100,x:5,2:0,,1:7,3:300").unwrap_err();
+        assert_eq!(
+            why.to_string(),
+            "4 entries are wrong: entry \"x:5\": keyspace id \"x\" is not a u32; entry \"2:0\": value \"0\" is not a \
+             positive integer; entry 4 is empty in \"1:100,x:5,2:0,,1:7,3:300\"; keyspace 1 appears more than once"
+        );
+        // One wrong entry is said as it is.
+        assert_eq!(
+            KeyspaceList::<u64>::parse("1:100,2:0").unwrap_err().to_string(),
+            "entry \"2:0\": value \"0\" is not a positive integer"
+        );
+    }
 
     #[test]
     fn quota_lists_parse_seed_samples() {
