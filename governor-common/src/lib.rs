@@ -114,6 +114,10 @@ pub struct RuleCpu {
     pub base_ns: u64,
     /// Whom it took the CPU from (a keyspace cell + 1 or a `BEHIND_*` code).
     pub runner: u64,
+    /// The task's switch count (`nvcsw + nivcsw`) when this was written: the
+    /// record stands for that slice only, so one left from an earlier slice
+    /// (its task untagged before its switch-out) is never taken for it.
+    pub switches: u64,
 }
 
 /// Name of the `tid → run-queue delay at its last switch-out` hash of
@@ -225,6 +229,12 @@ pub const GLOBAL_OFF_EXEC_START: &str = "GOV_OFF_EXEC_START";
 pub const GLOBAL_OFF_TGID: &str = "GOV_OFF_TGID";
 /// `se.prev_sum_exec_runtime` (the runtime when the current slice began).
 pub const GLOBAL_OFF_PREV_RUNTIME: &str = "GOV_OFF_PREV_RUNTIME";
+/// `nvcsw` and `nivcsw` (the task's voluntary and involuntary switch
+/// counts; their sum names its slice: the kernel adds one at each switch-out,
+/// before the tracepoint).
+pub const GLOBAL_OFF_NVCSW: &str = "GOV_OFF_NVCSW";
+/// See [`GLOBAL_OFF_NVCSW`].
+pub const GLOBAL_OFF_NIVCSW: &str = "GOV_OFF_NIVCSW";
 /// `sched_info.run_delay` (the task's total time runnable but waiting for a
 /// CPU, schedstat's second field), from the start of `task_struct`.
 pub const GLOBAL_OFF_RUN_DELAY: &str = "GOV_OFF_RUN_DELAY";
@@ -540,7 +550,7 @@ const _: () = assert!(align_of::<CpuCell>() == 8);
 const _: () = assert!(align_of::<ThreadSlot>() == 8);
 const _: () = assert!(align_of::<KeyspaceCell>() == 8);
 const _: () = assert!(size_of::<RuleEvent>() == 168);
-const _: () = assert!(size_of::<RuleCpu>() == 24);
+const _: () = assert!(size_of::<RuleCpu>() == 32);
 const _: () = assert!(size_of::<KeyspaceWait>() == 320);
 const _: () = assert!(size_of::<ProfileKey>() == 32);
 const _: () = assert!(size_of::<StackFrames>() == 8 * MAX_FRAMES);

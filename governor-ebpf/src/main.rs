@@ -105,6 +105,10 @@ static GOV_OFF_TGID: u32 = 0;
 #[unsafe(no_mangle)]
 static GOV_OFF_PREV_RUNTIME: u32 = 0;
 #[unsafe(no_mangle)]
+static GOV_OFF_NVCSW: u32 = 0;
+#[unsafe(no_mangle)]
+static GOV_OFF_NIVCSW: u32 = 0;
+#[unsafe(no_mangle)]
 static GOV_OFF_BPRM_FILENAME: u32 = 0;
 #[unsafe(no_mangle)]
 static GOV_OFF_RUN_DELAY: u32 = 0;
@@ -252,10 +256,23 @@ unsafe fn charge_rule(task: *const u8, tag: u32, delta: u64) {
     }
 }
 
+/// The task's switch count: the kernel adds one at each of its switch-outs,
+/// before the tracepoint, so within one slice it stays put.
+///
+/// # Safety
+/// `task` is a trusted task pointer.
+#[inline(always)]
+unsafe fn switches(task: *const u8) -> u64 {
+    // SAFETY: as the caller promises.
+    unsafe { task_field::<u64>(task, &GOV_OFF_NVCSW).wrapping_add(task_field::<u64>(task, &GOV_OFF_NIVCSW)) }
+}
+
 /// Charges a rule-measured task's slice up to its `runtime`: from where this
-/// CPU last charged it, or from the slice's start (`se.prev_sum_exec_runtime`)
-/// when the switch-in was not seen (the rule came while it ran). Leaves the
-/// CPU's record at `runtime` (`keep`) or clears it (switch-out).
+/// CPU last charged it in this slice (its record's switch count is the
+/// task's, or one behind at the switch-out), or from the slice's start
+/// (`se.prev_sum_exec_runtime`) when the switch-in was not seen (the rule
+/// came while it ran). Leaves the CPU's record at `runtime` (`keep`) or
+/// clears it (switch-out).
 ///
 /// # Safety
 /// `task` is a trusted task pointer running on (or leaving) this CPU.
@@ -269,7 +286,9 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
         // map value and a task pointer (the verifier refuses it).
         let charged = read_volatile(addr_of_mut!((*cell).base_ns));
         let slice_start = task_field::<u64>(task, &GOV_OFF_PREV_RUNTIME);
-        let seen = read_volatile(addr_of_mut!((*cell).tid)) == tid as u64 + 1;
+        let count = switches(task);
+        let seen = read_volatile(addr_of_mut!((*cell).tid)) == tid as u64 + 1
+            && read_volatile(addr_of_mut!((*cell).switches)).wrapping_add(!keep as u64) == count;
         let base = if seen { charged } else { slice_start };
         if runtime > base {
             charge_rule(task, tag, runtime - base);
@@ -278,8 +297,9 @@ unsafe fn charge_rule_slice(task: *const u8, tid: u32, tag: u32, keep: bool) {
             let runner = if seen { read_volatile(addr_of_mut!((*cell).runner)) as u32 } else { BEHIND_UNKNOWN };
             rule_waited(task, tid, tag, runner);
         }
-        write_volatile(addr_of_mut!((*cell).tid), if keep { tid as u64 + 1 } else { 0 });
+        write_volatile(addr_of_mut!((*cell).switches), count);
         write_volatile(addr_of_mut!((*cell).base_ns), runtime);
+        write_volatile(addr_of_mut!((*cell).tid), if keep { tid as u64 + 1 } else { 0 });
     }
 }
 
@@ -681,6 +701,7 @@ pub fn gov_sched_switch(ctx: BtfTracePointContext) -> i32 {
         {
             // Its slice starts at its runtime now, behind `runner`.
             write_volatile(addr_of_mut!((*cell).runner), runner as u64);
+            write_volatile(addr_of_mut!((*cell).switches), switches(next));
             write_volatile(addr_of_mut!((*cell).tid), next_tid as u64 + 1);
             write_volatile(addr_of_mut!((*cell).base_ns), task_field::<u64>(next, &GOV_OFF_RUNTIME));
         }
@@ -772,22 +793,26 @@ pub fn gov_exec(ctx: BtfTracePointContext) -> i32 {
         let filename =
             bpf_probe_read_kernel(bprm.add(read_volatile(&GOV_OFF_BPRM_FILENAME) as usize) as *const *const u8)
                 .unwrap_or(core::ptr::null());
-        // Pending first: the slices that follow the report wait for the decision.
-        write_volatile(entry.add(1), TAG_PENDING);
-        // A process nothing measured before is charged from here on as one
-        // seen at its switch-in, so a move into a cgroup that restarts its
-        // slice (`sched_move_task`) loses nothing: from its fork when what it
-        // ran before is a launch (so a matched process is charged its whole
-        // life as the kernel counts it), else from its exec.
+        // A process nothing measured before (and no registered thread) is
+        // charged from here on as one seen at its switch-in, so a move into
+        // a cgroup that restarts its slice (`sched_move_task`) loses nothing:
+        // from its fork when all it ran before is a launch (so a matched
+        // process is charged its whole life as the kernel counts it), else
+        // from its exec. The record is whole before the tag says pending: a
+        // timer tick may come in between (only the switch runs with IRQs off).
+        let tid = task_field::<u32>(task, &GOV_OFF_PID);
         if prior == 0
+            && registered(tid, entry).is_none()
             && let Some(cell) = GOV_RULE_CPUS.get_ptr_mut(bpf_get_smp_processor_id())
         {
-            let launch = task_field::<u64>(task, &GOV_OFF_PREV_RUNTIME);
-            let base = if launch <= LAUNCH_MAX_NS { 0 } else { task_field::<u64>(task, &GOV_OFF_RUNTIME) };
+            let runtime = task_field::<u64>(task, &GOV_OFF_RUNTIME);
             write_volatile(addr_of_mut!((*cell).runner), BEHIND_UNKNOWN as u64);
-            write_volatile(addr_of_mut!((*cell).tid), task_field::<u32>(task, &GOV_OFF_PID) as u64 + 1);
-            write_volatile(addr_of_mut!((*cell).base_ns), base);
+            write_volatile(addr_of_mut!((*cell).switches), switches(task));
+            write_volatile(addr_of_mut!((*cell).base_ns), if runtime <= LAUNCH_MAX_NS { 0 } else { runtime });
+            write_volatile(addr_of_mut!((*cell).tid), tid as u64 + 1);
         }
+        // Pending next: the slices that follow the report wait for the decision.
+        write_volatile(entry.add(1), TAG_PENDING);
         if !report(EVENT_EXEC, tgid, 0, prior, 0, core::ptr::null(), filename) {
             write_volatile(entry.add(1), if prior == TAG_PENDING { 0 } else { prior });
             // Unmeasured again: nothing is kept for its switch-out.

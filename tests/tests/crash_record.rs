@@ -122,7 +122,7 @@ fn a_record_that_cannot_be_written_stops_the_caps_and_moves_nothing() {
     let o = Command::new(governor_bin()).args(["status", "--socket"]).arg(&socket).output().unwrap();
     let said = String::from_utf8_lossy(&o.stdout);
     assert!(
-        said.contains("rules        1 in force; caps: unavailable") && said.contains("cannot write the state file"),
+        said.contains("rules        1 in force; caps unavailable") && said.contains("cannot write the state file"),
         "{said}"
     );
     drop(agent);

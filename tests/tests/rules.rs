@@ -786,8 +786,19 @@ fn cap_in_place_caps_the_operators_own_cgroup_and_puts_it_back() {
     assert_eq!(later.rel, later_rel);
     let untouched = bandwidth(&later.dir);
     let mut hog = later.spawn("stress-ng --cpu 1 --timeout 60");
-    let _reap_hog = KillTree(hog.id());
+    let reap_hog = KillTree(hog.id());
     eventually("the cgroup that appeared capped in place", || bandwidth(&later.dir) == "62500 250000");
+    // The service restarts: its cgroup is removed and made anew (with the
+    // kernel's defaults), and capped again at its first process.
+    signal_all(&tree(hog.id()), libc::SIGKILL);
+    let _ = hog.wait();
+    drop(reap_hog);
+    eventually("the service's cgroup removed", || std::fs::remove_dir(&later.dir).is_ok());
+    std::fs::create_dir(&later.dir).unwrap();
+    assert_eq!(bandwidth(&later.dir), untouched);
+    let mut hog = later.spawn("stress-ng --cpu 1 --timeout 60");
+    let _reap_hog = KillTree(hog.id());
+    eventually("the cgroup made anew capped in place", || bandwidth(&later.dir) == "62500 250000");
     agent.restart_with_config("").unwrap();
     assert_eq!(bandwidth(&later.dir), untouched, "put back when the agent stopped");
     signal_all(&tree(hog.id()), libc::SIGKILL);

@@ -27,9 +27,11 @@
 
 mod files;
 mod guard;
+mod in_place;
 mod restore;
 
 use files::{Factors, Version, an_agents, cgroup_of, detect, period_us, put_back_to, quota_us, write_cap, write_whole};
+use in_place::{InPlace, dir_ino};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -49,17 +51,6 @@ struct State {
     /// files the agent wrote with what they held before.
     #[serde(default)]
     in_place: BTreeMap<u32, InPlace>,
-}
-
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-struct InPlace {
-    rel: String,
-    saved: Vec<(String, String)>,
-    /// What the files held after the agent's last write: a file that holds
-    /// something else when it is put back was changed by the operator since,
-    /// and stays as they left it.
-    #[serde(default)]
-    written: Vec<(String, String)>,
 }
 
 /// What the rule caps take from the configuration, derived here and nowhere
@@ -369,7 +360,8 @@ impl Enforcer {
                     "cgroups: keyspace {ks} is capped on {} once it exists (at its first process)",
                     dir.display()
                 );
-            } else if !self.cap_in_place(*ks, &root, version) {
+            }
+            if !self.cap_in_place(*ks, &root, version) {
                 return;
             }
         }
@@ -399,36 +391,6 @@ impl Enforcer {
         self.save();
     }
 
-    /// Caps keyspace `ks` on the operator's cgroup it is capped in place
-    /// on, if that is there, its values kept first to put back; false when
-    /// they could not be recorded (enforcement stopped).
-    fn cap_in_place(&mut self, ks: u32, root: &Path, version: Version) -> bool {
-        let (Some(&cores), Some(rel)) = (self.settings.caps.get(&ks), self.capped_in_place.get(&ks)) else {
-            return true;
-        };
-        let dir = root.join(rel.trim_start_matches('/'));
-        if !dir.is_dir() {
-            return true;
-        }
-        if let std::collections::btree_map::Entry::Vacant(e) = self.state.in_place.entry(ks) {
-            let saved = restore::read_values(&dir, version);
-            e.insert(InPlace { rel: rel.clone(), saved, written: Vec::new() });
-            if !self.save() {
-                self.state.in_place.remove(&ks);
-                self.unrecorded();
-                return false;
-            }
-        }
-        // A quota written refills its period: the guard's next write waits.
-        self.guard_written.insert(ks, std::time::Instant::now());
-        let (weighted, period_us) = (self.settings.weighted, self.settings.period_us);
-        if let Err(e) = write_cap(&dir, version, cores, self.factors(ks), weighted, period_us) {
-            log::warn!("cgroups: cannot cap {} in place: {e}", dir.display());
-        }
-        self.note_written(ks);
-        true
-    }
-
     /// The cgroup (relative to the root) that holds capped `keyspace`'s
     /// processes, made and capped now if it is not there yet; none once
     /// enforcement fails.
@@ -436,9 +398,10 @@ impl Enforcer {
         if let Some(rel) = self.state.created.get(&keyspace) {
             return Some(rel.clone());
         }
-        if self.capped_in_place.contains_key(&keyspace) {
-            // Its own cgroup, capped now if it appeared since.
-            if !self.state.in_place.contains_key(&keyspace) {
+        if let Some(rel) = self.capped_in_place.get(&keyspace) {
+            // Its own cgroup, capped now if it appeared (or was made anew) since.
+            let ino = dir_ino(&root.join(rel.trim_start_matches('/')));
+            if self.state.in_place.get(&keyspace).is_none_or(|p| p.ino != ino) {
                 self.cap_in_place(keyspace, root, version);
             }
             return None;

@@ -51,8 +51,14 @@ pub fn render(s: &StatusReport) -> String {
     );
     if !s.rules.is_empty() {
         // How their caps are held, or why they are not.
-        let caps = if s.rule_enforcement.is_empty() { "no rule caps" } else { s.rule_enforcement.as_str() };
-        let _ = writeln!(out, "rules        {} in force; caps: {caps}", s.rules.len());
+        let capped = s.rules.iter().filter(|r| r.cap_cores.is_some()).count();
+        let how = match (capped, s.rule_enforcement.as_str()) {
+            (_, e) if e.starts_with("unavailable") => format!("caps {e}"),
+            (0, _) => "none capped".to_string(),
+            (n, "") => format!("{n} capped"),
+            (n, e) => format!("{n} capped by {e}"),
+        };
+        let _ = writeln!(out, "rules        {} in force; {how}", s.rules.len());
     }
     let _ = writeln!(out, "window       {:.1} s", s.window_seconds);
     let _ = writeln!(

@@ -46,6 +46,10 @@ pub struct TaskOffsets {
     pub tgid: u32,
     /// `se.prev_sum_exec_runtime`: the runtime when the current slice began.
     pub prev_sum_exec_runtime: u32,
+    /// `nvcsw` and `nivcsw`: the task's switch counts.
+    pub nvcsw: u32,
+    /// See `nvcsw`.
+    pub nivcsw: u32,
     /// `filename` of `struct linux_binprm` (not a task field: the path
     /// `sched_process_exec` reports).
     pub bprm_filename: u32,
@@ -226,6 +230,8 @@ impl Btf {
             exec_start: self.offset_of("task_struct", "se.exec_start")?,
             tgid: self.offset_of("task_struct", "tgid")?,
             prev_sum_exec_runtime: self.offset_of("task_struct", "se.prev_sum_exec_runtime")?,
+            nvcsw: self.offset_of("task_struct", "nvcsw")?,
+            nivcsw: self.offset_of("task_struct", "nivcsw")?,
             bprm_filename: self.offset_of("linux_binprm", "filename")?,
             run_delay: self.offset_of("task_struct", "sched_info.run_delay").ok(),
             last_queued: self.offset_of("task_struct", "sched_info.last_queued").ok(),

@@ -12,11 +12,11 @@ use aya::programs::perf_event::{PerfEventScope, PerfTypeId, SamplePolicy, perf_s
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 use keyspace_governor_common::{
-    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_LAST_QUEUED, GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME,
-    GLOBAL_OFF_RUN_DELAY, GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE, GLOBAL_OFF_TGID, GLOBAL_PRESSURE_ON, GLOBAL_WAIT_ON,
-    MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING, MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC,
-    PROG_FORK, PROG_PROFILE, PROG_RENAME, PROG_SCHED_SWITCH, PROG_TIMER, PROG_WAKEUP, RULE_CTL_DROPPED, RULE_CTL_ON,
-    RULE_CTL_RENAME, RuleEvent,
+    GLOBAL_OFF_BPRM_FILENAME, GLOBAL_OFF_EXEC_START, GLOBAL_OFF_LAST_QUEUED, GLOBAL_OFF_NIVCSW, GLOBAL_OFF_NVCSW,
+    GLOBAL_OFF_PID, GLOBAL_OFF_PREV_RUNTIME, GLOBAL_OFF_RUN_DELAY, GLOBAL_OFF_RUNTIME, GLOBAL_OFF_STATE,
+    GLOBAL_OFF_TGID, GLOBAL_PRESSURE_ON, GLOBAL_WAIT_ON, MAP_CPUS, MAP_EVENTS, MAP_KEYSPACES, MAP_PENDING,
+    MAP_RULE_CTL, MAP_SLOTS, MAP_TID_SLOT, MAP_WAITS, PROG_EXEC, PROG_FORK, PROG_PROFILE, PROG_RENAME,
+    PROG_SCHED_SWITCH, PROG_TIMER, PROG_WAKEUP, RULE_CTL_DROPPED, RULE_CTL_ON, RULE_CTL_RENAME, RuleEvent,
 };
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -89,6 +89,8 @@ pub fn start(sizing: Sizing) -> Result<Measurement, MeasureError> {
         .set_global(GLOBAL_OFF_EXEC_START, &offsets.exec_start, true)
         .set_global(GLOBAL_OFF_TGID, &offsets.tgid, true)
         .set_global(GLOBAL_OFF_PREV_RUNTIME, &offsets.prev_sum_exec_runtime, true)
+        .set_global(GLOBAL_OFF_NVCSW, &offsets.nvcsw, true)
+        .set_global(GLOBAL_OFF_NIVCSW, &offsets.nivcsw, true)
         .set_global(GLOBAL_OFF_BPRM_FILENAME, &offsets.bprm_filename, true)
         .set_global(GLOBAL_OFF_RUN_DELAY, &run_delay, true)
         .set_global(GLOBAL_WAIT_ON, &wait_on, true)

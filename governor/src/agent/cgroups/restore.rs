@@ -62,6 +62,11 @@ impl Enforcer {
         let Some((root, version)) = self.state.root.clone() else { return };
         let Some(p) = self.state.in_place.get_mut(&keyspace) else { return };
         let dir = root.join(p.rel.trim_start_matches('/'));
+        // Gone or made anew since (a service restarted): nothing of ours is there.
+        if p.ino != 0 && super::dir_ino(&dir) != p.ino {
+            log::info!("cgroups: {} is gone or was made anew since it was capped: nothing to put back", dir.display());
+            return;
+        }
         let now = read_values(&dir, version);
         if now != p.written {
             p.written = now;
@@ -76,6 +81,11 @@ impl Enforcer {
         let Some(p) = self.state.in_place.remove(&keyspace) else { return };
         let Some((root, version)) = self.state.root.clone() else { return };
         let dir = root.join(p.rel.trim_start_matches('/'));
+        // Gone or made anew since (a service restarted): nothing of ours is there.
+        if p.ino != 0 && super::dir_ino(&dir) != p.ino {
+            log::info!("cgroups: {} is gone or was made anew since it was capped: nothing to put back", dir.display());
+            return;
+        }
         let now = read_values(&dir, version);
         let changed = |file: &str| {
             let holds = now.iter().find(|(f, _)| f == file).map(|(_, v)| v);
