@@ -35,9 +35,6 @@ pub struct Queued {
     stage: Stage,
     /// A running request's top-up, not a new request.
     topup: bool,
-    /// A top-up that may take its tokens ahead of the line
-    /// ([`BucketView::take_ahead`]).
-    ahead: bool,
     /// Served from the thread's spare tokens.
     spared: bool,
 }
@@ -66,16 +63,8 @@ pub fn acquire_queued(
     spare: Option<&mut Spare>,
 ) -> Result<Queued, Refusal> {
     let buckets = RequestBuckets::of(r, cell);
-    let done = |g, est, tenant_us, spared| Queued {
-        g,
-        est,
-        tenant_us,
-        burst_us: 0,
-        stage: Stage::Done,
-        topup: false,
-        ahead: false,
-        spared,
-    };
+    let done =
+        |g, est, tenant_us, spared| Queued { g, est, tenant_us, burst_us: 0, stage: Stage::Done, topup: false, spared };
     let (g, est, throttled) = match prepare(r, k, &buckets, keyspace, cell, demand, spare)? {
         Prep::Done(g) => return Ok(done(g, 0, 0, false)),
         Prep::Spared { g, est } => return Ok(done(g, est, est, true)),
@@ -85,7 +74,8 @@ pub fn acquire_queued(
 }
 
 /// A top-up of `us` for the running request `g`. With `ahead` (work that
-/// runs to completion) it is served ahead of the requests in line: it takes
+/// runs to completion) it is served ahead of its keyspace's requests in line
+/// (in the node's global bucket it waits in line): it takes
 /// what the buckets hold and owes the rest, while what top-ups owe a bucket
 /// stays within `ahead_bound`, and the next tokens pay it back; past
 /// that, and without `ahead` (work that gives up at its deadline), it waits
@@ -104,16 +94,7 @@ pub fn top_up_queued(r: &AdmissionRegions, k: &Knobs, g: &Grant, us: u64, ahead:
     };
     let throttled = buckets.tenant.is_some_and(|(_, p)| p.has(P_THROTTLED));
     if g.skipped {
-        return Queued {
-            g: part,
-            est: 0,
-            tenant_us: 0,
-            burst_us: 0,
-            stage: Stage::Done,
-            topup: true,
-            ahead,
-            spared: false,
-        };
+        return Queued { g: part, est: 0, tenant_us: 0, burst_us: 0, stage: Stage::Done, topup: true, spared: false };
     }
     Queued::start(&buckets, k, part, us.max(1), throttled, true, ahead)
 }
@@ -148,8 +129,7 @@ impl Queued {
         topup: bool,
         ahead: bool,
     ) -> Queued {
-        let mut q =
-            Queued { g, est, tenant_us: 0, burst_us: 0, stage: Stage::Global(None), topup, ahead, spared: false };
+        let mut q = Queued { g, est, tenant_us: 0, burst_us: 0, stage: Stage::Global(None), topup, spared: false };
         let Some((tenant, params)) = buckets.tenant.filter(|_| throttled) else { return q };
         if tenant.try_take(est) || (ahead && tenant.take_ahead(est, ahead_bound(params, k))) {
             q.tenant_us = est;
@@ -193,9 +173,10 @@ impl Queued {
                         buckets.global.take_forced(self.est);
                         buckets.global.count(c::OVERDRAFT, 1);
                         self.stage = Stage::Done;
-                    } else if self.ahead && buckets.global.take_ahead(self.est, ahead_bound(buckets.global_params, k)) {
-                        self.stage = Stage::Done;
                     } else {
+                        // Served ahead of its own keyspace's line only: in the
+                        // node's line it waits with the other keyspaces' new
+                        // requests, which its debt would make wait.
                         self.stage = Stage::Global(Some(buckets.global.reserve(self.est)));
                     }
                 }
