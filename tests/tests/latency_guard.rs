@@ -155,9 +155,11 @@ fn the_guard_lowers_the_noisy_refill_while_light_waits_miss_the_target_and_gives
     let _ = stdin.write_all(b"go\ngo\n");
 }
 
-/// Three processes governor does not measure keep both cores busy beside
+/// Five processes governor does not measure keep both cores busy beside
 /// one ticket loop of the noisy keyspace: the light keyspace waits past the
-/// target, mostly behind them. Lowering the noisy keyspace would not
+/// target, mostly behind them (with three, one CI run read the light waits
+/// as much behind the noisy keyspaces as behind the burners, and the guard
+/// rightly said 24 of 57 polls suffered). Lowering the noisy keyspace would not
 /// shorten those waits, and the guard lowers nobody; status names the light
 /// keyspace as waiting elsewhere.
 #[test]
@@ -166,7 +168,7 @@ fn waits_mostly_behind_unmeasured_processes_lower_nobody() {
     let agent = guard_agent();
     let mut light = light_tickers(&agent);
     let _noisy = noisy_loops(&agent, 1, 5);
-    let _burners: Vec<Reap> = (0..3)
+    let _burners: Vec<Reap> = (0..5)
         .map(|_| Reap(Command::new("sh").args(["-c", "while :; do :; done"]).spawn().expect("a burner")))
         .collect();
     std::thread::sleep(Duration::from_millis(500));
